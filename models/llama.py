@@ -1,0 +1,118 @@
+"""The llama decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) over a paged cache.
+
+One function serves prefill chunks and decode steps: each row of the batch brings T new
+tokens (T = 1 for decode) that start at a given position; their keys/values are written to
+the row's pages first, then every query attends to the stored cache, so a chunk sees the
+earlier chunks exactly as they were stored. Layers run under `lax.scan` (one compiled body).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.config import ModelConfig
+from models.kv_cache import NULL_PAGE, PagedKVCache
+from models.weights import ModelWeights
+from pallas_kernels.paged_attention import dot_precision, paged_attention_reference
+
+
+@struct.dataclass
+class StepBatch:
+    """Per-step metadata: which cache slot each row uses and which positions it fills."""
+
+    slots: jax.Array  # [B] int32 cache slot per row; padding rows use max_seqs (writes dropped)
+    start: jax.Array  # [B] int32 position of the row's first new token
+    num_new: jax.Array  # [B] int32 valid new tokens in the row (0 for padding rows)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, Dh/2] in float32 for rotate-half RoPE."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, H, Dh]; pairs dimension i with i + Dh/2 (rotate-half form)."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.matmul(x, w, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def forward(
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: jax.Array,  # [B, T] int32
+    batch: StepBatch,
+    *,
+    cfg: ModelConfig,
+    num_pages: int,
+    all_logits: bool,
+) -> tuple[jax.Array, PagedKVCache]:
+    """Runs T new tokens per row through the model, writing their KV into the cache.
+
+    Args:
+        num_pages: how many leading block-table entries attention reads (a shape bucket that
+            must cover every row's final length).
+        all_logits: return logits for every position ([B, T, V]); otherwise only for each
+            row's last valid token ([B, V]).
+
+    Returns:
+        (logits float32, updated cache).
+    """
+    b, t = tokens.shape
+    page_size = cache.page_size
+    positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
+    table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
+    page_of_pos = jnp.take_along_axis(table, jnp.minimum(positions // page_size, cache.max_pages_per_seq - 1), axis=1)
+    write_pages = jnp.where(valid, page_of_pos, NULL_PAGE)  # [B, T]
+    write_offsets = positions % page_size  # [B, T]
+    read_table = table[:, :num_pages]  # [B, NP]
+    kv_lens = batch.start + batch.num_new  # [B]
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
+
+    x = weights.embed[tokens]  # [B, T, D]
+
+    def layer(carry, xs):
+        x, cache = carry
+        lw, idx = xs
+        with jax.named_scope("attention"):
+            h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+            qkv = _matmul(h, lw.wqkv)
+            q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+            q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            cache = cache.write(idx, write_pages, write_offsets, k, v)
+            attn = paged_attention_reference(q, cache.k, cache.v, idx, read_table, positions, kv_lens)
+            x = x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo)
+        with jax.named_scope("mlp"):
+            h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+            gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
+            x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
+        return (x, cache), None
+
+    (x, cache), _ = jax.lax.scan(layer, (x, cache), (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    if not all_logits:
+        last = jnp.maximum(batch.num_new - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head  # [D, V]
+    logits = jnp.matmul(x, head, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
+    cache = cache.replace(seq_lens=cache.seq_lens.at[batch.slots].set(kv_lens, mode="drop"))
+    return logits, cache

