@@ -1,0 +1,163 @@
+"""`LLM`: the public, vLLM-style entry point for notebooks and scripts."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from aither_jax.engine import Engine
+from aither_jax.sampling import SamplingParams
+from models.config import ModelConfig
+from models.gguf_file import GGUFFile
+from models.registry import DEFAULT_MODEL, resolve_model
+from models.tokenizer import Tokenizer
+from models.weights import DTYPES, load_weights
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One finished request."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (stop token or string) or "length"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class LLM:
+    """A model loaded from GGUF with its tokenizer and a paged KV cache.
+
+    Args:
+        model: a registered name (`smollm2-135m`) or a path to a `.gguf` file.
+        dtype: weight and activation dtype, "bfloat16" (default) or "float32".
+        max_model_len: longest prompt + completion (default: the model's context length).
+        max_num_seqs: sequences decoded together.
+        num_pages: KV pages in the pool (default: as many as fit in 1 GiB, at most enough for
+            max_num_seqs full-length sequences).
+        page_size: tokens per KV page.
+        max_prefill_chunk: longest prefill chunk per call.
+        seed: seeds requests that bring no seed of their own.
+        progress: show progress bars while loading and generating.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "bfloat16",
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 8,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        max_prefill_chunk: int = 256,
+        seed: int = 0,
+        progress: bool = True,
+        _cache_fill_value: float = 0.0,
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.model_path = resolve_model(model)
+        self.model_name = model
+        self.dtype = dtype
+        gguf = GGUFFile(self.model_path)
+        self.config = ModelConfig.from_gguf(gguf)
+        self.tokenizer = Tokenizer.from_gguf(gguf)
+        t0 = time.perf_counter()
+        weights = load_weights(gguf, self.config, dtype, progress=progress)
+        self.load_seconds = time.perf_counter() - t0
+        max_model_len = self.config.max_context if max_model_len is None else max_model_len
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if num_pages is None:
+            bytes_per_page = self.config.kv_bytes_per_token(jnp.dtype(DTYPES[dtype]).itemsize) * page_size
+            full = max_num_seqs * -(-max_model_len // page_size) + 1
+            num_pages = max(2, min(full, DEFAULT_KV_CACHE_BYTES // bytes_per_page))
+        self.progress = progress
+        self.engine = Engine(
+            weights,
+            self.config,
+            self.tokenizer,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_prefill_chunk=max_prefill_chunk,
+            cache_dtype=DTYPES[dtype],
+            cache_fill_value=_cache_fill_value,
+            seed=seed,
+        )
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Completes each prompt (text, or a list of token ids); outputs keep the input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            elif isinstance(p, Sequence) and all(isinstance(t, int | np.integer) for t in p):
+                texts.append(None)
+                ids.append([int(t) for t in p])
+            else:
+                raise ValueError(f"prompt {i} must be a string or a list of token ids")
+        return self._run(texts, ids, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Like `generate` for conversations rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # a single conversation
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self._run(texts, [self.tokenizer.encode(t) for t in texts], sampling_params, use_tqdm)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] float32 at every position, through the paged-cache path."""
+        return self.engine.score([int(t) for t in ids])
+
+    def _run(self, texts, ids, sampling_params, use_tqdm) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(ids)
+        if len(sampling_params) != len(ids):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(ids)} prompts")
+        seqs = []
+        try:
+            for p, params in zip(ids, sampling_params, strict=True):
+                seqs.append(self.engine.add_request(p, params))
+            show = self.progress if use_tqdm is None else use_tqdm
+            with tqdm(total=len(seqs), desc="generating", unit="req", disable=not show) as bar:
+                while self.engine.has_unfinished():
+                    bar.update(len(self.engine.step()))
+        except BaseException:
+            for s in seqs:
+                self.engine.abort(s)
+            raise
+        return [RequestOutput(t, s.prompt_ids, s.text, s.output_ids, s.finish_reason) for t, s in zip(texts, seqs)]

@@ -1,0 +1,114 @@
+"""Sampling parameters (validated on the host) and the in-step token sampler (jnp)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, in the vocabulary vLLM users know.
+
+    Args:
+        max_tokens: most tokens to generate (clipped to the model's remaining context).
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1 = off).
+        top_k: keep the k most likely tokens (0 or -1 = off).
+        seed: per-request seed; the same seed gives the same tokens whatever the batch.
+        stop: strings that end generation; the output text stops before them.
+        stop_token_ids: extra token ids that end generation.
+        ignore_eos: keep going past the model's end-of-sequence tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raises ValueError naming the first bad field and what is allowed."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32
+        ):
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stops = self.stop_strings
+        if len(stops) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+        if any(len(s) > MAX_STOP_STRING_LEN for s in stops):
+            raise ValueError(f"each stop string must be at most {MAX_STOP_STRING_LEN} characters")
+        ids = self.stop_token_ids or ()
+        if isinstance(ids, str | bytes) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if vocab_size is not None and any(i >= vocab_size for i in ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab_size}")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@struct.dataclass
+class SamplingBatch:
+    """Per-row sampling settings as device arrays."""
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, <= 0 = off
+    top_p: jax.Array  # [B] float32
+    seeds: jax.Array  # [B] uint32
+
+
+def sample_tokens(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array, *, greedy_only: bool) -> jax.Array:
+    """Picks one token per row from logits [B, V] (float32); returns [B] int32.
+
+    The random key of a row depends only on its seed and the position being sampled, so a
+    seeded request gives the same tokens whatever else shares the batch.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy
+    vocab = logits.shape[-1]
+    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    order = jnp.argsort(-logits, axis=-1)  # [B, V] descending
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temp[:, None]
+    rank = jnp.arange(vocab)[None, :]
+    top_k = jnp.where(sampling.top_k > 0, sampling.top_k, vocab)
+    keep = rank < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Keep a token while the mass strictly before it is below top_p; the first always stays.
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p[:, None]
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(sampling.seeds, positions)
+    choice = jax.vmap(jax.random.categorical)(keys, masked)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(sampling.temperature > 0, sampled, greedy)

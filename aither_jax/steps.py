@@ -1,0 +1,85 @@
+"""The jitted entry points: one model step (prefill chunk or decode) with sampling fused in.
+
+Only these functions are jitted; the cache is donated so XLA updates pages in place. Shapes
+come from a bounded set of buckets chosen by the engine (batch rows, tokens per row, pages
+read), so steady-state decoding reuses compiled executables.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+from jax import monitoring
+
+from aither_jax.sampling import SamplingBatch, sample_tokens
+from models.config import ModelConfig
+from models.kv_cache import PagedKVCache
+from models.llama import StepBatch, forward
+from models.weights import ModelWeights
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "num_pages", "all_logits", "greedy_only"), donate_argnames=("cache",)
+)
+def model_step(
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: jax.Array,  # [B, T] int32
+    batch: StepBatch,
+    sampling: SamplingBatch,
+    *,
+    cfg: ModelConfig,
+    num_pages: int,
+    all_logits: bool,
+    greedy_only: bool,
+) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
+    """Writes the new tokens' KV, samples the token after each row's last one.
+
+    Returns:
+        next_tokens [B] int32, logits [B, T, V] float32 when `all_logits` else None, cache.
+    """
+    logits, cache = forward(weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits)
+    if all_logits:
+        last = jnp.maximum(batch.num_new - 1, 0)
+        last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    else:
+        last_logits = logits
+    next_tokens = sample_tokens(last_logits, sampling, batch.start + batch.num_new, greedy_only=greedy_only)
+    return next_tokens, (logits if all_logits else None), cache
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (all jitted functions).
+
+    The engine reads it to warn when a step recompiles after warm-up; tests use it to prove
+    that steady-state decoding does not.
+    """
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+            cls._installed = True
+
+        def listener(event: str, duration: float, **kwargs) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                with cls._lock:
+                    cls._count += 1
+
+        monitoring.register_event_duration_secs_listener(listener)
+
+    @classmethod
+    def count(cls) -> int:
+        cls.install()
+        return cls._count
+
+
+CompileCounter.install()
