@@ -85,7 +85,7 @@ class Engine:
         num_pages: int,
         page_size: int = 16,
         max_prefill_chunk: int = 256,
-        cache_dtype=jnp.bfloat16,
+        cache_dtype: str = "bfloat16",
         cache_fill_value: float = 0.0,
         seed: int = 0,
     ):

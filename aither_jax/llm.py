@@ -94,7 +94,7 @@ class LLM:
             num_pages=num_pages,
             page_size=page_size,
             max_prefill_chunk=max_prefill_chunk,
-            cache_dtype=DTYPES[dtype],
+            cache_dtype=dtype,
             cache_fill_value=_cache_fill_value,
             seed=seed,
         )

@@ -1,9 +1,12 @@
 """The llama decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) over a paged cache.
 
 One function serves prefill chunks and decode steps: each row of the batch brings T new
-tokens (T = 1 for decode) that start at a given position; their keys/values are written to
-the row's pages first, then every query attends to the stored cache, so a chunk sees the
-earlier chunks exactly as they were stored. Layers run under `lax.scan` (one compiled body).
+tokens (T = 1 for decode) that start at a given position and attend to the row's stored
+cache plus themselves (causally), so a chunk sees the earlier chunks exactly as they were
+stored. Layers run under `lax.scan` (one compiled body) and only read the pools; the new
+keys/values of all layers come out of the scan and are written in one scatter afterwards,
+which XLA does in place on the donated pools (a pool carried through the loop and written
+per layer gets copied whole every iteration).
 """
 
 from __future__ import annotations
@@ -88,8 +91,7 @@ def forward(
 
     x = weights.embed[tokens]  # [B, T, D]
 
-    def layer(carry, xs):
-        x, cache = carry
+    def layer(x, xs):
         lw, idx = xs
         with jax.named_scope("attention"):
             h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
@@ -98,16 +100,17 @@ def forward(
             q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            cache = cache.write(idx, write_pages, write_offsets, k, v)
-            attn = paged_attention_reference(q, cache.k, cache.v, idx, read_table, positions, kv_lens)
+            k_ctx, v_ctx = cache.read(read_table, idx)
+            attn = paged_attention_reference(q, k, v, k_ctx, v_ctx, batch.start, batch.num_new)
             x = x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo)
         with jax.named_scope("mlp"):
             h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
             gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
             x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
-        return (x, cache), None
+        return x, (k, v)
 
-    (x, cache), _ = jax.lax.scan(layer, (x, cache), (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    x, (k_new, v_new) = jax.lax.scan(layer, x, (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    cache = cache.write(write_pages, write_offsets, k_new, v_new)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     if not all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)

@@ -1,8 +1,7 @@
 """Attention over a paged KV cache: the plain-jnp reference that kernels must match.
 
-Pools are page-major, [num_pages, num_layers, page_size, num_kv_heads, head_dim], so one
-page's bytes for every layer are contiguous (cheap to move between device and host). A
-sequence's keys are the pages its block-table row lists, in order.
+The stored context arrives as the keys/values of the pages a row's block table lists, in
+order; a kernel version reads the pages directly instead of taking them gathered.
 
 Masking is strict: keys at or past a row's KV length are zeroed before use, so garbage in
 unused or freed pages (NaN in tests) can never reach the output, even multiplied by zero.
@@ -24,36 +23,41 @@ def dot_precision(dtype) -> jax.lax.Precision:
 
 
 def paged_attention_reference(
-    q: jax.Array,  # [B, T, Hq, Dh] queries (RoPE applied)
-    k_pool: jax.Array,  # [P, L, S, Hkv, Dh]
-    v_pool: jax.Array,  # [P, L, S, Hkv, Dh]
-    layer: jax.Array,  # [] int32, which layer of the pools to read
-    page_table: jax.Array,  # [B, NP] int32, the first NP pages of each row's block table
-    q_positions: jax.Array,  # [B, T] int32, absolute position of each query
-    kv_lens: jax.Array,  # [B] int32, number of valid keys per row (positions 0..kv_len-1)
+    q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens (RoPE applied)
+    k_new: jax.Array,  # [B, T, Hkv, Dh] keys of the new tokens
+    v_new: jax.Array,  # [B, T, Hkv, Dh]
+    k_ctx: jax.Array,  # [B, Sctx, Hkv, Dh] keys stored before this step, read from the row's pages
+    v_ctx: jax.Array,  # [B, Sctx, Hkv, Dh]
+    ctx_lens: jax.Array,  # [B] int32, tokens already stored per row (positions 0..ctx_len-1)
+    num_new: jax.Array,  # [B] int32, valid new tokens per row (positions ctx_len..ctx_len+num_new-1)
     *,
     scale: float | None = None,
 ) -> jax.Array:  # [B, T, Hq, Dh]
-    """Causal grouped-query attention of `q` against the keys/values stored in the pages.
+    """Causal grouped-query attention of the new tokens over the stored context plus themselves.
 
-    Query t of row b sees key j iff j <= q_positions[b, t] and j < kv_lens[b].
+    New token t of row b sees every stored key j < ctx_lens[b] and new tokens u <= t with
+    u < num_new[b]. Stored entries at or past ctx_lens[b] (unused or freed pages) are zeroed
+    before use.
     """
     b, t, hq, dh = q.shape
-    _, _, page_size, hkv, _ = k_pool.shape
-    num_pages = page_table.shape[1]
+    hkv = k_new.shape[2]
     scale = dh**-0.5 if scale is None else scale
     prec = dot_precision(q.dtype)
 
-    k = k_pool[page_table, layer].reshape(b, num_pages * page_size, hkv, dh)  # [B, Skv, Hkv, Dh]
-    v = v_pool[page_table, layer].reshape(b, num_pages * page_size, hkv, dh)
-    kpos = jnp.arange(num_pages * page_size, dtype=jnp.int32)
-    kv_valid = kpos[None, :] < kv_lens[:, None]  # [B, Skv]
-    k = jnp.where(kv_valid[:, :, None, None], k, 0).astype(q.dtype)
-    v = jnp.where(kv_valid[:, :, None, None], v, 0).astype(q.dtype)
+    ctx_valid = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)[None, :] < ctx_lens[:, None]  # [B, Sctx]
+    new_valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]  # [B, T]
+    kv_valid = jnp.concatenate([ctx_valid, new_valid], axis=1)  # [B, Sctx + T]
+    k = jnp.where(kv_valid[:, :, None, None], jnp.concatenate([k_ctx.astype(q.dtype), k_new], axis=1), 0)
+    v = jnp.where(kv_valid[:, :, None, None], jnp.concatenate([v_ctx.astype(q.dtype), v_new], axis=1), 0)
+
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T]
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(ctx_valid[:, None, :], (b, t, ctx_valid.shape[1])), causal[None] & new_valid[:, None, :]],
+        axis=2,
+    )  # [B, T, Sctx + T]
 
     qg = q.reshape(b, t, hkv, hq // hkv, dh)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32, precision=prec) * scale
-    mask = (kpos[None, None, :] <= q_positions[:, :, None]) & kv_valid[:, None, :]  # [B, T, Skv]
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)

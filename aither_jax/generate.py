@@ -1,0 +1,122 @@
+"""Command line generation: `python -m aither_jax.generate --model smollm2-135m --prompt "..."`.
+
+Exit codes: 0 success, 2 bad usage (flags, model name or file, prompt too long), 1 other errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from models.gguf_file import GGUFError
+from models.registry import DEFAULT_MODEL, MODELS
+
+
+def _int_in(name: str, low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(name: str, low: float, high: float, low_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            interval = f"{'(' if low_open else '['}{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{name} must be in {interval}, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m aither_jax.generate", description="Generate text with a GGUF model.")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
+    )
+    p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=_int_in("--max-tokens", 1), default=128)
+    p.add_argument("--temperature", type=_float_in("--temperature", 0.0, 100.0), default=0.0)
+    p.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0, low_open=True), default=1.0)
+    p.add_argument("--top-k", type=_int_in("--top-k", -1), default=0, help="0 or -1 disables top-k")
+    p.add_argument("--seed", type=_int_in("--seed", 0, 2**32 - 1), default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--max-model-len", type=_int_in("--max-model-len", 2), default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.system is not None and not args.chat:
+        parser.error("--system needs --chat")
+    if not args.prompt:
+        parser.error("--prompt must not be empty")
+    import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
+
+    try:
+        llm = aj.LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1, progress=True)
+    except (ValueError, GGUFError) as e:
+        parser.error(str(e))
+    params = aj.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    t0 = time.perf_counter()
+    try:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}
+            ]
+            out = llm.chat([messages], params, use_tqdm=False)[0]
+        else:
+            out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    except ValueError as e:
+        parser.error(str(e))
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        result = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "prompt_tokens": out.num_prompt_tokens,
+            "completion_tokens": len(out.token_ids),
+            "seconds": round(elapsed, 4),
+            "tokens_per_second": round(len(out.token_ids) / elapsed, 2),
+        }
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(out.text)
+        print(
+            f"[{len(out.token_ids)} tokens in {elapsed:.2f} s, {len(out.token_ids) / elapsed:.1f} tok/s "
+            f"including compilation; finish: {out.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
