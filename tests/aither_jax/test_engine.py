@@ -1,0 +1,158 @@
+"""Engine behaviour on the real model: batching, paging, NaN-safe masking, compile stability, stops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aither_jax as aj
+from aither_jax.engine import bucket
+
+GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+PROMPTS = [
+    "Hi",
+    "Write a short poem about the sea and the wind that moves across it at night.",
+    "1, 2, 3, 4,",
+    "The history of the Roman Empire spans many centuries, beginning with the founding of the city and",
+    "Q: What is 7 times 8?\nA:",
+]
+
+
+def test_bucket_is_power_of_two_within_bounds():
+    assert [bucket(n, 16, 256) for n in (1, 16, 17, 100, 256, 900)] == [16, 16, 32, 128, 256, 256]
+    assert bucket(3, 1, 8) == 4
+
+
+def test_batch_of_different_lengths_equals_each_alone(llm_f32):
+    together = llm_f32.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, together, strict=True):
+        alone = llm_f32.generate([prompt], GREEDY)[0]
+        assert out.token_ids == alone.token_ids, prompt
+
+
+def test_more_prompts_than_slots_queue_and_join_between_steps(llm_f32):
+    """12 requests over 8 slots with different lengths: later ones join as earlier ones leave."""
+    prompts = [f"Item {i}: the number {i} squared is" for i in range(12)]
+    params = [aj.SamplingParams(max_tokens=2 + 3 * (i % 4), temperature=0.0, ignore_eos=True) for i in range(12)]
+    outs = llm_f32.generate(prompts, params)
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        assert len(out.token_ids) == params[i].max_tokens
+        assert out.finish_reason == "length"
+        assert out.token_ids == llm_f32.generate([p], params[i])[0].token_ids
+
+
+def test_long_sequence_spans_many_pages_and_matches_scoring(llm_f32):
+    """Greedy decoding across ~20 pages agrees with argmax of full-sequence logits (NaN pool never read)."""
+    prompt = "List the days of the week and describe each one in a sentence. Monday is"
+    out = llm_f32.generate([prompt], aj.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))[0]
+    ids = out.prompt_token_ids + out.token_ids
+    assert len(ids) > 16 * 18
+    logits = llm_f32.logits(ids[:-1])
+    assert np.isfinite(logits).all()
+    n = len(out.prompt_token_ids)
+    np.testing.assert_array_equal(logits[n - 1 :].argmax(-1), out.token_ids)
+
+
+def test_pages_and_slots_return_after_requests_and_reuse_gives_same_output(llm_f32):
+    engine = llm_f32.engine
+    free_before = engine.allocator.num_free
+    first = llm_f32.generate(PROMPTS, GREEDY)
+    assert engine.allocator.num_free == free_before
+    assert not engine.running and not engine.waiting
+    # The freed pages now hold stale KV of other prompts; outputs must not change.
+    second = llm_f32.generate(list(reversed(PROMPTS)), GREEDY)
+    assert [o.token_ids for o in first] == [o.token_ids for o in reversed(second)]
+
+
+def test_compile_counter_sees_new_compilations(llm_f32):
+    import jax
+    import jax.numpy as jnp
+
+    before = llm_f32.engine.num_compiles
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(7)).block_until_ready()
+    assert llm_f32.engine.num_compiles > before
+
+
+def test_steady_state_decoding_does_not_recompile(llm_f32):
+    params = aj.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm_f32.generate(["Warm up the buckets with this prompt"] * 3, params)
+    before = llm_f32.engine.num_compiles
+    llm_f32.generate(["Another prompt of similar length here"] * 3, params)
+    llm_f32.generate(["A third prompt, again similar"] * 4, params)
+    assert llm_f32.engine.num_compiles == before
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm_f32):
+    params = aj.SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm_f32.generate(["Tell me a story about a dragon"], params)[0]
+    batched = llm_f32.generate(["Tell me a story about a dragon", "Something else entirely"], params)[0]
+    assert alone.token_ids == batched.token_ids
+    other = llm_f32.generate(["Tell me a story about a dragon"], aj.SamplingParams(
+        max_tokens=16, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_top_k_one_is_greedy(llm_f32):
+    greedy = llm_f32.generate(PROMPTS[:2], GREEDY)
+    topk1 = llm_f32.generate(PROMPTS[:2], aj.SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=7,
+                                                            ignore_eos=True))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1]
+
+
+def test_stop_string_truncates_text(llm_f32):
+    base = llm_f32.generate(["Count: 1, 2, 3,"], GREEDY)[0]
+    assert "," in base.text
+    out = llm_f32.generate(["Count: 1, 2, 3,"], aj.SamplingParams(max_tokens=12, temperature=0.0, stop=[","]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[: base.text.index(",")]
+    assert out.token_ids == base.token_ids[: len(out.token_ids)]
+
+
+def test_stop_token_ids_and_eos(llm_f32):
+    base = llm_f32.generate(["The alphabet: A, B, C,"], GREEDY)[0]
+    stop_tok = base.token_ids[3]
+    out = llm_f32.generate(["The alphabet: A, B, C,"], aj.SamplingParams(
+        max_tokens=12, temperature=0.0, stop_token_ids=[stop_tok]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_tok) + 1]
+    chat = llm_f32.chat([[{"role": "user", "content": "Say hello."}]], aj.SamplingParams(max_tokens=60, temperature=0))
+    assert chat[0].finish_reason == "stop" and chat[0].token_ids[-1] in llm_f32.tokenizer.stop_token_ids
+    assert "<|im_end|>" not in chat[0].text
+
+
+def test_max_tokens_clipped_to_context(llm_f32):
+    ids = list(range(100, 100 + 630))
+    out = llm_f32.generate([ids], aj.SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 640 - 630 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], GREEDY, "empty"),
+        ([[5, 10**9]], GREEDY, "out of range"),
+        ([list(range(100, 740))], GREEDY, "maximum context length is 640"),
+        ([[1.5]], GREEDY, "string or a list of token ids"),
+    ],
+)
+def test_bad_generate_inputs(llm_f32, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm_f32.generate(prompt, params)
+    assert not llm_f32.engine.running and not llm_f32.engine.waiting
+
+
+def test_bad_logits_inputs(llm_f32):
+    with pytest.raises(ValueError, match="empty"):
+        llm_f32.logits([])
+    with pytest.raises(ValueError, match="out of range"):
+        llm_f32.logits([1, -3])
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm_f32.logits(list(range(700)))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="dtype"):
+        aj.LLM("smollm2-135m", dtype="float16")
+    with pytest.raises(ValueError, match="unknown model 'nope'.*smollm2-135m"):
+        aj.LLM("nope")

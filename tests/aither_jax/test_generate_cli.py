@@ -1,0 +1,59 @@
+"""`python -m aither_jax.generate`: usage errors exit 2 with a clear message; --json output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from aither_jax import generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "--prompt"),
+        (["--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--prompt", "x", "--max-tokens", "ten"], "--max-tokens must be an integer"),
+        (["--prompt", "x", "--temperature", "-0.5"], "--temperature must be in"),
+        (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0.0, 1.0]"),
+        (["--prompt", "x", "--top-k", "-5"], "--top-k must be >= -1"),
+        (["--prompt", "x", "--seed", "-1"], "--seed must be in"),
+        (["--prompt", "x", "--dtype", "float16"], "invalid choice"),
+        (["--prompt", "x", "--system", "s"], "--system needs --chat"),
+        (["--prompt", ""], "--prompt must not be empty"),
+        (["--prompt", "x", "--model", "gpt-17"], "unknown model 'gpt-17'"),
+        (["--prompt", "x", "--model", "/nonexistent/model.gguf"], "does not exist"),
+    ],
+)
+def test_bad_usage_exits_2_with_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        generate.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_malformed_model_file_is_a_usage_error(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16)
+    with pytest.raises(SystemExit) as exc:
+        generate.main(["--prompt", "x", "--model", str(bad)])
+    assert exc.value.code == 2
+    assert "broken.gguf" in capsys.readouterr().err
+
+
+def test_json_output_in_a_subprocess():
+    cmd = [sys.executable, "-m", "aither_jax.generate", "--prompt", "The sky is", "--max-tokens", "6",
+           "--dtype", "float32", "--max-model-len", "128", "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("text", "token_ids", "prompt_tokens", "completion_tokens", "tokens_per_second"):
+        assert key in result
+    assert result["completion_tokens"] == len(result["token_ids"]) <= 6
+    assert result["prompt_tokens"] == 3 and result["tokens_per_second"] > 0
