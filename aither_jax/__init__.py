@@ -1,8 +1,8 @@
 """aither-jax: LLM inference in JAX on a paged KV cache.
 
-    import aither_jax as aj
-    llm = aj.LLM("smollm2-135m")
-    out = llm.generate(["Once upon a time"], aj.SamplingParams(max_tokens=32, temperature=0.0))[0]
+import aither_jax as aj
+llm = aj.LLM("smollm2-135m")
+out = llm.generate(["Once upon a time"], aj.SamplingParams(max_tokens=32, temperature=0.0))[0]
 """
 
 from aither_jax.llm import LLM, RequestOutput

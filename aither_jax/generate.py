@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_int_in("--top-k", -1), default=0, help="0 or -1 disables top-k")
     p.add_argument("--seed", type=_int_in("--seed", 0, 2**32 - 1), default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: bfloat16 on accelerators, float32 on CPU (where XLA's bfloat16 matmuls are slow)",
+    )
     p.add_argument("--max-model-len", type=_int_in("--max-model-len", 2), default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p
@@ -72,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt must not be empty")
     import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
 
+    if args.dtype == "auto":
+        import jax
+
+        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
         llm = aj.LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1, progress=True)
     except (ValueError, GGUFError) as e:

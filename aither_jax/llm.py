@@ -160,4 +160,7 @@ class LLM:
             for s in seqs:
                 self.engine.abort(s)
             raise
-        return [RequestOutput(t, s.prompt_ids, s.text, s.output_ids, s.finish_reason) for t, s in zip(texts, seqs)]
+        return [
+            RequestOutput(t, s.prompt_ids, s.text, s.output_ids, s.finish_reason)
+            for t, s in zip(texts, seqs, strict=True)
+        ]

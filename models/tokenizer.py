@@ -110,7 +110,10 @@ class Tokenizer:
             hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
         else:
             hf.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
             )
         hf.decoder = decoders.ByteLevel()
         control = [

@@ -125,7 +125,9 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
         return jnp.asarray(x, dtype=dt)
 
     norm_keys = ("attn_norm", "mlp_norm")
-    layers = LayerWeights(**{k: dev(np.stack(vs), jnp.float32 if k in norm_keys else jdtype) for k, vs in stacked.items()})
+    layers = LayerWeights(
+        **{k: dev(np.stack(vs), jnp.float32 if k in norm_keys else jdtype) for k, vs in stacked.items()}
+    )
     embed = dev(get("token_embd.weight"), jdtype)
     final_norm = dev(get("output_norm.weight"), jnp.float32)
     lm_head = None if cfg.tie_embeddings else dev(get("output.weight").T, jdtype)

@@ -40,10 +40,14 @@ def test_logits_match_hf(llm_f32, hf_model, text):
 def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
         )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 PROMPTS = ["Once upon a time", "The three primary colors are", "import numpy as np\n"]

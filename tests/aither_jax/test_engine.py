@@ -88,15 +88,18 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm_f32):
     alone = llm_f32.generate(["Tell me a story about a dragon"], params)[0]
     batched = llm_f32.generate(["Tell me a story about a dragon", "Something else entirely"], params)[0]
     assert alone.token_ids == batched.token_ids
-    other = llm_f32.generate(["Tell me a story about a dragon"], aj.SamplingParams(
-        max_tokens=16, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True))[0]
+    other = llm_f32.generate(
+        ["Tell me a story about a dragon"],
+        aj.SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True),
+    )[0]
     assert other.token_ids != alone.token_ids
 
 
 def test_top_k_one_is_greedy(llm_f32):
     greedy = llm_f32.generate(PROMPTS[:2], GREEDY)
-    topk1 = llm_f32.generate(PROMPTS[:2], aj.SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=7,
-                                                            ignore_eos=True))
+    topk1 = llm_f32.generate(
+        PROMPTS[:2], aj.SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=7, ignore_eos=True)
+    )
     assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1]
 
 
@@ -112,8 +115,9 @@ def test_stop_string_truncates_text(llm_f32):
 def test_stop_token_ids_and_eos(llm_f32):
     base = llm_f32.generate(["The alphabet: A, B, C,"], GREEDY)[0]
     stop_tok = base.token_ids[3]
-    out = llm_f32.generate(["The alphabet: A, B, C,"], aj.SamplingParams(
-        max_tokens=12, temperature=0.0, stop_token_ids=[stop_tok]))[0]
+    out = llm_f32.generate(
+        ["The alphabet: A, B, C,"], aj.SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_tok])
+    )[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == base.token_ids[: base.token_ids.index(stop_tok) + 1]
     chat = llm_f32.chat([[{"role": "user", "content": "Say hello."}]], aj.SamplingParams(max_tokens=60, temperature=0))

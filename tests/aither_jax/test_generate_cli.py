@@ -48,8 +48,20 @@ def test_malformed_model_file_is_a_usage_error(tmp_path, capsys):
 
 
 def test_json_output_in_a_subprocess():
-    cmd = [sys.executable, "-m", "aither_jax.generate", "--prompt", "The sky is", "--max-tokens", "6",
-           "--dtype", "float32", "--max-model-len", "128", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aither_jax.generate",
+        "--prompt",
+        "The sky is",
+        "--max-tokens",
+        "6",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--json",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -11,8 +11,17 @@ from models.config import ModelConfig
 from models.kv_cache import init_cache
 from pallas_kernels.paged_attention import paged_attention_reference
 
-CFG = ModelConfig("llama", num_layers=2, hidden_size=64, ffn_size=64, num_heads=6, num_kv_heads=2, head_dim=16,
-                  vocab_size=32, max_context=256)
+CFG = ModelConfig(
+    "llama",
+    num_layers=2,
+    hidden_size=64,
+    ffn_size=64,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=32,
+    max_context=256,
+)
 
 
 def dense_attention(q, k, v, q_pos):
@@ -37,8 +46,15 @@ def test_reference_matches_dense(page_size, ctx_lens, num_new):
     b, t = len(ctx_lens), max(max(num_new), 1)
     hkv, hq, d = CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
     num_pages_pool, np_read = 40, 12
-    cache = init_cache(CFG, num_pages=num_pages_pool, max_seqs=b, max_pages_per_seq=np_read, page_size=page_size,
-                       dtype="float32", fill_value=float("nan"))
+    cache = init_cache(
+        CFG,
+        num_pages=num_pages_pool,
+        max_seqs=b,
+        max_pages_per_seq=np_read,
+        page_size=page_size,
+        dtype="float32",
+        fill_value=float("nan"),
+    )
     # Each row owns a random, non-contiguous set of pages; the rest of its table points at page 0 (NaN).
     perm = rng.permutation(np.arange(1, num_pages_pool))
     table = np.zeros((b, np_read), np.int32)
@@ -58,8 +74,13 @@ def test_reference_matches_dense(page_size, ctx_lens, num_new):
     v_new = np.stack([full_v[r, ctx_lens[r] : ctx_lens[r] + t] for r in range(b)])
     k_ctx, v_ctx = cache.read(jnp.asarray(table), jnp.int32(layer))
     out = jax.jit(paged_attention_reference)(
-        jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), k_ctx, v_ctx,
-        jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(num_new, jnp.int32),
+        jnp.asarray(q),
+        jnp.asarray(k_new),
+        jnp.asarray(v_new),
+        k_ctx,
+        v_ctx,
+        jnp.asarray(ctx_lens, jnp.int32),
+        jnp.asarray(num_new, jnp.int32),
     )
     out = np.asarray(out)
     for r in range(b):
