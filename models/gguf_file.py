@@ -26,6 +26,7 @@ DEFAULT_ALIGNMENT = 32
 MAX_TENSORS = 1 << 16
 MAX_METADATA_ENTRIES = 1 << 16
 MAX_DIMS = 4
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: bounded so a hostile file cannot exhaust the Python stack
 MAX_ELEMENTS = 1 << 40  # far above any model we load; keeps shapes well inside int64
 
 # Tensor types we can turn into floats: plain floats and the block quantizations the shipped
@@ -49,7 +50,19 @@ _SCALAR_FORMATS = {
     11: ("<q", 8),  # int64
     12: ("<d", 8),  # float64
 }
-_NUMPY_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_NUMPY_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -111,7 +124,7 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path}: {what} is not valid UTF-8 ({e})") from None
 
-    def value(self, type_id: int, what: str) -> Any:
+    def value(self, type_id: int, what: str, depth: int = 0) -> Any:
         if type_id in _SCALAR_FORMATS:
             return self.scalar(type_id, what)
         if type_id == _STRING:
@@ -130,8 +143,10 @@ class _Cursor:
                 self._need(count * 8, what)
                 return [self.string(f"{what}[{i}]") for i in range(count)]
             if item_type == _ARRAY:
+                if depth >= MAX_ARRAY_DEPTH:
+                    raise GGUFError(f"{self.path}: {what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
                 self._need(count * 12, what)
-                return [self.value(_ARRAY, f"{what}[{i}]") for i in range(count)]
+                return [self.value(_ARRAY, f"{what}[{i}]", depth + 1) for i in range(count)]
             raise GGUFError(f"{self.path}: {what} has unknown array item type {item_type}")
         raise GGUFError(f"{self.path}: {what} has unknown value type {type_id}")
 
@@ -178,11 +193,14 @@ class GGUFFile:
         metadata: dict[str, Any] = {}
         for i in range(n_kv):
             key = cur.string(f"metadata key #{i}")
+            if key in metadata:
+                raise GGUFError(f"{path}: metadata key {key!r} appears twice")
             type_id = cur.u32(f"type of metadata {key!r}")
             metadata[key] = cur.value(type_id, f"metadata {key!r}")
 
         alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 20:
+        is_int = isinstance(alignment, int) and not isinstance(alignment, bool)
+        if not is_int or alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 20:
             raise GGUFError(f"{path}: general.alignment must be a power of two up to 1 MiB, got {alignment!r}")
 
         entries = []
