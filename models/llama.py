@@ -115,7 +115,6 @@ def forward(
     if not all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head  # [D, V]
-    logits = jnp.matmul(x, head, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.matmul(x, weights.lm_head, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
     cache = cache.replace(seq_lens=cache.seq_lens.at[batch.slots].set(kv_lens, mode="drop"))
     return logits, cache

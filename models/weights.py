@@ -37,7 +37,7 @@ class ModelWeights:
     embed: jax.Array  # [V, D]
     layers: LayerWeights
     final_norm: jax.Array  # [D] float32
-    lm_head: jax.Array | None  # [D, V], None when tied to the embedding
+    lm_head: jax.Array  # [D, V]; a transposed copy of the embedding when the two are tied
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -128,8 +128,12 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
     layers = LayerWeights(
         **{k: dev(np.stack(vs), jnp.float32 if k in norm_keys else jdtype) for k, vs in stacked.items()}
     )
-    embed = dev(get("token_embd.weight"), jdtype)
+    embed_np = get("token_embd.weight")
+    embed = dev(embed_np, jdtype)
     final_norm = dev(get("output_norm.weight"), jnp.float32)
-    lm_head = None if cfg.tie_embeddings else dev(get("output.weight").T, jdtype)
+    # Tied heads get their own [D, V] copy: multiplying by the [V, D] embedding made XLA
+    # transpose and copy the whole matrix on every step (the embedding's layout serves the
+    # row gather of the lookup).
+    lm_head = dev((embed_np if cfg.tie_embeddings else get("output.weight")).T, jdtype)
     bar.close()
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
