@@ -1,0 +1,768 @@
+"""Prefill and decode throughput of aither-jax against HF transformers on the same weights.
+
+What it measures, per batch size B (default 1 and 8), for SmolLM2-135M by default:
+
+* prefill tok/s = B * prompt_len / t1, where t1 is the wall time of generating one token for B
+  prompts of `--prompt-len` random token ids (greedy, end-of-sequence ignored): one prefill
+  pass plus sampling the first token.
+* decode tok/s = B * decode_tokens / (t2 - t1), where t2 is the wall time of generating
+  `--decode-tokens` + 1 tokens for the same prompts: the prefill plus `decode_tokens` steps.
+
+t1 and t2 are each the median over `--repeats` timed runs, after one untimed warm-up run of the
+same call, so compilation (XLA for ours; torch.compile with `--hf-compile`) is excluded.
+
+Ours is `aither_jax.LLM(...).generate(prompt_token_ids, SamplingParams(...))`, the public API,
+end to end (host scheduling, paged KV cache, token transfer each step). The peer is HF
+`model.generate(input_ids, do_sample=False)` with end-of-sequence disabled, on the same GGUF
+dequantized to dense weights of the same dtype (`GgufConfig(dequantize=True)`). With
+`--random-weights` no GGUF is needed: one set of random weights (normal * 0.02, norms 1) of the
+model's shapes is built in numpy and loaded into both, so the greedy-token check still compares
+like with like. Ours runs first and HF second, in the same process, so neither competes with
+the other's threads.
+
+Before the timings, the greedy tokens of both at batch 1 are compared over the first 16 new
+tokens (a text prompt and the batch-1 benchmark prompt); a mismatch is warned about and
+recorded as `tokens_match: false` (expected to match in float32; bfloat16 rounding may differ).
+
+Writes a JSON report (`--out`), prints a table, appends one row per batch size to
+docs/BENCHMARKS.md (unless `--no-record`) and, when matplotlib is importable, draws
+`out/bench_decode.png` next to the JSON.
+
+    python scripts/bench_decode.py                       # defaults: batch 1 and 8, prompt 128, 64 new
+    python scripts/bench_decode.py --random-weights      # no GGUF needed (e.g. on a GPU machine)
+    python scripts/bench_decode.py --hf-compile          # HF with a static cache and torch.compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # `python scripts/bench_decode.py` without installing the package
+
+# JAX and torch share one GPU here: let JAX allocate as it goes instead of taking 75% up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _stub_gguf_if_missing() -> bool:
+    """Lets the project import without the `gguf` package (only reading a GGUF needs it).
+
+    `models.gguf_file` imports `gguf` at module level and everything imports it; a GPU machine
+    may lack the package, and `--random-weights` never reads a GGUF. The stub knows the type
+    names and fails loudly if anything tries to dequantize. Returns True when it stubbed.
+    """
+    try:
+        import gguf  # noqa: F401
+
+        return False
+    except ImportError:
+        pass
+    import enum
+    import types
+
+    def dequantize(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError("reading GGUF tensors needs the gguf package: pip install gguf")
+
+    ggml_types = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q8_1": 9}
+    ggml_types |= {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_K": 15, "BF16": 30}
+    package, constants, quants = (types.ModuleType(n) for n in ("gguf", "gguf.constants", "gguf.quants"))
+    package.__path__ = []
+    constants.GGMLQuantizationType = enum.IntEnum("GGMLQuantizationType", ggml_types)
+    constants.GGML_QUANT_SIZES = {}
+    quants.dequantize = dequantize
+    package.constants, package.quants = constants, quants
+    sys.modules.update({"gguf": package, "gguf.constants": constants, "gguf.quants": quants})
+    return True
+
+
+GGUF_STUBBED = _stub_gguf_if_missing()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from aither_jax.engine import Engine  # noqa: E402
+from aither_jax.llm import DEFAULT_KV_CACHE_BYTES, LLM  # noqa: E402
+from aither_jax.sampling import SamplingParams  # noqa: E402
+from aither_jax.steps import CompileCounter  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.gguf_file import GGUFFile  # noqa: E402
+from models.registry import DEFAULT_MODEL, MODELS, resolve_model  # noqa: E402
+from models.weights import DTYPES, LayerWeights, ModelWeights  # noqa: E402
+
+BENCHMARKS_MD = REPO_ROOT / "docs" / "BENCHMARKS.md"
+SECTION = "## Decode throughput (scripts/bench_decode.py)"
+TABLE_HEADER = (
+    "| date | device | dtype | batch | prompt | ours prefill tok/s | HF prefill tok/s | ours decode tok/s "
+    "| HF decode tok/s | decode ratio | versions | command |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
+MD_INTRO = "# Benchmarks\n\nRows are appended by the scripts named in each heading; edit the text, not the numbers.\n"
+SECTION_INTRO = (
+    "Prefill and decode tokens/s of `aither_jax.LLM.generate` and of HF transformers `generate` (greedy, same\n"
+    "weights and dtype, same random prompts), median of repeats after a warm-up run. prompt = prompt tokens +\n"
+    "generated tokens; decode ratio = ours / HF. Each run also writes a JSON report (`--out`).\n"
+)
+
+CHECK_TOKENS = 16  # greedy tokens compared between ours and HF at batch 1
+CHECK_TEXT = "The three primary colors are red, yellow and blue. Mixing red and blue gives"
+FIRST_REGULAR_TOKEN = 17  # prompts avoid ids 0..16 (special tokens in SmolLM2)
+PROMPT_SEED = 1234
+WEIGHTS_SEED = 0
+
+# SmolLM2-135M's shapes, for --random-weights when its GGUF is not installed.
+SMOLLM2_135M = ModelConfig(
+    arch="llama",
+    num_layers=30,
+    hidden_size=576,
+    ffn_size=1536,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    max_context=8192,
+    rms_norm_eps=1e-5,
+    rope_base=100000.0,
+    tie_embeddings=True,
+    name="SmolLM2-135M (random weights)",
+)
+
+
+# -- arguments ----------------------------------------------------------------------------------
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"--batch-sizes must be positive integers, got {text!r}")
+    return sorted(set(sizes))
+
+
+def _positive(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Prefill/decode tokens/s of aither-jax vs HF transformers on the same weights.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(MODELS)}) or a .gguf path")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, bfloat16 on GPU/TPU")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8], help="comma-separated, e.g. 1,8")
+    p.add_argument("--prompt-len", type=_positive("--prompt-len"), default=128)
+    p.add_argument("--decode-tokens", type=_positive("--decode-tokens"), default=64)
+    p.add_argument("--repeats", type=_positive("--repeats"), default=3, help="timed runs per call; median reported")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument(
+        "--hf-compile",
+        action="store_true",
+        help='HF with cache_implementation="static" and torch.compile(forward, mode="reduce-overhead")',
+    )
+    p.add_argument(
+        "--random-weights", action="store_true", help="random weights of the model's shapes for both (no GGUF needed)"
+    )
+    p.add_argument("--out", default="out/bench_decode.json", help="JSON report path")
+    p.add_argument("--no-record", action="store_true", help=f"do not append rows to {BENCHMARKS_MD.name}")
+    return p.parse_args(argv)
+
+
+# -- environment --------------------------------------------------------------------------------
+
+
+def cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def versions() -> dict[str, str | None]:
+    import jaxlib
+
+    out: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", None),
+        "torch": None,
+        "transformers": None,
+    }
+    for name in ("torch", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+# -- weights ------------------------------------------------------------------------------------
+
+
+def random_hf_state(cfg: ModelConfig, seed: int = WEIGHTS_SEED) -> dict[str, np.ndarray]:
+    """Random float32 weights in HF llama layout ([out, in] matrices): normal * 0.02, norm scales 1."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+
+    d, f = cfg.hidden_size, cfg.ffn_size
+    state = {"model.embed_tokens.weight": normal(cfg.vocab_size, d), "model.norm.weight": np.ones(d, np.float32)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = np.ones(d, np.float32)
+        state[p + "post_attention_layernorm.weight"] = np.ones(d, np.float32)
+        state[p + "self_attn.q_proj.weight"] = normal(cfg.q_size, d)
+        state[p + "self_attn.k_proj.weight"] = normal(cfg.kv_size, d)
+        state[p + "self_attn.v_proj.weight"] = normal(cfg.kv_size, d)
+        state[p + "self_attn.o_proj.weight"] = normal(d, cfg.q_size)
+        state[p + "mlp.gate_proj.weight"] = normal(f, d)
+        state[p + "mlp.up_proj.weight"] = normal(f, d)
+        state[p + "mlp.down_proj.weight"] = normal(d, f)
+    if not cfg.tie_embeddings:
+        state["lm_head.weight"] = normal(cfg.vocab_size, d)
+    return state
+
+
+def ours_weights_from_hf_state(state: dict[str, np.ndarray], cfg: ModelConfig, dtype: str) -> ModelWeights:
+    """The same weights in our layout: [in, out], fused QKV and gate/up, layers stacked.
+
+    HF's Q/K rows are already in rotate-half order (what `load_weights` restores from GGUF).
+    """
+    jdtype = DTYPES[dtype]
+
+    def stack(fn: Callable[[str], np.ndarray], dt: Any) -> jax.Array:
+        return jnp.asarray(np.stack([fn(f"model.layers.{i}.") for i in range(cfg.num_layers)]), dtype=dt)
+
+    def fused(p: str, names: Sequence[str]) -> np.ndarray:
+        return np.concatenate([state[p + n] for n in names]).T
+
+    qkv = [f"self_attn.{n}_proj.weight" for n in "qkv"]
+    gate_up = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+    layers = LayerWeights(
+        attn_norm=stack(lambda p: state[p + "input_layernorm.weight"], jnp.float32),
+        wqkv=stack(lambda p: fused(p, qkv), jdtype),
+        wo=stack(lambda p: state[p + "self_attn.o_proj.weight"].T, jdtype),
+        mlp_norm=stack(lambda p: state[p + "post_attention_layernorm.weight"], jnp.float32),
+        w_gate_up=stack(lambda p: fused(p, gate_up), jdtype),
+        w_down=stack(lambda p: state[p + "mlp.down_proj.weight"].T, jdtype),
+    )
+    head = state["model.embed_tokens.weight"] if cfg.tie_embeddings else state["lm_head.weight"]
+    lm_head = jnp.asarray(head.T, dtype=jdtype)
+    return ModelWeights(
+        embed=jnp.asarray(state["model.embed_tokens.weight"], dtype=jdtype),
+        layers=layers,
+        final_norm=jnp.asarray(state["model.norm.weight"], dtype=jnp.float32),
+        lm_head=lm_head,
+    )
+
+
+class _StubTokenizer:
+    """What the engine asks of a tokenizer when prompts are token ids and EOS is ignored."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id = None
+    bos_token_id = None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError("random-weight runs take token ids only")
+
+
+def random_weights_llm(
+    cfg: ModelConfig, state: dict[str, np.ndarray], dtype: str, *, max_model_len: int, max_num_seqs: int
+) -> LLM:
+    """An `LLM` over random weights: `LLM.__init__` minus the GGUF (same engine, same generate path)."""
+    llm = LLM.__new__(LLM)
+    llm.model_path, llm.model_name, llm.dtype = None, cfg.name, dtype
+    llm.config, llm.tokenizer, llm.progress = cfg, _StubTokenizer(), False
+    t0 = time.perf_counter()
+    weights = ours_weights_from_hf_state(state, cfg, dtype)
+    jax.block_until_ready(weights)
+    llm.load_seconds = time.perf_counter() - t0
+    page_size = 16
+    bytes_per_page = cfg.kv_bytes_per_token(jnp.dtype(DTYPES[dtype]).itemsize) * page_size
+    full = max_num_seqs * -(-max_model_len // page_size) + 1
+    llm.engine = Engine(
+        weights,
+        cfg,
+        llm.tokenizer,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        num_pages=max(2, min(full, DEFAULT_KV_CACHE_BYTES // bytes_per_page)),
+        page_size=page_size,
+        cache_dtype=dtype,
+    )
+    return llm
+
+
+def model_config_for(model: str) -> ModelConfig:
+    """The model's shapes: from its GGUF header when readable, else SmolLM2-135M's for the default name."""
+    try:
+        if GGUF_STUBBED:
+            raise ValueError("the gguf package is not installed")
+        cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(model)))
+        return dataclasses.replace(cfg, name=f"{cfg.name} (random weights)")
+    except ValueError:
+        if model == "smollm2-135m":
+            return SMOLLM2_135M
+        raise
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Timing:
+    """Wall times of the prefill-only call (1 new token) and the full call (decode_tokens + 1 new)."""
+
+    prefill_s: list[float] = dataclasses.field(default_factory=list)
+    total_s: list[float] = dataclasses.field(default_factory=list)
+    compiles: int | None = None  # XLA compilations during the timed calls (ours only; should be 0)
+
+    def summary(self, batch: int, prompt_len: int, decode_tokens: int) -> dict[str, Any]:
+        prefill = statistics.median(self.prefill_s)
+        total = statistics.median(self.total_s)
+        decode = total - prefill
+        return {
+            "prefill_tok_s": batch * prompt_len / prefill,
+            "decode_tok_s": batch * decode_tokens / decode if decode > 0 else None,
+            "prefill_s_median": prefill,
+            "total_s_median": total,
+            "decode_s_median": decode,
+            "prefill_s": self.prefill_s,
+            "total_s": self.total_s,
+            "compiles_during_timing": self.compiles,
+        }
+
+
+def measure(
+    run: Callable[[np.ndarray, int], list[list[int]]],
+    prompts: np.ndarray,
+    batch_sizes: Sequence[int],
+    decode_tokens: int,
+    repeats: int,
+    label: str,
+    compile_count: Callable[[], int] | None = None,
+) -> dict[int, Timing]:
+    """Warm-up then `repeats` timed (prefill, full) pairs per batch size; checks exact token counts.
+
+    With `compile_count`, counts the compilations that happen during the timed calls.
+    """
+    timings = {b: Timing(compiles=None if compile_count is None else 0) for b in batch_sizes}
+    calls = len(batch_sizes) * 2 * (1 + repeats)
+    with tqdm(total=calls, desc=f"timing {label}", unit="call", delay=2.0) as bar:
+        for b in batch_sizes:
+            batch = prompts[:b]
+            for i in range(1 + repeats):  # i == 0: untimed warm-up
+                for n, times in ((1, timings[b].prefill_s), (decode_tokens + 1, timings[b].total_s)):
+                    compiles = compile_count() if compile_count else 0
+                    t0 = time.perf_counter()
+                    out = run(batch, n)
+                    elapsed = time.perf_counter() - t0
+                    if i and compile_count:
+                        timings[b].compiles += compile_count() - compiles
+                    if len(out) != b or any(len(o) != n for o in out):
+                        raise RuntimeError(f"{label}: expected {b} x {n} new tokens, got {[len(o) for o in out]}")
+                    if i:
+                        times.append(elapsed)
+                    bar.set_postfix(batch=b, new_tokens=n, refresh=False)
+                    bar.update(1)
+    return timings
+
+
+def ours_runner(llm: LLM) -> Callable[[np.ndarray, int], list[list[int]]]:
+    def run(prompts: np.ndarray, new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        return [o.token_ids for o in llm.generate([p.tolist() for p in prompts], params, use_tqdm=False)]
+
+    return run
+
+
+def hf_runner(model: Any, device: Any) -> Callable[[np.ndarray, int], list[list[int]]]:
+    import torch
+
+    def run(prompts: np.ndarray, new_tokens: int) -> list[list[int]]:
+        ids = torch.as_tensor(prompts, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return out[:, ids.shape[1] :].tolist()
+
+    return run
+
+
+# -- HF -----------------------------------------------------------------------------------------
+
+
+def load_hf(
+    args: argparse.Namespace, cfg: ModelConfig, state: dict[str, np.ndarray] | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The HF peer on the same weights and dtype, end-of-sequence disabled; returns (model, device, info)."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    t0 = time.perf_counter()
+    if state is not None:
+        hf_cfg = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.ffn_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_context,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_base,
+            tie_word_embeddings=cfg.tie_embeddings,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+        model = transformers.LlamaForCausalLM(hf_cfg)
+        missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"random weights do not fit HF llama: missing {missing}, unexpected {unexpected}")
+        if cfg.tie_embeddings:
+            model.tie_weights()
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        model = model.to(device=device, dtype=tdtype)
+        source = "random (shared with ours)"
+    else:
+        path = resolve_model(args.model)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path),
+            gguf_file=os.path.basename(path),
+            quantization_config=transformers.GgufConfig(dequantize=True),
+            dtype=tdtype,
+        ).to(device)
+        source = f"GGUF dequantized ({os.path.basename(path)})"
+    model.eval()
+    gen = model.generation_config
+    gen.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos=True
+    gen.pad_token_id = gen.pad_token_id if gen.pad_token_id is not None else 0
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"cpu ({torch.get_num_threads()} threads)"
+    info: dict[str, Any] = {
+        "weights": source,
+        "device": device_name,
+        "dtype": str(next(model.parameters()).dtype),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "compile": None,
+    }
+    if args.hf_compile:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"  # CUDA graphs need a GPU
+        gen.cache_implementation = "static"
+        gen.disable_compile = True  # no second, automatic compile of the decode step inside generate
+        model.forward = torch.compile(model.forward, mode=mode)
+        info["compile"] = {"cache_implementation": "static", "torch_compile_mode": mode, "target": "model.forward"}
+    info["load_s"] = time.perf_counter() - t0
+    return model, device, info
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, digits: int | None = None) -> str:
+    """Thousands separators; tok/s get one decimal below 100 (digits=None), ratios fixed digits."""
+    if x is None:
+        return "–"
+    if digits is None:
+        digits = 1 if abs(x) < 100 else 0
+    return f"{x:,.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def print_table(report: dict[str, Any]) -> None:
+    p = report["parameters"]
+    print(
+        f"\n{report['model']} | {p['dtype']} | {report['device']['summary']} | prompt {p['prompt_len']}, "
+        f"{p['decode_tokens']} new tokens, median of {p['repeats']}"
+    )
+    head = (
+        f"{'batch':>5} | {'ours prefill':>12} | {'HF prefill':>12} | {'ratio':>6} "
+        f"| {'ours decode':>12} | {'HF decode':>12} | {'ratio':>6}"
+    )
+    print(head + "   (tok/s)")
+    print("-" * len(head))
+    for r in report["results"]:
+        ours, hf = r["ours"], r["hf"] or {}
+        print(
+            f"{r['batch']:>5} | {_fmt(ours['prefill_tok_s']):>12} | {_fmt(hf.get('prefill_tok_s')):>12} "
+            f"| {_fmt(r['ratio']['prefill'], 2):>6} | {_fmt(ours['decode_tok_s']):>12} "
+            f"| {_fmt(hf.get('decode_tok_s')):>12} | {_fmt(r['ratio']['decode'], 2):>6}"
+        )
+    match = report["tokens_match"]
+    print(f"greedy tokens match HF (batch 1, first {CHECK_TOKENS}): {'n/a' if match is None else match}")
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def record_markdown(report: dict[str, Any], path: Path = BENCHMARKS_MD) -> None:
+    """Appends one row per batch size to the section's table, creating file, section and table as needed."""
+    p, v = report["parameters"], report["versions"]
+    dtype = p["dtype"] + (", random weights" if p["random_weights"] else "")
+    vers = f"jax {v['jax']}" + (f", torch {v['torch']}, transformers {v['transformers']}" if v["torch"] else "")
+    if p["hf_compile"]:
+        vers += ", HF torch.compile"
+    rows = []
+    for r in report["results"]:
+        ours, hf = r["ours"], r["hf"] or {}
+        cells = [
+            report["date"][:10],
+            report["device"]["summary"],
+            dtype,
+            str(r["batch"]),
+            f"{p['prompt_len']}+{p['decode_tokens']}",
+            _fmt(ours["prefill_tok_s"]),
+            _fmt(hf.get("prefill_tok_s")),
+            _fmt(ours["decode_tok_s"]),
+            _fmt(hf.get("decode_tok_s")),
+            _fmt(r["ratio"]["decode"], 2),
+            vers,
+            f"`{report['command']}`",
+        ]
+        rows.append("| " + " | ".join(_md_cell(c) for c in cells) + " |\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else [MD_INTRO]
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    heading = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
+    if heading is None:
+        lines += ["\n", SECTION + "\n", "\n", SECTION_INTRO, "\n", TABLE_HEADER, *rows]
+    else:
+        # The section's table ends at the first non-table line after it starts (or at the next heading).
+        end, in_table = heading + 1, False
+        for i in range(heading + 1, len(lines)):
+            stripped = lines[i].strip()
+            if stripped.startswith("|"):
+                in_table, end = True, i + 1
+            elif in_table or stripped.startswith("#"):
+                break
+            else:
+                end = i + 1
+        if not in_table:  # section without a table yet
+            rows = ["\n", TABLE_HEADER, *rows] if lines[end - 1].strip() else [TABLE_HEADER, *rows]
+        lines[end:end] = rows
+    path.write_text("".join(lines))
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Decode tok/s per batch size, ours vs HF, as grouped bars; skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    results = report["results"]
+    x = np.arange(len(results))
+    ours = [r["ours"]["decode_tok_s"] or 0.0 for r in results]
+    hf = [(r["hf"] or {}).get("decode_tok_s") or 0.0 for r in results]
+    has_hf = any(r["hf"] for r in results)
+    width = 0.38 if has_hf else 0.6
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = [ax.bar(x - (width / 2 if has_hf else 0), ours, width, label="aither-jax")]
+    if has_hf:
+        bars.append(ax.bar(x + width / 2, hf, width, label="HF transformers"))
+    for b in bars:
+        ax.bar_label(b, labels=[_fmt(float(v)) for v in b.datavalues], fontsize=8)
+    ax.set_xticks(x, [str(r["batch"]) for r in results])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s")
+    p = report["parameters"]
+    ax.set_title(f"{report['model']}, {p['dtype']}, {report['device']['summary']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if GGUF_STUBBED and not args.random_weights:
+        sys.exit("loading the GGUF needs the gguf package (pip install gguf); or run with --random-weights")
+    backend = jax.default_backend()
+    if args.dtype is None:
+        args.dtype = "float32" if backend == "cpu" else "bfloat16"
+    max_b = max(args.batch_sizes)
+    max_model_len = args.prompt_len + args.decode_tokens + CHECK_TOKENS
+    dev = jax.devices()[0]
+    cpu = cpu_model()
+    device_summary = f"{cpu or 'CPU'} ({os.cpu_count()} cores)" if dev.platform == "cpu" else dev.device_kind
+    print(f"jax {jax.__version__} on {dev.platform} ({dev.device_kind}); {args.model}, {args.dtype}", flush=True)
+
+    # Ours first (HF is not even imported yet, so its threads do not compete).
+    state = None
+    if args.random_weights:
+        cfg = model_config_for(args.model)
+        state = random_hf_state(cfg)
+        llm = random_weights_llm(cfg, state, args.dtype, max_model_len=max_model_len, max_num_seqs=max_b)
+    else:
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=max_b, progress=False)
+        cfg = llm.config
+    print(f"ours: loaded in {llm.load_seconds:.1f}s ({cfg.name})", flush=True)
+
+    rng = np.random.default_rng(PROMPT_SEED)
+    prompts = rng.integers(FIRST_REGULAR_TOKEN, cfg.vocab_size, size=(max_b, args.prompt_len), dtype=np.int64)
+    check_prompts: dict[str, np.ndarray] = {"benchmark prompt": prompts[:1]}
+    if not args.random_weights:
+        text_ids = llm.tokenizer.encode(CHECK_TEXT)[: max_model_len - CHECK_TOKENS]
+        check_prompts = {"text prompt": np.asarray([text_ids]), **check_prompts}
+
+    run_ours = ours_runner(llm)
+    ours_check = {name: run_ours(p, CHECK_TOKENS)[0] for name, p in check_prompts.items()}
+    ours_t = measure(
+        run_ours, prompts, args.batch_sizes, args.decode_tokens, args.repeats, "aither-jax", CompileCounter.count
+    )
+    ours_compiles = sum(t.compiles or 0 for t in ours_t.values())
+    if ours_compiles:
+        warnings.warn(f"{ours_compiles} XLA compilation(s) during timed calls: timings include them", stacklevel=1)
+    del llm, run_ours
+    gc.collect()
+
+    hf_t: dict[int, Timing] = {}
+    hf_info: dict[str, Any] | None = None
+    tokens_match: bool | None = None
+    check: dict[str, Any] = {}
+    if not args.no_hf:
+        model, device, hf_info = load_hf(args, cfg, state)
+        print(f"HF: loaded in {hf_info['load_s']:.1f}s on {hf_info['device']} ({hf_info['weights']})", flush=True)
+        run_hf = hf_runner(model, device)
+        tokens_match = True
+        for name, p in check_prompts.items():
+            theirs = run_hf(p, CHECK_TOKENS)[0]
+            same = theirs == ours_check[name]
+            first_diff = next(
+                (i for i, (a, b) in enumerate(zip(ours_check[name], theirs, strict=True)) if a != b), None
+            )
+            check[name] = {"prompt_len": int(p.shape[1]), "ours": ours_check[name], "hf": theirs, "match": same}
+            check[name]["first_mismatch"] = first_diff
+            tokens_match &= same
+        if not tokens_match:
+            why = "" if args.dtype == "float32" else " (bfloat16 rounding can flip near-ties)"
+            where = {n: c["first_mismatch"] for n, c in check.items() if not c["match"]}
+            warnings.warn(f"greedy tokens differ between ours and HF{why}; first mismatch at: {where}", stacklevel=1)
+        hf_t = measure(run_hf, prompts, args.batch_sizes, args.decode_tokens, args.repeats, "HF")
+        del model, run_hf
+        gc.collect()
+    else:
+        check = {name: {"ours": toks} for name, toks in ours_check.items()}
+
+    results = []
+    for b in args.batch_sizes:
+        ours = ours_t[b].summary(b, args.prompt_len, args.decode_tokens)
+        hf = hf_t[b].summary(b, args.prompt_len, args.decode_tokens) if b in hf_t else None
+        ratio = {k: _ratio(ours[f"{k}_tok_s"], hf and hf[f"{k}_tok_s"]) for k in ("prefill", "decode")}
+        results.append({"batch": b, "ours": ours, "hf": hf, "ratio": ratio})
+
+    torch_device = None if hf_info is None else hf_info["device"]
+    report: dict[str, Any] = {
+        "benchmark": "scripts/bench_decode.py",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["bench_decode.py", *argv]),
+        "executable": sys.executable,
+        "model": args.model + (" (random weights)" if args.random_weights else ""),
+        "model_config": dataclasses.asdict(cfg),
+        "device": {
+            "summary": device_summary,
+            "jax_platform": dev.platform,
+            "jax_device_kind": dev.device_kind,
+            "jax_device_count": jax.device_count(),
+            "cpu": cpu,
+            "cpu_count": os.cpu_count(),
+            "torch_device": torch_device,
+        },
+        "versions": versions(),
+        "parameters": {
+            "dtype": args.dtype,
+            "batch_sizes": args.batch_sizes,
+            "prompt_len": args.prompt_len,
+            "decode_tokens": args.decode_tokens,
+            "repeats": args.repeats,
+            "hf": not args.no_hf,
+            "hf_compile": args.hf_compile,
+            "random_weights": args.random_weights,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_b,
+            "prompt_seed": PROMPT_SEED,
+            "weights_seed": WEIGHTS_SEED if args.random_weights else None,
+        },
+        "hf": hf_info,
+        "ours_compiles_during_timing": ours_compiles,
+        "tokens_match": tokens_match,
+        "tokens_check": check,
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"wrote {out}")
+    plot(report, out.with_suffix(".png"))
+    if not args.no_record:
+        record_markdown(report)
+        print(f"appended {len(results)} row(s) to {BENCHMARKS_MD.relative_to(REPO_ROOT)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
