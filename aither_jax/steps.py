@@ -1,8 +1,12 @@
-"""The jitted entry points: one model step (prefill chunk or decode) with sampling fused in.
+"""The step entry points: one model step (prefill chunk or decode) with sampling fused in.
 
-Only these functions are jitted; the cache is donated so XLA updates pages in place. Shapes
-come from a bounded set of buckets chosen by the engine (batch rows, tokens per row, pages
-read), so steady-state decoding reuses compiled executables.
+A step is two jitted calls. `forward_step` runs the model and the sampler and only reads
+the cache; `write_step` stores the new keys/values with the cache donated, so XLA updates
+the pages in place. In a single jitted function XLA copied the whole KV pool (several times)
+before the scatter, because the last layer's page reads do not feed the new keys and so
+cannot be proven to run before the in-place write. Shapes come from a bounded set of buckets
+chosen by the engine (batch rows, tokens per row, pages read), so steady-state decoding
+reuses compiled executables.
 """
 
 from __future__ import annotations
@@ -17,14 +21,12 @@ from jax import monitoring
 from aither_jax.sampling import SamplingBatch, sample_tokens
 from models.config import ModelConfig
 from models.kv_cache import PagedKVCache
-from models.llama import StepBatch, forward
+from models.llama import KVUpdate, StepBatch, forward
 from models.weights import ModelWeights
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "num_pages", "all_logits", "greedy_only"), donate_argnames=("cache",)
-)
-def model_step(
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "all_logits", "greedy_only"))
+def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
     tokens: jax.Array,  # [B, T] int32
@@ -35,20 +37,55 @@ def model_step(
     num_pages: int,
     all_logits: bool,
     greedy_only: bool,
-) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
-    """Writes the new tokens' KV, samples the token after each row's last one.
+) -> tuple[jax.Array, jax.Array | None, KVUpdate]:
+    """Samples the token after each row's last new token.
 
     Returns:
-        next_tokens [B] int32, logits [B, T, V] float32 when `all_logits` else None, cache.
+        next_tokens [B] int32, logits [B, T, V] float32 when `all_logits` else None, and the
+        update to apply with `write_step`.
     """
-    logits, cache = forward(weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits)
+    logits, update = forward(weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits)
     if all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     else:
         last_logits = logits
-    next_tokens = sample_tokens(last_logits, sampling, batch.start + batch.num_new, greedy_only=greedy_only)
-    return next_tokens, (logits if all_logits else None), cache
+    next_tokens = sample_tokens(last_logits, sampling, update.seq_lens, greedy_only=greedy_only)
+    return next_tokens, (logits if all_logits else None), update
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def write_step(cache: PagedKVCache, update: KVUpdate) -> PagedKVCache:
+    """Stores a step's keys/values and lengths in place."""
+    cache = cache.write(update.pages, update.offsets, update.k, update.v)
+    return cache.replace(seq_lens=cache.seq_lens.at[update.slots].set(update.seq_lens, mode="drop"))
+
+
+def model_step(
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: jax.Array,
+    batch: StepBatch,
+    sampling: SamplingBatch,
+    *,
+    cfg: ModelConfig,
+    num_pages: int,
+    all_logits: bool,
+    greedy_only: bool,
+) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
+    """One full step: `forward_step` then `write_step`. Returns (next_tokens, logits, cache)."""
+    next_tokens, logits, update = forward_step(
+        weights,
+        cache,
+        tokens,
+        batch,
+        sampling,
+        cfg=cfg,
+        num_pages=num_pages,
+        all_logits=all_logits,
+        greedy_only=greedy_only,
+    )
+    return next_tokens, logits, write_step(cache, update)
 
 
 class CompileCounter:

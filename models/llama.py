@@ -3,10 +3,9 @@
 One function serves prefill chunks and decode steps: each row of the batch brings T new
 tokens (T = 1 for decode) that start at a given position and attend to the row's stored
 cache plus themselves (causally), so a chunk sees the earlier chunks exactly as they were
-stored. Layers run under `lax.scan` (one compiled body) and only read the pools; the new
-keys/values of all layers come out of the scan and are written in one scatter afterwards,
-which XLA does in place on the donated pools (a pool carried through the loop and written
-per layer gets copied whole every iteration).
+stored. The forward pass only reads the cache and returns the new keys/values as a
+`KVUpdate`; `aither_jax.steps` applies it in a separate donated call (see there for why).
+Layers are unrolled over per-layer weight pytrees.
 """
 
 from __future__ import annotations
@@ -56,6 +55,18 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(x, w, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+@struct.dataclass
+class KVUpdate:
+    """What a step adds to the cache, applied by `PagedKVCache.apply` in a separate call."""
+
+    pages: jax.Array  # [B, T] int32 page of each new token (NULL_PAGE for padding)
+    offsets: jax.Array  # [B, T] int32 slot within the page
+    k: jax.Array  # [L, B, T, Hkv, Dh]
+    v: jax.Array  # [L, B, T, Hkv, Dh]
+    slots: jax.Array  # [B] int32
+    seq_lens: jax.Array  # [B] int32 tokens stored per row after the update
+
+
 def forward(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -65,8 +76,8 @@ def forward(
     cfg: ModelConfig,
     num_pages: int,
     all_logits: bool,
-) -> tuple[jax.Array, PagedKVCache]:
-    """Runs T new tokens per row through the model, writing their KV into the cache.
+) -> tuple[jax.Array, KVUpdate]:
+    """Runs T new tokens per row through the model; reads the cache, returns what to write.
 
     Args:
         num_pages: how many leading block-table entries attention reads (a shape bucket that
@@ -75,7 +86,7 @@ def forward(
             row's last valid token ([B, V]).
 
     Returns:
-        (logits float32, updated cache).
+        (logits float32, the new tokens' keys/values and where they go).
     """
     b, t = tokens.shape
     page_size = cache.page_size
@@ -83,17 +94,13 @@ def forward(
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
     page_of_pos = jnp.take_along_axis(table, jnp.minimum(positions // page_size, cache.max_pages_per_seq - 1), axis=1)
-    write_pages = jnp.where(valid, page_of_pos, NULL_PAGE)  # [B, T]
-    write_offsets = positions % page_size  # [B, T]
     read_table = table[:, :num_pages]  # [B, NP]
-    kv_lens = batch.start + batch.num_new  # [B]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
 
     x = weights.embed[tokens]  # [B, T, D]
-
-    def layer(x, xs):
-        lw, idx = xs
-        with jax.named_scope("attention"):
+    new_k, new_v = [], []
+    for idx, lw in enumerate(weights.layers):
+        with jax.named_scope(f"layer{idx}"):
             h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
             qkv = _matmul(h, lw.wqkv)
             q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -103,18 +110,23 @@ def forward(
             k_ctx, v_ctx = cache.read(read_table, idx)
             attn = paged_attention_reference(q, k, v, k_ctx, v_ctx, batch.start, batch.num_new)
             x = x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo)
-        with jax.named_scope("mlp"):
             h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
             gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
             x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
-        return x, (k, v)
+            new_k.append(k)
+            new_v.append(v)
 
-    x, (k_new, v_new) = jax.lax.scan(layer, x, (weights.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
-    cache = cache.write(write_pages, write_offsets, k_new, v_new)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     if not all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = jnp.matmul(x, weights.lm_head, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
-    cache = cache.replace(seq_lens=cache.seq_lens.at[batch.slots].set(kv_lens, mode="drop"))
-    return logits, cache
+    update = KVUpdate(
+        pages=jnp.where(valid, page_of_pos, NULL_PAGE),
+        offsets=positions % page_size,
+        k=jnp.stack(new_k),
+        v=jnp.stack(new_v),
+        slots=batch.slots,
+        seq_lens=batch.start + batch.num_new,
+    )
+    return logits, update

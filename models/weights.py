@@ -1,7 +1,8 @@
 """Model weights as pytrees, loaded from GGUF.
 
-Layers are stacked along a leading axis so the forward pass scans over them (one compiled
-layer body whatever the depth). Matrices are stored [in, out] so activations multiply on the
+Each block keeps its own arrays (no per_layer [L, ...] leaves): under `lax.scan`, XLA's CPU
+backend copies a layer's slice out of a per_layer weight before every matmul, doubling the
+bytes a memory-bound decode step moves. Matrices are stored [in, out] so activations multiply on the
 left; the query/key/value projections and the gate/up projections are fused into one matrix
 each, which halves the number of matmul launches per layer.
 """
@@ -22,20 +23,20 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 @struct.dataclass
 class LayerWeights:
-    """One pytree for all layers; every leaf has the layer axis first."""
+    """One transformer block's weights."""
 
-    attn_norm: jax.Array  # [L, D] float32
-    wqkv: jax.Array  # [L, D, (Hq + 2 Hkv) Dh]
-    wo: jax.Array  # [L, Hq Dh, D]
-    mlp_norm: jax.Array  # [L, D] float32
-    w_gate_up: jax.Array  # [L, D, 2 F]
-    w_down: jax.Array  # [L, F, D]
+    attn_norm: jax.Array  # [D] float32
+    wqkv: jax.Array  # [D, (Hq + 2 Hkv) Dh]
+    wo: jax.Array  # [Hq Dh, D]
+    mlp_norm: jax.Array  # [D] float32
+    w_gate_up: jax.Array  # [D, 2 F]
+    w_down: jax.Array  # [F, D]
 
 
 @struct.dataclass
 class ModelWeights:
     embed: jax.Array  # [V, D]
-    layers: LayerWeights
+    layers: tuple[LayerWeights, ...]  # one pytree per block, in order
     final_norm: jax.Array  # [D] float32
     lm_head: jax.Array  # [D, V]; a transposed copy of the embedding when the two are tied
 
@@ -92,7 +93,7 @@ def check_tensor_shapes(gguf: GGUFFile, cfg: ModelConfig) -> None:
 
 
 def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", progress: bool = True) -> ModelWeights:
-    """Dequantizes a llama-architecture GGUF into stacked device arrays of `dtype`.
+    """Dequantizes a llama-architecture GGUF into device arrays of `dtype`.
 
     Norm scales stay float32 (they are tiny and the norms run in float32).
     """
@@ -108,25 +109,26 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
         return out
 
     keys = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
-    stacked: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    per_layer: dict[str, list[np.ndarray]] = {k: [] for k in keys}
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         q = unpermute_rope_rows(get(p + "attn_q.weight"), cfg.num_heads)
         k = unpermute_rope_rows(get(p + "attn_k.weight"), cfg.num_kv_heads)
         v = get(p + "attn_v.weight")
-        stacked["attn_norm"].append(get(p + "attn_norm.weight"))
-        stacked["wqkv"].append(np.concatenate([q, k, v], axis=0).T)
-        stacked["wo"].append(get(p + "attn_output.weight").T)
-        stacked["mlp_norm"].append(get(p + "ffn_norm.weight"))
-        stacked["w_gate_up"].append(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T)
-        stacked["w_down"].append(get(p + "ffn_down.weight").T)
+        per_layer["attn_norm"].append(get(p + "attn_norm.weight"))
+        per_layer["wqkv"].append(np.concatenate([q, k, v], axis=0).T)
+        per_layer["wo"].append(get(p + "attn_output.weight").T)
+        per_layer["mlp_norm"].append(get(p + "ffn_norm.weight"))
+        per_layer["w_gate_up"].append(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T)
+        per_layer["w_down"].append(get(p + "ffn_down.weight").T)
 
     def dev(x: np.ndarray, dt) -> jax.Array:
         return jnp.asarray(x, dtype=dt)
 
     norm_keys = ("attn_norm", "mlp_norm")
-    layers = LayerWeights(
-        **{k: dev(np.stack(vs), jnp.float32 if k in norm_keys else jdtype) for k, vs in stacked.items()}
+    layers = tuple(
+        LayerWeights(**{k: dev(vs[i], jnp.float32 if k in norm_keys else jdtype) for k, vs in per_layer.items()})
+        for i in range(cfg.num_layers)
     )
     embed_np = get("token_embd.weight")
     embed = dev(embed_np, jdtype)

@@ -256,28 +256,29 @@ def random_hf_state(cfg: ModelConfig, seed: int = WEIGHTS_SEED) -> dict[str, np.
 
 
 def ours_weights_from_hf_state(state: dict[str, np.ndarray], cfg: ModelConfig, dtype: str) -> ModelWeights:
-    """The same weights in our layout: [in, out], fused QKV and gate/up, layers stacked.
+    """The same weights in our layout: [in, out], fused QKV and gate/up, one pytree per layer.
 
     HF's Q/K rows are already in rotate-half order (what `load_weights` restores from GGUF).
     """
     jdtype = DTYPES[dtype]
-
-    def stack(fn: Callable[[str], np.ndarray], dt: Any) -> jax.Array:
-        return jnp.asarray(np.stack([fn(f"model.layers.{i}.") for i in range(cfg.num_layers)]), dtype=dt)
 
     def fused(p: str, names: Sequence[str]) -> np.ndarray:
         return np.concatenate([state[p + n] for n in names]).T
 
     qkv = [f"self_attn.{n}_proj.weight" for n in "qkv"]
     gate_up = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
-    layers = LayerWeights(
-        attn_norm=stack(lambda p: state[p + "input_layernorm.weight"], jnp.float32),
-        wqkv=stack(lambda p: fused(p, qkv), jdtype),
-        wo=stack(lambda p: state[p + "self_attn.o_proj.weight"].T, jdtype),
-        mlp_norm=stack(lambda p: state[p + "post_attention_layernorm.weight"], jnp.float32),
-        w_gate_up=stack(lambda p: fused(p, gate_up), jdtype),
-        w_down=stack(lambda p: state[p + "mlp.down_proj.weight"].T, jdtype),
-    )
+
+    def layer(p: str) -> LayerWeights:
+        return LayerWeights(
+            attn_norm=jnp.asarray(state[p + "input_layernorm.weight"], jnp.float32),
+            wqkv=jnp.asarray(fused(p, qkv), jdtype),
+            wo=jnp.asarray(state[p + "self_attn.o_proj.weight"].T, jdtype),
+            mlp_norm=jnp.asarray(state[p + "post_attention_layernorm.weight"], jnp.float32),
+            w_gate_up=jnp.asarray(fused(p, gate_up), jdtype),
+            w_down=jnp.asarray(state[p + "mlp.down_proj.weight"].T, jdtype),
+        )
+
+    layers = tuple(layer(f"model.layers.{i}.") for i in range(cfg.num_layers))
     head = state["model.embed_tokens.weight"] if cfg.tie_embeddings else state["lm_head.weight"]
     lm_head = jnp.asarray(head.T, dtype=jdtype)
     return ModelWeights(
