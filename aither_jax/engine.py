@@ -14,8 +14,9 @@ import dataclasses
 import logging
 import math
 
-import jax.numpy as jnp
+import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from aither_jax.page_allocator import PageAllocator
 from aither_jax.sampling import SamplingBatch, SamplingParams
@@ -251,7 +252,7 @@ class Engine:
     def _run(self, rows: list[tuple[Sequence, list[int]]], *, all_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """One padded call of the jitted step over (sequence, new tokens) rows."""
         if self._tables_dirty:
-            self.cache = self.cache.replace(block_tables=jnp.asarray(self.block_tables))
+            self.cache = self.cache.replace(block_tables=jax.device_put(self.block_tables))
             self._tables_dirty = False
         num_rows = bucket(len(rows), 1, self.max_num_seqs)
         longest = max(len(toks) for _, toks in rows)
@@ -271,25 +272,65 @@ class Engine:
             slots[i], start[i], num_new[i] = s.slot, s.num_cached, len(toks)
             temperature[i], top_k[i], top_p[i] = s.params.temperature, s.params.top_k, s.params.top_p
             seeds[i] = s.seed
+        batch = StepBatch(jax.device_put(slots), jax.device_put(start), jax.device_put(num_new))
+        sampling = SamplingBatch(
+            jax.device_put(temperature), jax.device_put(top_k), jax.device_put(top_p), jax.device_put(seeds)
+        )
         greedy_only = bool(np.all(temperature == 0))
+        next_tokens, logits = self._dispatch(
+            jax.device_put(tokens), batch, sampling, num_pages, all_logits, greedy_only
+        )
+        return np.asarray(next_tokens)[: len(rows)], logits
+
+    def _dispatch(self, tokens, batch, sampling, num_pages: int, all_logits: bool, greedy_only: bool):
+        num_rows, num_tokens = tokens.shape
         key = (num_rows, num_tokens, num_pages, all_logits, greedy_only)
         if key not in self._seen_shapes:
-            if self.warmed_up:
-                log.warning("new step shape %s after warm-up: this call compiles", key)
+            if self.warmed_up and num_tokens == 1 and not all_logits:
+                log.warning("decode shape %s was not compiled during warm-up: this step compiles", key)
             self._seen_shapes.add(key)
         next_tokens, logits, self.cache = model_step(
             self.weights,
             self.cache,
-            jnp.asarray(tokens),
-            StepBatch(jnp.asarray(slots), jnp.asarray(start), jnp.asarray(num_new)),
-            SamplingBatch(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(seeds)),
+            tokens,
+            batch,
+            sampling,
             cfg=self.cfg,
             num_pages=num_pages,
             all_logits=all_logits,
             greedy_only=greedy_only,
         )
-        out = np.asarray(next_tokens)[: len(rows)]
-        return out, (None if logits is None else logits)
+        return next_tokens, logits
+
+    def warmup(self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False) -> int:
+        """Compiles every decode shape for sequences up to `max_len` tokens.
+
+        Covers each batch bucket (1, 2, 4, .. max_num_seqs) times each page bucket up to
+        `max_len` (default max_model_len), greedy and, with `sampling`, sampled. The calls run
+        on padding rows only, which write to the null page and change nothing. Afterwards a
+        decode step with a shape outside this set logs a warning. Returns the number of shapes.
+        """
+        max_len = self.max_model_len if max_len is None else max_len
+        if not 1 <= max_len <= self.max_model_len:
+            raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
+        rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
+        pages = sorted(
+            {bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, self._pages_needed(max_len) + 1)}
+        )
+        shapes = [(r, p, g) for r in rows for p in pages for g in ((True, False) if sampling else (True,))]
+        for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
+            zeros = np.zeros(num_rows, np.int32)
+            batch = StepBatch(*jax.device_put((np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)))
+            temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
+            params = SamplingBatch(
+                *jax.device_put((temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32)))
+            )
+            tokens = jax.device_put(np.zeros((num_rows, 1), np.int32))
+            tokens, _ = self._dispatch(tokens, batch, params, num_pages, False, greedy_only)
+        if shapes:
+            tokens.block_until_ready()
+        self.warmed_up = True
+        return len(shapes)
 
     # -- scoring ----------------------------------------------------------------------------
 

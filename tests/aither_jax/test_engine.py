@@ -160,3 +160,19 @@ def test_bad_constructor_arguments():
         aj.LLM("smollm2-135m", dtype="float16")
     with pytest.raises(ValueError, match="unknown model 'nope'.*smollm2-135m"):
         aj.LLM("nope")
+
+
+def test_warmup_compiles_decode_shapes_and_later_new_shapes_warn(caplog):
+    llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, num_pages=40, progress=False)
+    assert llm.warmup(max_len=128, sampling=False) == 2  # rows {1, 2} x pages {8}
+    params = aj.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="aither_jax.engine"):
+        llm.generate(["A short prompt", "Another one"], params)  # compiles the prefill shape only
+        assert not caplog.records
+        before = llm.engine.num_compiles
+        llm.generate(["A third prompt", "And a fourth"], params)
+        assert llm.engine.num_compiles == before
+        llm.generate(["A short prompt"], aj.SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
+    assert any("not compiled during warm-up" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="max_len"):
+        llm.warmup(max_len=1000)
