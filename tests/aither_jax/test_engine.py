@@ -16,6 +16,9 @@ PROMPTS = [
     "1, 2, 3, 4,",
     "The history of the Roman Empire spans many centuries, beginning with the founding of the city and",
     "Q: What is 7 times 8?\nA:",
+    # Longer than the fixture's 64-token prefill chunk: its prefill spans several steps while
+    # the other rows are already decoding.
+    "Here is a list of facts about the planets of the solar system. " * 8 + "The largest planet is",
 ]
 
 
