@@ -175,12 +175,16 @@ class Engine:
             if not self.allocator.can_allocate(need):
                 break
             self.waiting.popleft()
-            seq.pages = self.allocator.allocate(need)
-            seq.slot = self._free_slots.pop()
-            self.block_tables[seq.slot] = NULL_PAGE
-            self.block_tables[seq.slot, : len(seq.pages)] = seq.pages
-            self._tables_dirty = True
+            self._assign(seq, need)
             self.running.append(seq)
+
+    def _assign(self, seq: Sequence, num_pages: int) -> None:
+        """Gives a sequence a free slot and `num_pages` pages, recorded in its block-table row."""
+        seq.pages = self.allocator.allocate(num_pages)
+        seq.slot = self._free_slots.pop()
+        self.block_tables[seq.slot] = NULL_PAGE
+        self.block_tables[seq.slot, : len(seq.pages)] = seq.pages
+        self._tables_dirty = True
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
@@ -346,10 +350,7 @@ class Engine:
         if not self._free_slots or not self.allocator.can_allocate(self._pages_needed(len(ids))):
             raise RuntimeError("no free cache slot or pages to score with; wait for running requests")
         seq = Sequence(-1, list(ids), SamplingParams(max_tokens=1, temperature=0.0), 0, 1, frozenset())
-        seq.pages = self.allocator.allocate(self._pages_needed(len(ids)))
-        seq.slot = self._free_slots.pop()
-        self.block_tables[seq.slot, : len(seq.pages)] = seq.pages
-        self._tables_dirty = True
+        self._assign(seq, self._pages_needed(len(ids)))
         chunks = []
         try:
             while seq.prefilling:
