@@ -179,3 +179,17 @@ def test_warmup_compiles_decode_shapes_and_later_new_shapes_warn(caplog):
     assert any("not compiled during warm-up" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="max_len"):
         llm.warmup(max_len=1000)
+
+
+def test_device_seq_lens_track_the_host_after_each_step(llm_f32):
+    engine = llm_f32.engine
+    seqs = [engine.add_request(llm_f32.tokenizer.encode(p), GREEDY) for p in PROMPTS[:3]]
+    for _ in range(4):
+        engine.step()
+        lens = np.asarray(engine.cache.seq_lens)
+        for s in seqs:
+            if s.slot >= 0:
+                assert lens[s.slot] == s.num_cached
+    while engine.has_unfinished():
+        engine.step()
+    assert all(s.finish_reason == "length" for s in seqs)
