@@ -57,7 +57,7 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class KVUpdate:
-    """What a step adds to the cache, applied by `PagedKVCache.apply` in a separate call."""
+    """What a step adds to the cache; `aither_jax.steps.write_step` applies it in a separate call."""
 
     pages: jax.Array  # [B, T] int32 page of each new token (NULL_PAGE for padding)
     offsets: jax.Array  # [B, T] int32 slot within the page
