@@ -3,8 +3,9 @@
 The stored context arrives as the keys/values of the pages a row's block table lists, in
 order; a kernel version reads the pages directly instead of taking them gathered.
 
-Masking is strict: keys at or past a row's KV length are zeroed before use, so garbage in
-unused or freed pages (NaN in tests) can never reach the output, even multiplied by zero.
+Masking is strict: scores of keys at or past a row's KV length are replaced (not added to)
+and their values zeroed before use, so garbage in unused or freed pages (NaN in tests) can
+never reach the output, even multiplied by a zero weight.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def paged_attention_reference(
     ctx_valid = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)[None, :] < ctx_lens[:, None]  # [B, Sctx]
     new_valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]  # [B, T]
     kv_valid = jnp.concatenate([ctx_valid, new_valid], axis=1)  # [B, Sctx + T]
-    k = jnp.where(kv_valid[:, :, None, None], jnp.concatenate([k_ctx.astype(q.dtype), k_new], axis=1), 0)
+    # Masked scores are replaced below, NaN or not, so keys need no zeroing; values do, since
+    # a zero weight times NaN is NaN.
+    k = jnp.concatenate([k_ctx.astype(q.dtype), k_new], axis=1)
     v = jnp.where(kv_valid[:, :, None, None], jnp.concatenate([v_ctx.astype(q.dtype), v_new], axis=1), 0)
 
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T]
