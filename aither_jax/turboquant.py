@@ -1,0 +1,34 @@
+"""TurboQuant KV codec for notebooks: `from aither_jax.turboquant import TurboQuant`.
+
+    tq = TurboQuant(head_dim=64, bits=4, seed=0)
+    enc = tq.encode(x)          # {"codes": uint8 [..., 32], "norms": float32 [...]}
+    x_hat = tq.decode(enc)
+    tq.validate(num_vectors=10_000)   # MSE, inner-product error, ratio to the 4^-b bound
+
+The implementation lives with the kernels that read its packed format
+(`pallas_kernels/turboquant.py`).
+"""
+
+from pallas_kernels.turboquant import (
+    ROTATIONS,
+    SUPPORTED_BITS,
+    TurboQuant,
+    coordinate_density,
+    haar_rotation,
+    hadamard_rotation,
+    lloyd_max_codebook,
+    pack_bits,
+    unpack_bits,
+)
+
+__all__ = [
+    "ROTATIONS",
+    "SUPPORTED_BITS",
+    "TurboQuant",
+    "coordinate_density",
+    "haar_rotation",
+    "hadamard_rotation",
+    "lloyd_max_codebook",
+    "pack_bits",
+    "unpack_bits",
+]

@@ -1,0 +1,280 @@
+"""TurboQuant vector codec: random rotation + Lloyd-Max scalar codebooks (+ optional QJL residual).
+
+The packed format that quantized KV pages hold and that kernels read. Per vector x of
+dimension d (a power of two):
+
+1. n = ||x||, stored as float32; u = x / n.
+2. y = R u for a fixed random orthogonal R (Haar, or randomized Hadamard H D3 H D2 H D1).
+   Each coordinate of a rotated unit vector follows f(t) ~ (1 - t^2)^((d - 3) / 2) on
+   [-1, 1], whatever the data, so one codebook serves every vector without calibration.
+3. Each y_i becomes the index of its Lloyd-Max cell for f (2^b centroids, boundaries at
+   midpoints), packed b bits per coordinate.
+4. Optional QJL residual: the sign bits of S (u - u_hat) for a second random orthogonal S of
+   size d, plus the residual's norm; it adds sqrt(pi/2)/sqrt(d) * |r| * S^T sign(S r) back.
+
+Decoding is centroid lookup, R^T, times n. Attention can stay in the rotated domain instead
+(rotate the query once); that is the kernels' business, this module is the reference.
+
+The rotation matrices are data of the format, not a seed: `TurboQuant.fingerprint` hashes
+them with the codebook so stored pages can be checked against the codec that reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_BITS = range(1, 9)
+_GRID_POINTS = 1 << 20  # quadrature grid for the Lloyd iterations on [-1, 1]
+
+
+# -- codebooks -------------------------------------------------------------------------------
+
+
+def coordinate_density(t: np.ndarray, dim: int) -> np.ndarray:
+    """Density of one coordinate of a uniformly random unit vector in R^dim (unnormalized)."""
+    return np.clip(1.0 - t * t, 0.0, None) ** ((dim - 3) / 2.0)
+
+
+def _lloyd_max(grid: np.ndarray, weights: np.ndarray, levels: int, init: np.ndarray, iters: int) -> np.ndarray:
+    """Lloyd-Max centroids for a density sampled on `grid` (weights = density * spacing)."""
+    cum_w = np.concatenate([[0.0], np.cumsum(weights)])
+    cum_tw = np.concatenate([[0.0], np.cumsum(weights * grid)])
+    centroids = np.sort(init.astype(np.float64))
+    for _ in range(iters):
+        bounds = (centroids[1:] + centroids[:-1]) / 2
+        cut = np.concatenate([[0], np.searchsorted(grid, bounds), [len(grid)]])
+        mass = cum_w[cut[1:]] - cum_w[cut[:-1]]
+        first = cum_tw[cut[1:]] - cum_tw[cut[:-1]]
+        new = np.where(mass > 0, first / np.maximum(mass, 1e-300), centroids)
+        if np.max(np.abs(new - centroids)) < 1e-12:
+            centroids = new
+            break
+        centroids = new
+    return centroids
+
+
+def _mse_of(grid: np.ndarray, weights: np.ndarray, centroids: np.ndarray) -> float:
+    """Expected squared error of one coordinate quantized with `centroids` (weights sum to 1)."""
+    bounds = (centroids[1:] + centroids[:-1]) / 2
+    q = centroids[np.searchsorted(bounds, grid)]
+    return float(np.sum(weights * (grid - q) ** 2))
+
+
+@functools.lru_cache(maxsize=64)
+def lloyd_max_codebook(dim: int, bits: int, kind: str = "exact") -> tuple[np.ndarray, float]:
+    """Centroids (ascending, float64) for `bits`-bit quantization of a rotated unit vector's
+    coordinate, and the expected squared error per coordinate.
+
+    Args:
+        dim: vector dimension d.
+        bits: 1..8.
+        kind: "exact" (Lloyd-Max on the exact coordinate density, the default) or "gaussian"
+            (Lloyd-Max for N(0, 1/d), the common approximation, for comparison).
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if dim < 4 or dim & (dim - 1):
+        raise ValueError(f"dim must be a power of two >= 4, got {dim}")
+    if kind not in ("exact", "gaussian"):
+        raise ValueError(f"kind must be 'exact' or 'gaussian', got {kind!r}")
+    levels = 1 << bits
+    grid = np.linspace(-1.0, 1.0, _GRID_POINTS)
+    density = coordinate_density(grid, dim)
+    exact_weights = density / density.sum()
+    if kind == "gaussian":
+        # Lloyd-Max for the standard normal, computed on its own grid, then scaled by 1/sqrt(d).
+        z = np.linspace(-12.0, 12.0, _GRID_POINTS)
+        gw = np.exp(-0.5 * z * z)
+        gw /= gw.sum()
+        init = _normal_quantiles(levels)
+        centroids = _lloyd_max(z, gw, levels, init, iters=20000) / math.sqrt(dim)
+    else:
+        init = _normal_quantiles(levels) / math.sqrt(dim)
+        centroids = _lloyd_max(grid, exact_weights, levels, init, iters=20000)
+    return centroids, _mse_of(grid, exact_weights, centroids)
+
+
+def _normal_quantiles(levels: int) -> np.ndarray:
+    """Midpoint quantiles of N(0, 1): a good starting point for Lloyd's iterations."""
+    from statistics import NormalDist
+
+    nd = NormalDist()
+    return np.array([nd.inv_cdf((i + 0.5) / levels) for i in range(levels)])
+
+
+# -- rotations -------------------------------------------------------------------------------
+
+
+def _rng(seed: int, purpose: str) -> np.random.Generator:
+    """A generator for one purpose: the tag keeps the codec's random streams apart from each
+    other and from user data drawn with the same integer seed."""
+    return np.random.default_rng([seed, int.from_bytes(hashlib.sha256(purpose.encode()).digest()[:4], "little")])
+
+
+def haar_rotation(dim: int, seed: int, purpose: str = "rotation") -> np.ndarray:
+    """A Haar-distributed orthogonal matrix: QR of a Gaussian matrix, columns sign-corrected."""
+    g = _rng(seed, purpose).standard_normal((dim, dim))
+    q, r = np.linalg.qr(g)
+    return (q * np.sign(np.diag(r))[None, :]).astype(np.float32)
+
+
+def hadamard_rotation(dim: int, seed: int) -> np.ndarray:
+    """Randomized Hadamard transform H D3 H D2 H D1 as a matrix (H normalized Walsh-Hadamard)."""
+    if dim & (dim - 1):
+        raise ValueError(f"Hadamard rotations need a power-of-two dimension, got {dim}")
+    h = np.ones((1, 1))
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    h /= math.sqrt(dim)
+    signs = _rng(seed, "hadamard").choice([-1.0, 1.0], size=(3, dim))
+    m = np.eye(dim)
+    for d in signs:
+        m = h @ (d[:, None] * m)
+    return m.astype(np.float32)
+
+
+ROTATIONS = {"haar": haar_rotation, "hadamard": hadamard_rotation}
+
+
+# -- bit packing -------------------------------------------------------------------------------
+
+
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+    """Packs integer codes [..., d] < 2^bits into uint8 [..., d * bits / 8], little-endian bits.
+
+    Code i occupies bits i*b .. i*b + b - 1 of the little-endian bit stream (so at 4 bits code
+    2j is the low nibble of byte j).
+    """
+    d = codes.shape[-1]
+    if (d * bits) % 8:
+        raise ValueError(f"{d} codes of {bits} bits do not fill whole bytes")
+    c = codes.astype(jnp.uint32)
+    stream = (c[..., :, None] >> jnp.arange(bits, dtype=jnp.uint32)) & 1  # [..., d, b]
+    stream = stream.reshape(*codes.shape[:-1], d * bits // 8, 8)
+    return jnp.sum(stream << jnp.arange(8, dtype=jnp.uint32), axis=-1).astype(jnp.uint8)
+
+
+def unpack_bits(packed: jax.Array, bits: int, dim: int) -> jax.Array:
+    """Inverse of `pack_bits`: uint8 [..., dim * bits / 8] -> int32 codes [..., dim]."""
+    p = packed.astype(jnp.uint32)
+    stream = (p[..., :, None] >> jnp.arange(8, dtype=jnp.uint32)) & 1  # [..., bytes, 8]
+    stream = stream.reshape(*packed.shape[:-1], dim, bits)
+    return jnp.sum(stream << jnp.arange(bits, dtype=jnp.uint32), axis=-1).astype(jnp.int32)
+
+
+# -- the codec ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TurboQuant:
+    """Encoder/decoder for vectors of one dimension at one bit width.
+
+    Args:
+        head_dim: vector dimension (power of two).
+        bits: bits per coordinate, 1..8.
+        seed: seeds the rotation (and the QJL transform).
+        rotation: "haar" or "hadamard".
+        codebook: "exact" (Lloyd-Max on the exact density) or "gaussian".
+        qjl: add the 1-bit QJL residual (d extra bits + a float32 norm per vector).
+    """
+
+    head_dim: int
+    bits: int
+    seed: int = 0
+    rotation: str = "haar"
+    codebook: str = "exact"
+    qjl: bool = False
+
+    def __post_init__(self):
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {sorted(ROTATIONS)}, got {self.rotation!r}")
+        centroids, mse = lloyd_max_codebook(self.head_dim, self.bits, self.codebook)
+        object.__setattr__(self, "centroids", centroids.astype(np.float32))
+        object.__setattr__(self, "boundaries", ((centroids[1:] + centroids[:-1]) / 2).astype(np.float32))
+        object.__setattr__(self, "coordinate_mse", mse)
+        object.__setattr__(self, "rotation_matrix", ROTATIONS[self.rotation](self.head_dim, self.seed))
+        qjl = haar_rotation(self.head_dim, self.seed, purpose="qjl") if self.qjl else None
+        object.__setattr__(self, "qjl_matrix", qjl)
+
+    @property
+    def bytes_per_vector(self) -> int:
+        """Packed bytes per vector: codes, float32 norm, and with QJL the sign bits + residual norm."""
+        extra = self.head_dim // 8 + 4 if self.qjl else 0
+        return self.head_dim * self.bits // 8 + 4 + extra
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 over the codebook and rotation(s): identifies the stored format exactly."""
+        h = hashlib.sha256()
+        h.update(f"tq:{self.head_dim}:{self.bits}:{self.codebook}:{self.qjl}".encode())
+        h.update(self.centroids.tobytes())
+        h.update(self.rotation_matrix.tobytes())
+        if self.qjl_matrix is not None:
+            h.update(self.qjl_matrix.tobytes())
+        return h.hexdigest()
+
+    def encode(self, x: jax.Array) -> dict[str, jax.Array]:
+        """x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float32 [...]} (+ "qjl_signs",
+        "qjl_norms" with QJL)."""
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"expected vectors of dimension {self.head_dim}, got shape {x.shape}")
+        x = jnp.asarray(x, jnp.float32)
+        norms = jnp.linalg.norm(x, axis=-1)
+        u = x / jnp.maximum(norms, 1e-30)[..., None]
+        y = u @ jnp.asarray(self.rotation_matrix).T
+        idx = jnp.sum(y[..., None] > jnp.asarray(self.boundaries), axis=-1)  # count of boundaries below
+        out = {"codes": pack_bits(idx, self.bits), "norms": norms}
+        if self.qjl:
+            residual = u - jnp.asarray(self.centroids)[idx] @ jnp.asarray(self.rotation_matrix)
+            projected = residual @ jnp.asarray(self.qjl_matrix).T
+            out["qjl_signs"] = pack_bits((projected >= 0).astype(jnp.int32), 1)
+            out["qjl_norms"] = jnp.linalg.norm(residual, axis=-1)
+        return out
+
+    def decode(self, encoded: dict[str, jax.Array]) -> jax.Array:
+        """The reconstruction x_hat [..., d] float32."""
+        idx = unpack_bits(encoded["codes"], self.bits, self.head_dim)
+        u_hat = jnp.asarray(self.centroids)[idx] @ jnp.asarray(self.rotation_matrix)
+        if self.qjl:
+            signs = unpack_bits(encoded["qjl_signs"], 1, self.head_dim).astype(jnp.float32) * 2 - 1
+            # For an orthonormal S of d rows, E|<s_i, r>| = |r| sqrt(2/pi)/sqrt(d): scaling the
+            # sign vector back by sqrt(pi/2)/sqrt(d) * |r| makes inner products unbiased.
+            scale = math.sqrt(math.pi / 2) / math.sqrt(self.head_dim)
+            u_hat = u_hat + scale * encoded["qjl_norms"][..., None] * (signs @ jnp.asarray(self.qjl_matrix))
+        return u_hat * encoded["norms"][..., None]
+
+    def validate(self, num_vectors: int = 10_000, seed: int = 1) -> dict[str, float]:
+        """Quality on random unit vectors: per-vector MSE, inner-product error, ratio to 4^-b.
+
+        Returns:
+            mse: mean ||x - x_hat||^2 over unit vectors x.
+            mse_lower_bound: 4^-b, the information-theoretic lower bound.
+            mse_ratio: mse / 4^-b.
+            inner_product_rmse: RMS of <q, x> - <q, x_hat> for random unit queries q.
+            inner_product_bias: mean of that difference.
+            bytes_per_vector: storage per vector.
+        """
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((num_vectors, self.head_dim)).astype(np.float32)
+        x /= np.linalg.norm(x, axis=-1, keepdims=True)
+        q = rng.standard_normal((num_vectors, self.head_dim)).astype(np.float32)
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        x_hat = np.asarray(jax.jit(lambda v: self.decode(self.encode(v)))(x))
+        mse = float(np.mean(np.sum((x - x_hat) ** 2, axis=-1)))
+        err = np.sum(q * x, axis=-1) - np.sum(q * x_hat, axis=-1)
+        bound = 4.0**-self.bits
+        return {
+            "mse": mse,
+            "mse_lower_bound": bound,
+            "mse_ratio": mse / bound,
+            "inner_product_rmse": float(np.sqrt(np.mean(err**2))),
+            "inner_product_bias": float(np.mean(err)),
+            "bytes_per_vector": self.bytes_per_vector,
+        }
