@@ -18,6 +18,7 @@ from pallas_kernels.turboquant import (
     hadamard_rotation,
     lloyd_max_codebook,
     pack_bits,
+    tq_vector_bytes,
     unpack_bits,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "hadamard_rotation",
     "lloyd_max_codebook",
     "pack_bits",
+    "tq_vector_bytes",
     "unpack_bits",
 ]

@@ -172,6 +172,12 @@ def unpack_bits(packed: jax.Array, bits: int, dim: int) -> jax.Array:
 # -- the codec ---------------------------------------------------------------------------------
 
 
+def tq_vector_bytes(head_dim: int, bits: int, qjl: bool = False) -> int:
+    """Stored bytes per vector: packed codes and a float32 norm; with QJL, d sign bits and a
+    float32 residual norm more."""
+    return head_dim * bits // 8 + 4 + ((head_dim // 8 + 4) if qjl else 0)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TurboQuant:
     """Encoder/decoder for vectors of one dimension at one bit width.
@@ -206,8 +212,7 @@ class TurboQuant:
     @property
     def bytes_per_vector(self) -> int:
         """Packed bytes per vector: codes, float32 norm, and with QJL the sign bits + residual norm."""
-        extra = self.head_dim // 8 + 4 if self.qjl else 0
-        return self.head_dim * self.bits // 8 + 4 + extra
+        return tq_vector_bytes(self.head_dim, self.bits, self.qjl)
 
     @property
     def fingerprint(self) -> str:
