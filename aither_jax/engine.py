@@ -86,7 +86,7 @@ class Engine:
         num_pages: int,
         page_size: int = 16,
         max_prefill_chunk: int = 256,
-        cache_dtype: str = "bfloat16",
+        kv_cache_dtype: str = "bf16",
         cache_fill_value: float = 0.0,
         seed: int = 0,
     ):
@@ -117,7 +117,7 @@ class Engine:
             max_seqs=max_num_seqs,
             max_pages_per_seq=self.max_pages_per_seq,
             page_size=page_size,
-            dtype=cache_dtype,
+            kv_cache_dtype=kv_cache_dtype,
             fill_value=cache_fill_value,
         )
         self.allocator = PageAllocator(num_pages)

@@ -6,7 +6,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -14,6 +13,7 @@ from aither_jax.engine import Engine
 from aither_jax.sampling import SamplingParams
 from models.config import ModelConfig
 from models.gguf_file import GGUFFile
+from models.kv_spec import parse_kv_spec
 from models.registry import DEFAULT_MODEL, resolve_model
 from models.tokenizer import Tokenizer
 from models.weights import DTYPES, load_weights
@@ -42,6 +42,9 @@ class LLM:
     Args:
         model: a registered name (`smollm2-135m`) or a path to a `.gguf` file.
         dtype: weight and activation dtype, "bfloat16" (default) or "float32".
+        kv_cache_dtype: KV cache format: "auto" (the default: unquantized in the model's dtype,
+            bf16 or fp32), "bf16", "fp32", or a TurboQuant format such as "tq4" or "tq-k6v4"
+            (see `python -m aither_jax.eval capacity`).
         max_model_len: longest prompt + completion (default: the model's context length).
         max_num_seqs: sequences decoded together.
         num_pages: KV pages in the pool (default: as many as fit in 1 GiB, at most enough for
@@ -57,6 +60,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         dtype: str = "bfloat16",
         *,
+        kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 8,
         num_pages: int | None = None,
@@ -80,8 +84,11 @@ class LLM:
         max_model_len = self.config.max_context if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if kv_cache_dtype == "auto":
+            kv_cache_dtype = "fp32" if dtype == "float32" else "bf16"
+        self.kv_spec = parse_kv_spec(kv_cache_dtype)
         if num_pages is None:
-            bytes_per_page = self.config.kv_bytes_per_token(jnp.dtype(DTYPES[dtype]).itemsize) * page_size
+            bytes_per_page = self.kv_spec.bytes_per_token(self.config) * page_size
             full = max_num_seqs * -(-max_model_len // page_size) + 1
             num_pages = max(2, min(full, DEFAULT_KV_CACHE_BYTES // bytes_per_page))
         self.progress = progress
@@ -94,7 +101,7 @@ class LLM:
             num_pages=num_pages,
             page_size=page_size,
             max_prefill_chunk=max_prefill_chunk,
-            cache_dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             cache_fill_value=_cache_fill_value,
             seed=seed,
         )

@@ -45,10 +45,6 @@ class ModelConfig:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
 
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """Bytes of K and V for one token across all layers in an unquantized cache."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
-
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
         """Reads and validates the architecture fields of a GGUF file's metadata."""

@@ -10,6 +10,8 @@ Layers are unrolled over per-layer weight pytrees.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -61,8 +63,8 @@ class KVUpdate:
 
     pages: jax.Array  # [B, T] int32 page of each new token (NULL_PAGE for padding)
     offsets: jax.Array  # [B, T] int32 slot within the page
-    k: jax.Array  # [L, B, T, Hkv, Dh]
-    v: jax.Array  # [L, B, T, Hkv, Dh]
+    k: Any  # storage pytree (see PagedKVCache), leaves [L, B, T, Hkv, ...]
+    v: Any
     slots: jax.Array  # [B] int32
     seq_lens: jax.Array  # [B] int32 tokens stored per row after the update
 
@@ -107,14 +109,20 @@ def forward(
             q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            k_store, v_store = cache.encode(k, v)
+            if cache.spec.quantized:
+                # Every position attends to keys/values as stored, the new ones included.
+                k, v = cache.decode(k_store, v_store)
             k_ctx, v_ctx = cache.read(read_table, idx)
-            attn = paged_attention_reference(q, k, v, k_ctx, v_ctx, batch.start, batch.num_new)
+            attn = paged_attention_reference(
+                q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, batch.start, batch.num_new
+            )
             x = x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo)
             h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
             gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
             x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
-            new_k.append(k)
-            new_v.append(v)
+            new_k.append(k_store)
+            new_v.append(v_store)
 
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     if not all_logits:
@@ -124,8 +132,8 @@ def forward(
     update = KVUpdate(
         pages=jnp.where(valid, page_of_pos, NULL_PAGE),
         offsets=positions % page_size,
-        k=jnp.stack(new_k),
-        v=jnp.stack(new_v),
+        k=jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *new_k),
+        v=jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *new_v),
         slots=batch.slots,
         seq_lens=batch.start + batch.num_new,
     )

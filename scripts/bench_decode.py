@@ -103,6 +103,7 @@ from aither_jax.sampling import SamplingParams  # noqa: E402
 from aither_jax.steps import CompileCounter  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.gguf_file import GGUFFile  # noqa: E402
+from models.kv_spec import parse_kv_spec  # noqa: E402
 from models.registry import DEFAULT_MODEL, MODELS, resolve_model  # noqa: E402
 from models.weights import DTYPES, LayerWeights, ModelWeights  # noqa: E402
 
@@ -315,7 +316,8 @@ def random_weights_llm(
     jax.block_until_ready(weights)
     llm.load_seconds = time.perf_counter() - t0
     page_size = 16
-    bytes_per_page = cfg.kv_bytes_per_token(jnp.dtype(DTYPES[dtype]).itemsize) * page_size
+    kv_cache_dtype = "fp32" if dtype == "float32" else "bf16"
+    bytes_per_page = parse_kv_spec(kv_cache_dtype).bytes_per_token(cfg) * page_size
     full = max_num_seqs * -(-max_model_len // page_size) + 1
     llm.engine = Engine(
         weights,
@@ -325,7 +327,7 @@ def random_weights_llm(
         max_model_len=max_model_len,
         num_pages=max(2, min(full, DEFAULT_KV_CACHE_BYTES // bytes_per_page)),
         page_size=page_size,
-        cache_dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return llm
 

@@ -52,7 +52,7 @@ def test_reference_matches_dense(page_size, ctx_lens, num_new):
         max_seqs=b,
         max_pages_per_seq=np_read,
         page_size=page_size,
-        dtype="float32",
+        kv_cache_dtype="fp32",
         fill_value=float("nan"),
     )
     # Each row owns a random, non-contiguous set of pages; the rest of its table points at page 0 (NaN).
