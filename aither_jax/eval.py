@@ -1,7 +1,10 @@
 """Evaluation entry points: `python -m aither_jax.eval <command>`.
 
-    capacity   KV bytes per token for each --kv-cache-dtype of a model, and how many tokens fit
-               in a memory budget.
+    perplexity  quality of KV cache formats on a text: perplexity with every position attending
+                to the cache as stored, and against bf16 KV in the same run the perplexity
+                change, mean KL divergence and top-1 agreement; a table, JSON and a plot.
+    capacity    KV bytes per token for each --kv-cache-dtype of a model, and how many tokens fit
+                in a memory budget.
 
 Exit codes: 0 success, 2 bad usage.
 """
@@ -10,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+
+import numpy as np
 
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
@@ -36,6 +43,110 @@ def capacity_rows(cfg: ModelConfig, specs: list[KVSpec], memory_bytes: int) -> l
     return rows
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def quality_metrics(logits: np.ndarray, reference: np.ndarray, ids: list[int]) -> dict:
+    """Next-token quality of `logits` [N, V] against the reference run's, on token ids [N].
+
+    Position i predicts ids[i + 1]; the last position has no target.
+    """
+    lp, ref = log_softmax(logits[:-1].astype(np.float64)), log_softmax(reference[:-1].astype(np.float64))
+    targets = np.asarray(ids[1:])
+    nll = -lp[np.arange(len(targets)), targets].mean()
+    nll_ref = -ref[np.arange(len(targets)), targets].mean()
+    kl = (np.exp(ref) * (ref - lp)).sum(-1).mean()  # KL(reference || quantized)
+    return {
+        "perplexity": float(np.exp(nll)),
+        "perplexity_bf16": float(np.exp(nll_ref)),
+        "perplexity_change_pct": float((np.exp(nll - nll_ref) - 1) * 100),
+        "kl_divergence": float(kl),
+        "top1_agreement": float((lp.argmax(-1) == ref.argmax(-1)).mean()),
+    }
+
+
+def run_perplexity(args) -> list[dict]:
+    import aither_jax as aj  # heavy import after argument checks
+    from aither_jax.engine import Engine
+
+    with open(args.text_file, encoding="utf-8") as f:
+        text = f.read()
+    dtype = args.dtype
+    if dtype == "auto":
+        import jax
+
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    llm = aj.LLM(args.model, dtype=dtype, kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=args.max_tokens + 1)
+    ids = llm.tokenizer.encode(text)[: args.max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"{args.text_file} has fewer than 2 tokens")
+    pages = -(-len(ids) // 16) + 1
+
+    def score(kv: str) -> tuple[np.ndarray, float]:
+        engine = Engine(
+            llm.engine.weights,
+            llm.config,
+            llm.tokenizer,
+            max_num_seqs=1,
+            max_model_len=args.max_tokens + 1,
+            num_pages=pages,
+            max_prefill_chunk=args.chunk,
+            kv_cache_dtype=kv,
+        )
+        t0 = time.perf_counter()
+        out = engine.score(ids)
+        return out, time.perf_counter() - t0
+
+    reference, _ = score("bf16")
+    bf16_bytes = parse_kv_spec("bf16").bytes_per_token(llm.config)
+    rows = []
+    for spec in args.kv_cache_dtype:
+        logits, seconds = score(spec.name)
+        per_token = spec.bytes_per_token(llm.config)
+        rows.append(
+            {
+                "model": args.model,
+                "kv_cache_dtype": spec.name,
+                "bytes_per_token": per_token,
+                "compression_vs_bf16": round(bf16_bytes / per_token, 3),
+                **quality_metrics(logits, reference, ids),
+                "num_tokens": len(ids),
+                "text_file": os.path.abspath(args.text_file),
+                "weights_dtype": dtype,
+                "chunk": args.chunk,
+                "seconds": round(seconds, 3),
+            }
+        )
+    return rows
+
+
+def write_plot(rows: list[dict], path: str) -> None:
+    """Quality (perplexity change, KL) against bytes per token, one point per format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in (
+        (axes[0], "perplexity_change_pct", "perplexity change vs bf16 KV (%)"),
+        (axes[1], "kl_divergence", "mean KL divergence vs bf16 KV"),
+    ):
+        for r in rows:
+            ax.scatter(r["bytes_per_token"], r[key])
+            ax.annotate(r["kv_cache_dtype"], (r["bytes_per_token"], r[key]), fontsize=8)
+        ax.set_xlabel("KV bytes per token")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{rows[0]['model']}: KV cache formats, {rows[0]['num_tokens']} tokens")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -44,6 +155,19 @@ def _positive_float(text: str) -> float:
     if not 0 < value <= 1 << 20:
         raise argparse.ArgumentTypeError(f"must be in (0, 1048576] GiB, got {text}")
     return value
+
+
+def _int_range(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    return parse
 
 
 def _kv_spec(text: str) -> KVSpec:
@@ -56,6 +180,23 @@ def _kv_spec(text: str) -> KVSpec:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aither_jax.eval", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    ppl = sub.add_parser("perplexity", help="quality of KV cache formats against bf16 KV on a text")
+    ppl.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
+    )
+    ppl.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        type=_kv_spec,
+        required=True,
+        help="one or more formats: bf16, fp32, tq<bits>, tq-k<bits>v<bits>, with -qjlk/-qjlv/-qjl",
+    )
+    ppl.add_argument("--text-file", required=True, help="UTF-8 text to score")
+    ppl.add_argument("--max-tokens", type=_int_range(2, 8192), default=1024, help="tokens of the text to use")
+    ppl.add_argument("--chunk", type=_int_range(16, 1024), default=256, help="prefill chunk (power of two)")
+    ppl.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    ppl.add_argument("--plot", default="out/kv_quality.png", help="where to write the quality plot ('' to skip)")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
     cap = sub.add_parser("capacity", help="KV bytes per token and tokens per memory budget")
     cap.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
@@ -75,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "perplexity":
+        return perplexity_main(parser, args)
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
@@ -94,6 +237,40 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['kv_cache_dtype']:<16} {r['bytes_per_token']:>12,} {r['compression_vs_bf16']:>7.2f}x "
             f"{r['tokens_in_budget']:>17,}"
         )
+    return 0
+
+
+def perplexity_main(parser: argparse.ArgumentParser, args) -> int:
+    if not os.path.isfile(args.text_file):
+        parser.error(f"--text-file {args.text_file!r} does not exist")
+    if args.chunk & (args.chunk - 1):
+        parser.error(f"--chunk must be a power of two, got {args.chunk}")
+    try:
+        rows = run_perplexity(args)
+    except (ValueError, GGUFError, UnicodeDecodeError) as e:
+        parser.error(str(e))
+    if args.plot:
+        write_plot(rows, args.plot)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    print(
+        f"{args.model}: {rows[0]['num_tokens']} tokens of {args.text_file}, weights {rows[0]['weights_dtype']}, "
+        f"perplexity with bf16 KV {rows[0]['perplexity_bf16']:.4f}"
+    )
+    print(
+        f"{'kv_cache_dtype':<16} {'bytes/token':>11} {'vs bf16':>8} {'ppl':>9} {'ppl change':>11} "
+        f"{'KL':>8} {'top-1':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['kv_cache_dtype']:<16} {r['bytes_per_token']:>11,} {r['compression_vs_bf16']:>7.2f}x "
+            f"{r['perplexity']:>9.4f} {r['perplexity_change_pct']:>+10.2f}% {r['kl_divergence']:>8.4f} "
+            f"{r['top1_agreement']:>6.1%}"
+        )
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0
 
 

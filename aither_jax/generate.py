@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: bfloat16 on accelerators, float32 on CPU (where XLA's bfloat16 matmuls are slow)",
     )
     p.add_argument("--max-model-len", type=_int_in("--max-model-len", 2), default=None)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache format: auto (unquantized in the model dtype), bf16, fp32, tq<bits>, tq-k<bits>v<bits>",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p
 
@@ -75,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--system needs --chat")
     if not args.prompt:
         parser.error("--prompt must not be empty")
+    if args.kv_cache_dtype != "auto":
+        from models.kv_spec import parse_kv_spec
+
+        try:
+            parse_kv_spec(args.kv_cache_dtype)
+        except ValueError as e:
+            parser.error(f"--kv-cache-dtype: {e}")
     import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
 
     if args.dtype == "auto":
@@ -82,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
 
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     try:
-        llm = aj.LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1, progress=True)
+        llm = aj.LLM(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=1,
+            progress=True,
+        )
     except (ValueError, GGUFError) as e:
         parser.error(str(e))
     params = aj.SamplingParams(
@@ -117,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "model": args.model,
             "dtype": args.dtype,
+            "kv_cache_dtype": llm.kv_spec.name,
             "text": out.text,
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason,

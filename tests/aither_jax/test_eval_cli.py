@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from aither_jax import eval as aj_eval
@@ -38,5 +39,61 @@ def test_capacity_table(capsys):
 def test_bad_usage_exits_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         aj_eval.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+TEXT = (
+    "The committee met on a cold morning in early March. Its members had travelled from the coast, "
+    "from the hill towns and from the capital, and most of them had not seen each other since the "
+    "autumn. The chair opened the meeting by reading the minutes of the last session aloud."
+)
+
+
+def test_perplexity_json_plot_and_reference_row(tmp_path, capsys):
+    text = tmp_path / "prose.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    plot = tmp_path / "quality.png"
+    argv = ["perplexity", "--kv-cache-dtype", "bf16", "tq8", "tq2", "--text-file", str(text), "--max-tokens", "48"]
+    argv += ["--chunk", "16", "--dtype", "float32", "--plot", str(plot), "--json"]
+    assert aj_eval.main(argv) == 0
+    rows = {r["kv_cache_dtype"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    for key in ("bytes_per_token", "compression_vs_bf16", "perplexity", "perplexity_bf16", "perplexity_change_pct"):
+        assert all(key in r for r in rows.values())
+    assert rows["bf16"]["perplexity_change_pct"] == pytest.approx(0, abs=1e-9)
+    assert rows["bf16"]["kl_divergence"] == pytest.approx(0, abs=1e-9) and rows["bf16"]["top1_agreement"] == 1
+    assert rows["tq8"]["kl_divergence"] < rows["tq2"]["kl_divergence"]
+    assert rows["tq2"]["top1_agreement"] < 1 and rows["tq2"]["compression_vs_bf16"] == pytest.approx(6.4)
+    assert rows["tq8"]["num_tokens"] == 48
+    assert plot.stat().st_size > 1000
+
+
+def test_quality_metrics_against_hand_computed_values():
+    ref = np.log(np.array([[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]]))
+    q = np.log(np.array([[0.5, 0.5], [0.6, 0.4], [0.3, 0.7]]))
+    ids = [0, 1, 0]
+    m = aj_eval.quality_metrics(q, ref, ids)
+    # Targets: position 0 -> id 1, position 1 -> id 0.
+    assert m["perplexity"] == pytest.approx(np.exp(-(np.log(0.5) + np.log(0.6)) / 2))
+    assert m["perplexity_bf16"] == pytest.approx(np.exp(-(np.log(0.5) + np.log(0.9)) / 2))
+    kl = (0 + 0.9 * np.log(0.9 / 0.6) + 0.1 * np.log(0.1 / 0.4)) / 2
+    assert m["kl_divergence"] == pytest.approx(kl)
+    assert m["top1_agreement"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--kv-cache-dtype", "tq4", "--text-file", "/nonexistent.txt"], "does not exist"),
+        (["--kv-cache-dtype", "tq4", "--text-file", "TEXT", "--chunk", "48"], "power of two"),
+        (["--kv-cache-dtype", "tq4", "--text-file", "TEXT", "--max-tokens", "1"], "must be in [2, 8192]"),
+        (["--text-file", "TEXT"], "--kv-cache-dtype"),
+    ],
+)
+def test_perplexity_bad_usage(tmp_path, extra, message, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        aj_eval.main(["perplexity", *[str(text) if a == "TEXT" else a for a in extra]])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err

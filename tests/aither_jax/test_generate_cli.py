@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--prompt", ""], "--prompt must not be empty"),
         (["--prompt", "x", "--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["--prompt", "x", "--model", "/nonexistent/model.gguf"], "does not exist"),
+        (["--prompt", "x", "--kv-cache-dtype", "int4"], "unknown kv cache dtype 'int4'"),
     ],
 )
 def test_bad_usage_exits_2_with_message(argv, message, capsys):
@@ -60,6 +61,8 @@ def test_json_output_in_a_subprocess():
         "float32",
         "--max-model-len",
         "128",
+        "--kv-cache-dtype",
+        "tq-k6v4",
         "--json",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -69,3 +72,4 @@ def test_json_output_in_a_subprocess():
         assert key in result
     assert result["completion_tokens"] == len(result["token_ids"]) <= 6
     assert result["prompt_tokens"] == 3 and result["tokens_per_second"] > 0
+    assert result["kv_cache_dtype"] == "tq-k6v4"
