@@ -3,6 +3,8 @@
     perplexity  quality of KV cache formats on a text: perplexity with every position attending
                 to the cache as stored, and against bf16 KV in the same run the perplexity
                 change, mean KL divergence and top-1 agreement; a table, JSON and a plot.
+    codec       TurboQuant codec quality on random unit vectors: per-vector MSE, inner-product
+                error and the ratio to the 4^-b lower bound.
     capacity    KV bytes per token for each --kv-cache-dtype of a model, and how many tokens fit
                 in a memory budget.
 
@@ -18,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
@@ -102,7 +105,7 @@ def run_perplexity(args) -> list[dict]:
     reference, _ = score("bf16")
     bf16_bytes = parse_kv_spec("bf16").bytes_per_token(llm.config)
     rows = []
-    for spec in args.kv_cache_dtype:
+    for spec in tqdm(args.kv_cache_dtype, desc="scoring KV formats", unit="format"):
         logits, seconds = score(spec.name)
         per_token = spec.bytes_per_token(llm.config)
         rows.append(
@@ -139,7 +142,12 @@ def write_plot(rows: list[dict], path: str) -> None:
             ax.annotate(r["kv_cache_dtype"], (r["bytes_per_token"], r[key]), fontsize=8)
         ax.set_xlabel("KV bytes per token")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
+        ax.set_xscale("log")
+        # Formats span orders of magnitude in quality; symlog keeps the near-lossless ones apart.
+        ax.set_yscale("symlog", linthresh=0.5 if key == "perplexity_change_pct" else 0.005)
+        if key == "kl_divergence":
+            ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3, which="both")
     fig.suptitle(f"{rows[0]['model']}: KV cache formats, {rows[0]['num_tokens']} tokens")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -197,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     ppl.add_argument("--plot", default="out/kv_quality.png", help="where to write the quality plot ('' to skip)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
+    codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
+    codec.add_argument("--head-dim", type=_int_range(4, 1024), default=128)
+    codec.add_argument("--bits", type=_int_range(1, 8), nargs="+", default=[2, 3, 4])
+    codec.add_argument("--rotation", choices=("haar", "hadamard"), default="haar")
+    codec.add_argument("--codebook", choices=("exact", "gaussian"), default="exact")
+    codec.add_argument("--qjl", action="store_true", help="add the 1-bit QJL residual")
+    codec.add_argument("--num-vectors", type=_int_range(100, 1_000_000), default=10_000)
+    codec.add_argument("--json", action="store_true", help="print one JSON object per bit width")
     cap = sub.add_parser("capacity", help="KV bytes per token and tokens per memory budget")
     cap.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
@@ -218,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "perplexity":
         return perplexity_main(parser, args)
+    if args.command == "codec":
+        return codec_main(parser, args)
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
@@ -237,6 +255,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['kv_cache_dtype']:<16} {r['bytes_per_token']:>12,} {r['compression_vs_bf16']:>7.2f}x "
             f"{r['tokens_in_budget']:>17,}"
         )
+    return 0
+
+
+def codec_main(parser: argparse.ArgumentParser, args) -> int:
+    from pallas_kernels.turboquant import TurboQuant
+
+    if args.head_dim & (args.head_dim - 1):
+        parser.error(f"--head-dim must be a power of two, got {args.head_dim}")
+    for bits in args.bits:
+        tq = TurboQuant(head_dim=args.head_dim, bits=bits, rotation=args.rotation, codebook=args.codebook, qjl=args.qjl)
+        report = {"head_dim": args.head_dim, "bits": bits, "rotation": args.rotation, "codebook": args.codebook}
+        report |= {"qjl": args.qjl, **tq.validate(num_vectors=args.num_vectors)}
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(
+                f"d={args.head_dim} {bits} bit{'s' if bits > 1 else ''} ({args.rotation}, {args.codebook}"
+                f"{', qjl' if args.qjl else ''}): mse {report['mse']:.5f} = {report['mse_ratio']:.2f} x 4^-b, "
+                f"inner-product rmse {report['inner_product_rmse']:.5f}, {report['bytes_per_vector']} B/vector"
+            )
     return 0
 
 

@@ -97,3 +97,16 @@ def test_perplexity_bad_usage(tmp_path, extra, message, capsys):
         aj_eval.main(["perplexity", *[str(text) if a == "TEXT" else a for a in extra]])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_codec_report_beats_the_anchor(capsys):
+    assert aj_eval.main(["codec", "--head-dim", "128", "--bits", "2", "4", "--num-vectors", "2000", "--json"]) == 0
+    rows = {r["bits"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    assert rows[2]["mse"] < 0.1175 and rows[4]["mse"] < 0.0095
+    assert rows[4]["bytes_per_vector"] == 68 and rows[2]["mse_ratio"] > 1
+
+
+def test_codec_rejects_non_power_of_two(capsys):
+    with pytest.raises(SystemExit) as exc:
+        aj_eval.main(["codec", "--head-dim", "96"])
+    assert exc.value.code == 2 and "power of two" in capsys.readouterr().err
