@@ -37,7 +37,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def test_bf16_cache_is_stored_as_bits(llm_bf16):
-    assert llm_bf16.engine.cache.dtype == "bfloat16"
+    assert llm_bf16.engine.cache.spec.name == "bf16"
     assert str(llm_bf16.engine.cache.k.dtype) == "uint16"
 
 
