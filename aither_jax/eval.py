@@ -22,10 +22,11 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
+from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
 from models.kv_spec import KVSpec, parse_kv_spec
-from models.registry import DEFAULT_MODEL, MODELS, resolve_model
+from models.registry import resolve_model
 
 
 def capacity_rows(cfg: ModelConfig, specs: list[KVSpec], memory_bytes: int) -> list[dict]:
@@ -155,76 +156,49 @@ def write_plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value <= 1 << 20:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1048576] GiB, got {text}")
-    return value
-
-
-def _int_range(low: int, high: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
-        return value
-
-    return parse
-
-
-def _kv_spec(text: str) -> KVSpec:
-    try:
-        return parse_kv_spec(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aither_jax.eval", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     ppl = sub.add_parser("perplexity", help="quality of KV cache formats against bf16 KV on a text")
-    ppl.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
-    )
+    add_model_argument(ppl)
     ppl.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        type=_kv_spec,
+        type=kv_spec,
         required=True,
         help="one or more formats: bf16, fp32, tq<bits>, tq-k<bits>v<bits>, with -qjlk/-qjlv/-qjl",
     )
     ppl.add_argument("--text-file", required=True, help="UTF-8 text to score")
-    ppl.add_argument("--max-tokens", type=_int_range(2, 8192), default=1024, help="tokens of the text to use")
-    ppl.add_argument("--chunk", type=_int_range(16, 1024), default=256, help="prefill chunk (power of two)")
+    ppl.add_argument(
+        "--max-tokens", type=int_in("--max-tokens", 2, 8192), default=1024, help="tokens of the text to use"
+    )
+    ppl.add_argument("--chunk", type=int_in("--chunk", 16, 1024), default=256, help="prefill chunk (power of two)")
     ppl.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     ppl.add_argument("--plot", default="out/kv_quality.png", help="where to write the quality plot ('' to skip)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
     codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
-    codec.add_argument("--head-dim", type=_int_range(4, 1024), default=128)
-    codec.add_argument("--bits", type=_int_range(1, 8), nargs="+", default=[2, 3, 4])
+    codec.add_argument("--head-dim", type=int_in("--head-dim", 4, 1024), default=128)
+    codec.add_argument("--bits", type=int_in("--bits", 1, 8), nargs="+", default=[2, 3, 4])
     codec.add_argument("--rotation", choices=("haar", "hadamard"), default="haar")
     codec.add_argument("--codebook", choices=("exact", "gaussian"), default="exact")
     codec.add_argument("--qjl", action="store_true", help="add the 1-bit QJL residual")
-    codec.add_argument("--num-vectors", type=_int_range(100, 1_000_000), default=10_000)
+    codec.add_argument("--num-vectors", type=int_in("--num-vectors", 100, 1_000_000), default=10_000)
     codec.add_argument("--json", action="store_true", help="print one JSON object per bit width")
     cap = sub.add_parser("capacity", help="KV bytes per token and tokens per memory budget")
-    cap.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
-    )
+    add_model_argument(cap)
     cap.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        type=_kv_spec,
+        type=kv_spec,
         default=[parse_kv_spec(n) for n in ("bf16", "tq8", "tq6", "tq-k6v4", "tq4", "tq3", "tq2")],
         help="one or more formats: bf16, fp32, tq<bits>, tq-k<bits>v<bits>, with -qjlk/-qjlv/-qjl",
     )
-    cap.add_argument("--memory-gib", type=_positive_float, default=1.0, help="KV memory budget in GiB")
+    cap.add_argument(
+        "--memory-gib",
+        type=float_in("--memory-gib", 0, 1 << 20, low_open=True),
+        default=1.0,
+        help="KV memory budget in GiB",
+    )
     cap.add_argument("--json", action="store_true", help="print one JSON object per format")
     return p
 

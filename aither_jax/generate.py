@@ -11,51 +11,21 @@ import json
 import sys
 import time
 
+from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec
 from models.gguf_file import GGUFError
-from models.registry import DEFAULT_MODEL, MODELS
-
-
-def _int_in(name: str, low: int, high: int | None = None):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
-        return value
-
-    return parse
-
-
-def _float_in(name: str, low: float, high: float, low_open: bool = False):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not (low < value if low_open else low <= value) or not value <= high:
-            interval = f"{'(' if low_open else '['}{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"{name} must be in {interval}, got {text}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aither_jax.generate", description="Generate text with a GGUF model.")
-    p.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
-    )
+    add_model_argument(p)
     p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=_int_in("--max-tokens", 1), default=128)
-    p.add_argument("--temperature", type=_float_in("--temperature", 0.0, 100.0), default=0.0)
-    p.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0, low_open=True), default=1.0)
-    p.add_argument("--top-k", type=_int_in("--top-k", -1), default=0, help="0 or -1 disables top-k")
-    p.add_argument("--seed", type=_int_in("--seed", 0, 2**32 - 1), default=None)
+    p.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)
+    p.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
+    p.add_argument("--top-p", type=float_in("--top-p", 0.0, 1.0, low_open=True), default=1.0)
+    p.add_argument("--top-k", type=int_in("--top-k", -1), default=0, help="0 or -1 disables top-k")
+    p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument(
         "--dtype",
@@ -63,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: bfloat16 on accelerators, float32 on CPU (where XLA's bfloat16 matmuls are slow)",
     )
-    p.add_argument("--max-model-len", type=_int_in("--max-model-len", 2), default=None)
+    p.add_argument("--max-model-len", type=int_in("--max-model-len", 2), default=None)
     p.add_argument(
         "--kv-cache-dtype",
+        type=lambda text: text if text == "auto" else kv_spec(text).name,
         default="auto",
         help="KV cache format: auto (unquantized in the model dtype), bf16, fp32, tq<bits>, tq-k<bits>v<bits>",
     )
@@ -80,13 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--system needs --chat")
     if not args.prompt:
         parser.error("--prompt must not be empty")
-    if args.kv_cache_dtype != "auto":
-        from models.kv_spec import parse_kv_spec
-
-        try:
-            parse_kv_spec(args.kv_cache_dtype)
-        except ValueError as e:
-            parser.error(f"--kv-cache-dtype: {e}")
     import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
 
     if args.dtype == "auto":

@@ -31,7 +31,7 @@ def test_capacity_table(capsys):
     [
         (["capacity", "--kv-cache-dtype", "tq9"], "bits must be in 2..8"),
         (["capacity", "--kv-cache-dtype", "int8"], "unknown kv cache dtype 'int8'"),
-        (["capacity", "--memory-gib", "0"], "must be in (0, 1048576]"),
+        (["capacity", "--memory-gib", "0"], "--memory-gib must be in (0, 1048576]"),
         (["capacity", "--model", "nope"], "unknown model 'nope'"),
         ([], "command"),
     ],

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["--prompt", "x", "--max-tokens", "ten"], "--max-tokens must be an integer"),
         (["--prompt", "x", "--temperature", "-0.5"], "--temperature must be in"),
-        (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0.0, 1.0]"),
+        (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--prompt", "x", "--top-k", "-5"], "--top-k must be >= -1"),
         (["--prompt", "x", "--seed", "-1"], "--seed must be in"),
         (["--prompt", "x", "--dtype", "float16"], "invalid choice"),

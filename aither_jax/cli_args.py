@@ -1,0 +1,55 @@
+"""argparse value parsers shared by the command-line entry points: each names the flag and
+what is allowed in its error."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from models.kv_spec import KVSpec, parse_kv_spec
+from models.registry import DEFAULT_MODEL, MODELS
+
+
+def int_in(name: str, low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def float_in(name: str, low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            interval = f"{'(' if low_open else '['}{_number(low)}, {_number(high)}]"
+            raise argparse.ArgumentTypeError(f"{name} must be in {interval}, got {text}")
+        return value
+
+    return parse
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def kv_spec(text: str) -> KVSpec:
+    try:
+        return parse_kv_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
+    )
