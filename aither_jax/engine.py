@@ -64,14 +64,6 @@ class Sequence:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
-class EngineStats:
-    num_prefill_calls: int = 0
-    num_decode_calls: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-
 class Engine:
     """Owns the device cache and schedules sequences over it."""
 
@@ -128,7 +120,6 @@ class Engine:
         self.running: list[Sequence] = []
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
-        self.stats = EngineStats()
         self._seen_shapes: set[tuple] = set()
         self.warmed_up = False
 
@@ -216,19 +207,15 @@ class Engine:
                 n = min(len(s.prompt_ids) - s.num_cached, self.max_prefill_chunk)
                 rows.append((s, s.prompt_ids[s.num_cached : s.num_cached + n]))
             next_tokens, _ = self._run(rows, all_logits=False)
-            self.stats.num_prefill_calls += 1
             for (s, chunk), tok in zip(rows, next_tokens, strict=True):
                 s.num_cached += len(chunk)
-                self.stats.num_prefill_tokens += len(chunk)
                 if not s.prefilling:
                     self._append(s, int(tok))
         if decode:
             rows = [(s, [s.output_ids[-1]]) for s in decode]
             next_tokens, _ = self._run(rows, all_logits=False)
-            self.stats.num_decode_calls += 1
             for s, tok in zip(decode, next_tokens, strict=True):
                 s.num_cached += 1
-                self.stats.num_decode_tokens += 1
                 self._append(s, int(tok))
         finished = [s for s in self.running if s.finished]
         for s in finished:

@@ -74,14 +74,11 @@ def quality_metrics(logits: np.ndarray, reference: np.ndarray, ids: list[int]) -
 def run_perplexity(args) -> list[dict]:
     import aither_jax as aj  # heavy import after argument checks
     from aither_jax.engine import Engine
+    from aither_jax.llm import resolve_dtype
 
     with open(args.text_file, encoding="utf-8") as f:
         text = f.read()
-    dtype = args.dtype
-    if dtype == "auto":
-        import jax
-
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    dtype = resolve_dtype(args.dtype)
     llm = aj.LLM(args.model, dtype=dtype, kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=args.max_tokens + 1)
     ids = llm.tokenizer.encode(text)[: args.max_tokens]
     if len(ids) < 2:

@@ -52,11 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt:
         parser.error("--prompt must not be empty")
     import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
+    from aither_jax.llm import resolve_dtype
 
-    if args.dtype == "auto":
-        import jax
-
-        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    args.dtype = resolve_dtype(args.dtype)
     try:
         llm = aj.LLM(
             args.model,

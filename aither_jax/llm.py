@@ -13,12 +13,34 @@ from aither_jax.engine import Engine
 from aither_jax.sampling import SamplingParams
 from models.config import ModelConfig
 from models.gguf_file import GGUFFile
-from models.kv_spec import parse_kv_spec
+from models.kv_spec import KVSpec, parse_kv_spec
 from models.registry import DEFAULT_MODEL, resolve_model
 from models.tokenizer import Tokenizer
 from models.weights import DTYPES, load_weights
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def resolve_dtype(dtype: str) -> str:
+    """ "auto" -> float32 on CPU (XLA's CPU bfloat16 matmuls are slow), bfloat16 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """ "auto" -> the cache unquantized in the weights' dtype."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "fp32" if dtype == "float32" else "bf16"
+
+
+def default_num_pages(spec: KVSpec, cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page_size: int) -> int:
+    """Pages for max_num_seqs full-length sequences (+ the null page), capped at 1 GiB of KV."""
+    full = max_num_seqs * -(-max_model_len // page_size) + 1
+    return max(2, min(full, DEFAULT_KV_CACHE_BYTES // (spec.bytes_per_token(cfg) * page_size)))
 
 
 @dataclasses.dataclass
@@ -84,13 +106,12 @@ class LLM:
         max_model_len = self.config.max_context if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        if kv_cache_dtype == "auto":
-            kv_cache_dtype = "fp32" if dtype == "float32" else "bf16"
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         self.kv_spec = parse_kv_spec(kv_cache_dtype)
         if num_pages is None:
-            bytes_per_page = self.kv_spec.bytes_per_token(self.config) * page_size
-            full = max_num_seqs * -(-max_model_len // page_size) + 1
-            num_pages = max(2, min(full, DEFAULT_KV_CACHE_BYTES // bytes_per_page))
+            num_pages = default_num_pages(
+                self.kv_spec, self.config, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
+            )
         self.progress = progress
         self.engine = Engine(
             weights,

@@ -98,7 +98,7 @@ import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from aither_jax.engine import Engine  # noqa: E402
-from aither_jax.llm import DEFAULT_KV_CACHE_BYTES, LLM  # noqa: E402
+from aither_jax.llm import LLM, default_num_pages, resolve_dtype, resolve_kv_cache_dtype  # noqa: E402
 from aither_jax.sampling import SamplingParams  # noqa: E402
 from aither_jax.steps import CompileCounter  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
@@ -316,16 +316,17 @@ def random_weights_llm(
     jax.block_until_ready(weights)
     llm.load_seconds = time.perf_counter() - t0
     page_size = 16
-    kv_cache_dtype = "fp32" if dtype == "float32" else "bf16"
-    bytes_per_page = parse_kv_spec(kv_cache_dtype).bytes_per_token(cfg) * page_size
-    full = max_num_seqs * -(-max_model_len // page_size) + 1
+    kv_cache_dtype = resolve_kv_cache_dtype("auto", dtype)
+    num_pages = default_num_pages(
+        parse_kv_spec(kv_cache_dtype), cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
+    )
     llm.engine = Engine(
         weights,
         cfg,
         llm.tokenizer,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
-        num_pages=max(2, min(full, DEFAULT_KV_CACHE_BYTES // bytes_per_page)),
+        num_pages=num_pages,
         page_size=page_size,
         kv_cache_dtype=kv_cache_dtype,
     )
@@ -643,9 +644,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if GGUF_STUBBED and not args.random_weights:
         sys.exit("loading the GGUF needs the gguf package (pip install gguf); or run with --random-weights")
-    backend = jax.default_backend()
     if args.dtype is None:
-        args.dtype = "float32" if backend == "cpu" else "bfloat16"
+        args.dtype = resolve_dtype("auto")
     max_b = max(args.batch_sizes)
     max_model_len = args.prompt_len + args.decode_tokens + CHECK_TOKENS
     dev = jax.devices()[0]
