@@ -144,29 +144,47 @@ ROTATIONS = {"haar": haar_rotation, "hadamard": hadamard_rotation}
 
 
 # -- bit packing -------------------------------------------------------------------------------
+#
+# Planar layout, chosen so a kernel unpacks with contiguous loads and whole-vector shifts and
+# gets the coordinates back in their natural order. A vector of d codes of b bits is cut into 8
+# chunks of c = d / 8 consecutive coordinates. For each p < c the 8 codes chunk_0[p] ..
+# chunk_7[p] form one 8b-bit word, chunk m at bits m*b .. m*b + b - 1; byte plane r (r < b)
+# holds bits 8r .. 8r + 7 of the words of every p. The packed vector is the b planes, each of
+# c bytes, one after another: d * b / 8 bytes.
 
 
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
-    """Packs integer codes [..., d] < 2^bits into uint8 [..., d * bits / 8], little-endian bits.
-
-    Code i occupies bits i*b .. i*b + b - 1 of the little-endian bit stream (so at 4 bits code
-    2j is the low nibble of byte j).
-    """
+    """Packs integer codes [..., d] < 2^bits into uint8 [..., d * bits / 8] (planar layout above)."""
     d = codes.shape[-1]
-    if (d * bits) % 8:
-        raise ValueError(f"{d} codes of {bits} bits do not fill whole bytes")
-    c = codes.astype(jnp.uint32)
-    stream = (c[..., :, None] >> jnp.arange(bits, dtype=jnp.uint32)) & 1  # [..., d, b]
-    stream = stream.reshape(*codes.shape[:-1], d * bits // 8, 8)
-    return jnp.sum(stream << jnp.arange(8, dtype=jnp.uint32), axis=-1).astype(jnp.uint8)
+    if d % 8:
+        raise ValueError(f"the planar layout needs a multiple of 8 codes, got {d}")
+    lead, c = codes.shape[:-1], d // 8
+    chunks = jnp.swapaxes(codes.astype(jnp.uint32).reshape(*lead, 8, c), -1, -2)  # [..., c, 8]
+    stream = (chunks[..., None] >> jnp.arange(bits, dtype=jnp.uint32)) & 1  # [..., c, 8, b]
+    stream = stream.reshape(*lead, c, bits, 8)  # word bit 8r + j at [..., r, j]
+    planes = jnp.sum(stream << jnp.arange(8, dtype=jnp.uint32), axis=-1)  # [..., c, b]
+    return jnp.swapaxes(planes, -1, -2).reshape(*lead, bits * c).astype(jnp.uint8)
 
 
 def unpack_bits(packed: jax.Array, bits: int, dim: int) -> jax.Array:
     """Inverse of `pack_bits`: uint8 [..., dim * bits / 8] -> int32 codes [..., dim]."""
-    p = packed.astype(jnp.uint32)
-    stream = (p[..., :, None] >> jnp.arange(8, dtype=jnp.uint32)) & 1  # [..., bytes, 8]
-    stream = stream.reshape(*packed.shape[:-1], dim, bits)
-    return jnp.sum(stream << jnp.arange(bits, dtype=jnp.uint32), axis=-1).astype(jnp.int32)
+    c = dim // 8
+    planes = packed.astype(jnp.int32).reshape(*packed.shape[:-1], bits, c)
+    return jnp.concatenate(unpack_planes([planes[..., r, :] for r in range(bits)], bits), axis=-1)
+
+
+def unpack_planes(planes: list[jax.Array], bits: int) -> list[jax.Array]:
+    """The 8 code chunks of the planar layout from its `bits` byte planes (int32 arrays of one
+    shape): shifts and masks only, so kernels use it on loaded tiles as is."""
+    mask = (1 << bits) - 1
+    chunks = []
+    for m in range(8):
+        lo, shift = divmod(m * bits, 8)
+        code = planes[lo] >> shift
+        if shift + bits > 8:
+            code = code | (planes[lo + 1] << (8 - shift))
+        chunks.append(code & mask)
+    return chunks
 
 
 # -- the codec ---------------------------------------------------------------------------------

@@ -91,9 +91,21 @@ def test_pack_unpack_roundtrip(bits):
     np.testing.assert_array_equal(unpack_bits(packed, bits, 64), codes)
 
 
-def test_four_bit_layout_is_low_nibble_first():
-    packed = np.asarray(pack_bits(jnp.asarray([[1, 2, 15, 0]]), 4))
-    np.testing.assert_array_equal(packed, [[0x21, 0x0F]])
+def test_four_bit_layout_is_planar():
+    """16 codes of 4 bits: chunks of 2; plane r byte p holds chunk 2r (low nibble) and chunk
+    2r + 1 (high nibble) at position p."""
+    codes = np.arange(16) % 16
+    packed = np.asarray(pack_bits(jnp.asarray(codes[None]), 4))[0]
+    expected = [codes[2 * (2 * r) + p] | codes[2 * (2 * r + 1) + p] << 4 for r in range(4) for p in range(2)]
+    np.testing.assert_array_equal(packed, expected)
+
+
+def test_three_bit_codes_straddle_byte_planes():
+    """Chunk 2 of a 3-bit word sits at bits 6..8, across planes 0 and 1."""
+    codes = np.zeros(8, np.int64)
+    codes[2] = 0b101
+    packed = np.asarray(pack_bits(jnp.asarray(codes[None]), 3))[0]
+    np.testing.assert_array_equal(packed, [0b01000000, 0b00000001, 0])
 
 
 @pytest.mark.parametrize("dim, bits, expected", [(64, 4, 36), (64, 3, 28), (64, 2, 20), (128, 4, 68), (128, 2, 36)])
