@@ -1,0 +1,348 @@
+"""Attention over TurboQuant-packed KV pages, computed in the rotated domain.
+
+A stored key is k = n_k * c_k[idx] @ R_k (codes idx, norm n_k, codebook c_k, rotation R_k), so
+<q, k> = n_k * <q @ R_k^T, c_k[idx]>: the query is rotated once and every score is a lookup
+of codebook values times the key's norm. Values likewise: sum_j p_j v_j = (sum_j p_j n_vj
+c_v[idx_j]) @ R_v, accumulated in the rotated domain and rotated back once. No page is ever
+decoded into a buffer.
+
+`tq_paged_attention` runs the stored context through a Pallas kernel, one program per (row,
+KV head, split of the row's pages): it walks its pages through the block table, unpacks the
+byte planes of each page with shifts and masks (pallas_kernels/turboquant.py documents the
+planar layout), scores all query heads of the group at once and keeps an online softmax. The
+loop bound is the static page bucket and masking does the rest: no data-dependent control
+flow. The new tokens of the step (already encoded, not yet written) and the combination of
+the splits are small and done in jnp, also in the rotated domain.
+
+`tq_paged_attention_reference` takes the same arguments, gathers and decodes the pages and
+runs `paged_attention_reference`: the kernel must match it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.paged_attention import MASK_VALUE, paged_attention_reference
+from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
+
+# Triton's dot wants every dimension >= 16; smaller products are done as broadcast sums.
+_MIN_DOT = 16
+_HI = jax.lax.Precision.HIGHEST
+
+
+def tq_paged_attention_reference(
+    q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens (RoPE applied)
+    k_new: dict[str, jax.Array],  # encoded keys of the new tokens, leaves [B, T, Hkv, ...]
+    v_new: dict[str, jax.Array],
+    k_pool: dict[str, jax.Array],  # the cache's key pool, leaves [P, L, S, Hkv, ...]
+    v_pool: dict[str, jax.Array],
+    block_table: jax.Array,  # [B, NP] int32 pages of each row, in order
+    layer: jax.Array | int,  # which layer of the pool to read
+    ctx_lens: jax.Array,  # [B] int32 tokens stored per row before this step
+    num_new: jax.Array,  # [B] int32 valid new tokens per row
+    *,
+    k_codec: TurboQuant,
+    v_codec: TurboQuant,
+    pages_per_split: int = 16,
+    interpret: bool | None = None,
+) -> jax.Array:  # [B, T, Hq, Dh]
+    """Decodes the row's pages and the new tokens, then plain causal GQA attention.
+    `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
+    del pages_per_split, interpret
+    b, num_pages = block_table.shape
+
+    def gather(tree):
+        return {
+            name: a[block_table, layer].reshape(b, num_pages * a.shape[2], *a.shape[3:]) for name, a in tree.items()
+        }
+
+    k_ctx, v_ctx = k_codec.decode(gather(k_pool)), v_codec.decode(gather(v_pool))
+    k, v = k_codec.decode(k_new).astype(q.dtype), v_codec.decode(v_new).astype(q.dtype)
+    return paged_attention_reference(q, k, v, k_ctx, v_ctx, ctx_lens, num_new)
+
+
+def tq_paged_attention(
+    q: jax.Array,
+    k_new: dict[str, jax.Array],
+    v_new: dict[str, jax.Array],
+    k_pool: dict[str, jax.Array],
+    v_pool: dict[str, jax.Array],
+    block_table: jax.Array,
+    layer: jax.Array | int,
+    ctx_lens: jax.Array,
+    num_new: jax.Array,
+    *,
+    k_codec: TurboQuant,
+    v_codec: TurboQuant,
+    pages_per_split: int = 16,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Causal GQA attention of the new tokens over the packed pages plus themselves (see the
+    module doc). Same arguments and result as `tq_paged_attention_reference`.
+
+    Args:
+        pages_per_split: pages one kernel program walks (split-K: a row's pages are shared
+            among ceil(NP / pages_per_split) programs whose partial softmaxes are merged).
+        interpret: run the kernel in the Pallas interpreter (default: on CPU).
+    """
+    _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return _tq_paged_attention(
+        q,
+        k_new,
+        v_new,
+        k_pool,
+        v_pool,
+        block_table,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        ctx_lens,
+        num_new,
+        k_codec=k_codec,
+        v_codec=v_codec,
+        pages_per_split=pages_per_split,
+        interpret=interpret,
+    )
+
+
+def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pps) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, Hq, Dh], got shape {q.shape}")
+    b, t, hq, dh = q.shape
+    for name, codec in (("k_codec", k_codec), ("v_codec", v_codec)):
+        if not isinstance(codec, TurboQuant):
+            raise ValueError(f"{name} must be a TurboQuant codec, got {type(codec).__name__}")
+        if codec.head_dim != dh:
+            raise ValueError(f"{name} has head_dim {codec.head_dim} but q has head_dim {dh}")
+        if codec.qjl:
+            raise ValueError(f"{name} uses QJL, which the rotated-domain kernel does not read; use the reference")
+    for name, tree in (("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(tree, dict) or "codes" not in tree or "norms" not in tree:
+            raise ValueError(f"{name} must be a TurboQuant storage dict with 'codes' and 'norms'")
+    hkv = k_pool["codes"].shape[3]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if k_new["codes"].shape[:3] != (b, t, hkv) or v_new["codes"].shape[:3] != (b, t, hkv):
+        raise ValueError(f"k_new/v_new codes must start with [B, T, Hkv] = {(b, t, hkv)}")
+    if block_table.ndim != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table must be [B={b}, NP], got shape {block_table.shape}")
+    if ctx_lens.shape != (b,) or num_new.shape != (b,):
+        raise ValueError(f"ctx_lens and num_new must be [B={b}], got {ctx_lens.shape} and {num_new.shape}")
+    if not isinstance(pps, int) or pps < 1:
+        raise ValueError(f"pages_per_split must be a positive int, got {pps!r}")
+
+
+_STATIC = ("k_codec", "v_codec", "pages_per_split", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _tq_paged_attention(
+    q,
+    k_new,
+    v_new,
+    k_pool,
+    v_pool,
+    block_table,
+    layer,
+    ctx_lens,
+    num_new,
+    *,
+    k_codec,
+    v_codec,
+    pages_per_split,
+    interpret,
+):
+    b, t, hq, dh = q.shape
+    hkv = k_pool["codes"].shape[3]
+    group = hq // hkv
+    scale = dh**-0.5
+    rk, rv = jnp.asarray(k_codec.rotation_matrix), jnp.asarray(v_codec.rotation_matrix)
+    hi = jax.lax.Precision.HIGHEST
+
+    # Rotate the queries into the keys' domain once, scale folded in: [B, T, Hkv, G, Dh].
+    q_rot = jnp.einsum("bthd,ed->bthe", q.astype(jnp.float32), rk, precision=hi) * scale
+    q_rot = q_rot.reshape(b, t, hkv, group, dh)
+
+    # Stored context: one query block per (row, KV head) holding its T x G queries.
+    num_q = t * group
+    padded_q = max(_MIN_DOT, pl.next_power_of_2(num_q))
+    q_blocks = jnp.moveaxis(q_rot, 2, 1).reshape(b, hkv, num_q, dh)
+    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, padded_q - num_q), (0, 0)))
+    num_pages = block_table.shape[1]
+    num_splits = -(-num_pages // pages_per_split)
+    table = jnp.pad(block_table, ((0, 0), (0, num_splits * pages_per_split - num_pages)))
+    acc, m, sums = _context_partials(
+        q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, interpret
+    )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
+    acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
+
+    # New tokens: causal among themselves, in the rotated domain.
+    k_vals = _rotated_values(k_new, k_codec)  # [B, T, Hkv, Dh]
+    v_vals = _rotated_values(v_new, v_codec)
+    s_new = jnp.einsum("bthgd,buhd->bhtgu", q_rot, k_vals, precision=hi)  # [B, Hkv, T, G, T]
+    new_valid = jnp.arange(t)[None, :] < num_new[:, None]  # [B, T]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(key)]
+    mask = (causal[None] & new_valid[:, None, :])[:, None, :, None, :]  # [B, 1, T, 1, T]
+    s_new = jnp.where(mask, s_new, MASK_VALUE)
+    m_new = jnp.max(s_new, axis=-1)
+    p_new = jnp.where(mask, jnp.exp(s_new - m_new[..., None]), 0.0)
+    sums_new = jnp.sum(p_new, axis=-1)
+    v_vals = jnp.where(new_valid[:, :, None, None], v_vals, 0.0)
+    acc_new = jnp.einsum("bhtgu,buhd->bhtgd", p_new, v_vals, precision=hi)
+
+    # Merge the splits and the new tokens' part, normalize, rotate back once.
+    m_all = jnp.concatenate([m, m_new[:, :, None]], axis=2)  # [B, Hkv, NS + 1, T, G]
+    sums_all = jnp.concatenate([sums, sums_new[:, :, None]], axis=2)
+    acc_all = jnp.concatenate([acc, acc_new[:, :, None]], axis=2)
+    m_max = jnp.max(m_all, axis=2, keepdims=True)
+    w = jnp.exp(m_all - m_max)
+    denom = jnp.sum(w * sums_all, axis=2)  # [B, Hkv, T, G]
+    out_rot = jnp.sum(w[..., None] * acc_all, axis=2) / jnp.maximum(denom, 1e-30)[..., None]
+    out = jnp.einsum("bhtgd,de->bthge", out_rot, rv, precision=hi)  # [B, T, Hkv, G, Dh]
+    return out.reshape(b, t, hq, dh).astype(q.dtype)
+
+
+def _rotated_values(enc: dict[str, jax.Array], codec: TurboQuant) -> jax.Array:
+    """Encoded vectors in the codec's rotated domain: codebook values times norms."""
+    idx = unpack_bits(enc["codes"], codec.bits, codec.head_dim)
+    return jnp.asarray(codec.centroids)[idx] * enc["norms"][..., None]
+
+
+def _context_partials(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, interpret):
+    """Runs the kernel: per (row, KV head, split) the unnormalized rotated-domain output, the
+    running max and the softmax denominator over that split's stored keys."""
+    b, hkv, padded_q, dh = q_blocks.shape
+    num_splits = table.shape[1] // pages_per_split
+    page_size = k_pool["codes"].shape[2]
+    kernel = functools.partial(
+        _context_kernel,
+        k_bits=k_codec.bits,
+        v_bits=v_codec.bits,
+        head_dim=dh,
+        page_size=page_size,
+        pages_per_split=pages_per_split,
+    )
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((None, None, padded_q, dh), lambda i, j, s: (i, j, 0, 0)),  # queries of (row, head)
+        full(table.shape),
+        full((1,)),  # layer
+        full(ctx_lens.shape),
+        full(k_pool["codes"].shape),
+        full(k_pool["norms"].shape),
+        full(v_pool["codes"].shape),
+        full(v_pool["norms"].shape),
+        full(k_codec.centroids.shape),
+        full(v_codec.centroids.shape),
+    ]
+    part = (b, hkv, num_splits, padded_q)
+    out_specs = [
+        pl.BlockSpec((None, None, None, padded_q, dh), lambda i, j, s: (i, j, s, 0, 0)),
+        pl.BlockSpec((None, None, None, padded_q), lambda i, j, s: (i, j, s, 0)),
+        pl.BlockSpec((None, None, None, padded_q), lambda i, j, s: (i, j, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((*part, dh), jnp.float32),
+        jax.ShapeDtypeStruct(part, jnp.float32),
+        jax.ShapeDtypeStruct(part, jnp.float32),
+    ]
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name="tq_paged_attention",
+    )(
+        q_blocks,
+        table,
+        layer,
+        ctx_lens,
+        k_pool["codes"],
+        k_pool["norms"],
+        v_pool["codes"],
+        v_pool["norms"],
+        jnp.asarray(k_codec.centroids),
+        jnp.asarray(v_codec.centroids),
+    )
+
+
+def _context_kernel(
+    q_ref,  # [Qp, Dh] rotated, scaled queries of this (row, KV head)
+    table_ref,  # [B, NS * pages_per_split] page ids
+    layer_ref,  # [1]
+    ctx_ref,  # [B] stored tokens per row
+    kc_ref,  # [P, L, S, Hkv, Dh * kb / 8] uint8 key codes (planar)
+    kn_ref,  # [P, L, S, Hkv] float32 key norms
+    vc_ref,
+    vn_ref,
+    kcb_ref,  # [2^kb] key codebook
+    vcb_ref,  # [2^vb] value codebook
+    acc_ref,  # [Qp, Dh] out: sum_j p_j n_vj c_v[idx_j] (unnormalized)
+    m_ref,  # [Qp] out: running max score
+    sum_ref,  # [Qp] out: sum_j p_j
+    *,
+    k_bits: int,
+    v_bits: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_split: int,
+):
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    chunk = head_dim // 8
+    q = [q_ref[:, pl.ds(c * chunk, chunk)] for c in range(8)]  # the 8 planar chunks, [Qp, c] each
+    ctx_len = ctx_ref[row]
+    layer = layer_ref[0]
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+
+    def chunks_of(codes_ref, norms_ref, codebook_ref, bits, page):
+        planes = [codes_ref[page, layer, :, head, pl.ds(r * chunk, chunk)].astype(jnp.int32) for r in range(bits)]
+        return [codebook_ref[c] for c in unpack_planes(planes, bits)], norms_ref[page, layer, :, head]
+
+    def body(i, carry):
+        m, sums, acc = carry
+        index = split * pages_per_split + i
+        page = table_ref[row, index]
+        valid = index * page_size + offsets < ctx_len  # [1, S]
+        k_chunks, k_norms = chunks_of(kc_ref, kn_ref, kcb_ref, k_bits, page)
+        scores = sum(_matmul_t(qc, kc) for qc, kc in zip(q, k_chunks, strict=True)) * k_norms[None, :]  # [Qp, S]
+        # Replace (not add): garbage in unused pages may be NaN.
+        scores = jnp.where(valid, scores, MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(scores, axis=1))
+        alpha = jnp.exp(m - m_next)
+        p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
+        v_chunks, v_norms = chunks_of(vc_ref, vn_ref, vcb_ref, v_bits, page)
+        weights = p * jnp.where(valid, v_norms[None, :], 0.0)  # [Qp, S]
+        acc = [a * alpha[:, None] + _matmul(weights, vc) for a, vc in zip(acc, v_chunks, strict=True)]
+        return m_next, sums * alpha + jnp.sum(p, axis=1), acc
+
+    padded_q = q_ref.shape[0]
+    init = (
+        jnp.full((padded_q,), MASK_VALUE, jnp.float32),
+        jnp.zeros((padded_q,), jnp.float32),
+        [jnp.zeros((padded_q, chunk), jnp.float32)] * 8,
+    )
+    m, sums, acc = jax.lax.fori_loop(0, pages_per_split, body, init)
+    for c in range(8):
+        acc_ref[:, pl.ds(c * chunk, chunk)] = acc[c]
+    m_ref[...] = m
+    sum_ref[...] = sums
+
+
+def _matmul_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] . b [N, K]^T in float32."""
+    if min(a.shape + b.shape) >= _MIN_DOT:
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32)
+    return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] . b [K, N] in float32."""
+    if min(a.shape + b.shape) >= _MIN_DOT:
+        return jnp.dot(a, b, precision=_HI, preferred_element_type=jnp.float32)
+    return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)

@@ -1,0 +1,135 @@
+"""Rotated-domain attention over TurboQuant pages: the Pallas kernel (interpret mode on CPU)
+against its jnp reference, which decodes the pages and runs plain paged attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.tq_attention import tq_paged_attention, tq_paged_attention_reference
+from pallas_kernels.turboquant import TurboQuant
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def make_case(*, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_lens=(0, 5, 19), t=1, layers=2, seed=0):
+    """Pools of `layers` layers filled with encoded random vectors; pages no row owns hold NaN
+    norms, so an unmasked read of them poisons the output."""
+    rng = np.random.default_rng(seed)
+    k_codec = TurboQuant(head_dim=head_dim, bits=k_bits, seed=seed)
+    v_codec = TurboQuant(head_dim=head_dim, bits=v_bits, seed=seed + 1)
+    b = len(ctx_lens)
+    pages_per_row = max(-(-(c + t) // page_size) for c in ctx_lens) + 1
+    num_pages = 1 + b * pages_per_row + 3
+    lead = (num_pages, layers, page_size, hkv)
+
+    def pool(codec, scale):
+        x = rng.standard_normal((*lead, head_dim)).astype(np.float32) * scale
+        enc = {k: np.array(a) for k, a in codec.encode(jnp.asarray(x)).items()}
+        return enc
+
+    k_pool, v_pool = pool(k_codec, 2.0), pool(v_codec, 1.0)
+    free = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((b, pages_per_row), np.int32)
+    used = set()
+    for row, c in enumerate(ctx_lens):
+        n = -(-c // page_size)
+        table[row, :n] = free[row * pages_per_row : row * pages_per_row + n]
+        used.update(table[row, :n].tolist())
+    unused = [p for p in range(num_pages) if p not in used]
+    for enc in (k_pool, v_pool):
+        enc["norms"][unused] = np.nan
+    q = rng.standard_normal((b, t, hkv * group, head_dim)).astype(np.float32) * 2
+    k_new = k_codec.encode(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32) * 2))
+    v_new = v_codec.encode(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32)))
+    num_new = np.full((b,), t, np.int32)
+    args = (
+        jnp.asarray(q),
+        k_new,
+        v_new,
+        {k: jnp.asarray(a) for k, a in k_pool.items()},
+        {k: jnp.asarray(a) for k, a in v_pool.items()},
+        jnp.asarray(table),
+        1 if layers > 1 else 0,
+        jnp.asarray(np.array(ctx_lens, np.int32)),
+        jnp.asarray(num_new),
+    )
+    return args, {"k_codec": k_codec, "v_codec": v_codec}
+
+
+def run_both(args, codecs, **knobs):
+    out = np.asarray(tq_paged_attention(*args, **codecs, **knobs))
+    ref = np.asarray(tq_paged_attention_reference(*args, **codecs))
+    return out, ref
+
+
+@pytest.mark.parametrize("k_bits, v_bits", [(2, 2), (3, 3), (4, 4), (6, 4), (5, 3), (8, 8)])
+def test_decode_matches_reference_over_bit_widths(k_bits, v_bits):
+    args, codecs = make_case(k_bits=k_bits, v_bits=v_bits)
+    out, ref = run_both(args, codecs, pages_per_split=2)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "head_dim, hkv, group, page_size, pages_per_split",
+    [(64, 3, 3, 8, 1), (64, 3, 3, 16, 4), (128, 2, 4, 8, 3), (64, 1, 8, 4, 16), (256, 1, 4, 8, 2)],
+)
+def test_decode_matches_reference_over_shapes_and_splits(head_dim, hkv, group, page_size, pages_per_split):
+    args, codecs = make_case(
+        k_bits=4, v_bits=4, head_dim=head_dim, hkv=hkv, group=group, page_size=page_size, ctx_lens=(7, 0, 33, 16)
+    )
+    out, ref = run_both(args, codecs, pages_per_split=pages_per_split)
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("t, ctx_lens", [(5, (0, 11, 24)), (16, (3, 40))])
+def test_prefill_chunk_attends_to_stored_pages_and_itself(t, ctx_lens):
+    args, codecs = make_case(k_bits=6, v_bits=4, t=t, ctx_lens=ctx_lens)
+    num_new = np.array(args[8])
+    num_new[0] = t - 2  # a row with a shorter chunk: its padding tokens must not be seen
+    args = (*args[:8], jnp.asarray(num_new))
+    out, ref = run_both(args, codecs, pages_per_split=2)
+    valid = np.arange(t)[None, :] < num_new[:, None]
+    np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
+
+
+def test_padding_row_gives_zeros_and_layer_index_selects_the_layer():
+    args, codecs = make_case(k_bits=4, v_bits=4, ctx_lens=(9, 9))
+    num_new = jnp.asarray(np.array([1, 0], np.int32))
+    ctx = jnp.asarray(np.array([9, 0], np.int32))
+    args = (*args[:7], ctx, num_new)
+    out, ref = run_both(args, codecs)
+    np.testing.assert_allclose(out[1], 0.0, atol=1e-7)
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+    other_layer = np.asarray(tq_paged_attention(*args[:6], 0, *args[7:], **codecs))
+    assert np.abs(other_layer[0] - out[0]).max() > 1e-3
+
+
+def test_kernel_differs_from_reference_of_other_codebook():
+    """The comparison can fail: reading the pages with a codec of different bits changes the result."""
+    args, codecs = make_case(k_bits=4, v_bits=4)
+    out = np.asarray(tq_paged_attention(*args, **codecs))
+    wrong = {"k_codec": codecs["k_codec"], "v_codec": TurboQuant(head_dim=64, bits=4, seed=7)}
+    ref = np.asarray(tq_paged_attention_reference(*args, **wrong))
+    assert np.abs(out - ref).max() > 1e-2
+
+
+def test_bad_arguments_raise_clear_errors():
+    args, codecs = make_case(k_bits=4, v_bits=4)
+    with pytest.raises(ValueError, match="QJL"):
+        tq_paged_attention(*args, k_codec=TurboQuant(head_dim=64, bits=4, qjl=True), v_codec=codecs["v_codec"])
+    with pytest.raises(ValueError, match="head_dim"):
+        tq_paged_attention(*args, k_codec=TurboQuant(head_dim=128, bits=4), v_codec=codecs["v_codec"])
+    with pytest.raises(ValueError, match="pages_per_split"):
+        tq_paged_attention(*args, **codecs, pages_per_split=0)
+    with pytest.raises(ValueError, match="q must be"):
+        tq_paged_attention(args[0][0], *args[1:], **codecs)
+
+
+@gpu
+@pytest.mark.parametrize("k_bits, v_bits", [(4, 4), (6, 4), (3, 3)])
+def test_gpu_kernel_matches_reference(k_bits, v_bits):
+    args, codecs = make_case(k_bits=k_bits, v_bits=v_bits, ctx_lens=(100, 1, 513, 64), page_size=16)
+    out, ref = run_both(args, codecs, pages_per_split=8, interpret=False)
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3)
