@@ -23,7 +23,7 @@ from aither_jax.sampling import SamplingBatch, SamplingParams
 from aither_jax.steps import CompileCounter, model_step
 from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, init_cache
-from models.llama import StepBatch
+from models.llama import ATTENTION_IMPLS, StepBatch
 from models.tokenizer import Tokenizer
 from models.weights import ModelWeights
 
@@ -79,6 +79,7 @@ class Engine:
         page_size: int = 16,
         max_prefill_chunk: int = 256,
         kv_cache_dtype: str = "bf16",
+        attention: str = "reference",
         cache_fill_value: float = 0.0,
         seed: int = 0,
     ):
@@ -93,6 +94,8 @@ class Engine:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if max_model_len > cfg.max_context:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {cfg.max_context}")
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         if page_size & (page_size - 1) or max_prefill_chunk & (max_prefill_chunk - 1):
             raise ValueError("page_size and max_prefill_chunk must be powers of two")
         self.weights = weights
@@ -102,6 +105,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.page_size = page_size
         self.max_prefill_chunk = max_prefill_chunk
+        self.attention = attention
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.cache = init_cache(
             cfg,
@@ -288,6 +292,7 @@ class Engine:
             num_pages=num_pages,
             all_logits=all_logits,
             greedy_only=greedy_only,
+            attention=self.attention,
         )
         return next_tokens, logits
 

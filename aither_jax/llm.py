@@ -37,6 +37,16 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
     return "fp32" if dtype == "float32" else "bf16"
 
 
+def resolve_attention(attention: str) -> str:
+    """ "auto" -> the Pallas kernels on GPU, the jnp reference elsewhere (on CPU the kernels only
+    run in the Pallas interpreter, which is for tests)."""
+    if attention != "auto":
+        return attention
+    import jax
+
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
 def default_num_pages(spec: KVSpec, cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page_size: int) -> int:
     """Pages for max_num_seqs full-length sequences (+ the null page), capped at 1 GiB of KV."""
     full = max_num_seqs * -(-max_model_len // page_size) + 1
@@ -73,6 +83,8 @@ class LLM:
             max_num_seqs full-length sequences).
         page_size: tokens per KV page.
         max_prefill_chunk: longest prefill chunk per call.
+        attention: "auto" (Pallas kernels on GPU, the jnp reference on CPU), "pallas" or
+            "reference"; the reference decodes quantized pages into a buffer.
         seed: seeds requests that bring no seed of their own.
         progress: show progress bars while loading and generating.
     """
@@ -88,6 +100,7 @@ class LLM:
         num_pages: int | None = None,
         page_size: int = 16,
         max_prefill_chunk: int = 256,
+        attention: str = "auto",
         seed: int = 0,
         progress: bool = True,
         _cache_fill_value: float = 0.0,
@@ -123,6 +136,7 @@ class LLM:
             page_size=page_size,
             max_prefill_chunk=max_prefill_chunk,
             kv_cache_dtype=kv_cache_dtype,
+            attention=resolve_attention(attention),
             cache_fill_value=_cache_fill_value,
             seed=seed,
         )

@@ -25,7 +25,7 @@ from models.llama import KVUpdate, StepBatch, forward
 from models.weights import ModelWeights
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "all_logits", "greedy_only"))
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "all_logits", "greedy_only", "attention"))
 def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -37,6 +37,7 @@ def forward_step(
     num_pages: int,
     all_logits: bool,
     greedy_only: bool,
+    attention: str = "reference",
 ) -> tuple[jax.Array, jax.Array | None, KVUpdate]:
     """Samples the token after each row's last new token.
 
@@ -44,7 +45,9 @@ def forward_step(
         next_tokens [B] int32, logits [B, T, V] float32 when `all_logits` else None, and the
         update to apply with `write_step`.
     """
-    logits, update = forward(weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits)
+    logits, update = forward(
+        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention
+    )
     if all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -72,6 +75,7 @@ def model_step(
     num_pages: int,
     all_logits: bool,
     greedy_only: bool,
+    attention: str = "reference",
 ) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
     """One full step: `forward_step` then `write_step`. Returns (next_tokens, logits, cache)."""
     next_tokens, logits, update = forward_step(
@@ -84,6 +88,7 @@ def model_step(
         num_pages=num_pages,
         all_logits=all_logits,
         greedy_only=greedy_only,
+        attention=attention,
     )
     return next_tokens, logits, write_step(cache, update)
 

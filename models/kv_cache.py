@@ -7,7 +7,9 @@ entries point at it, so every read of it is masked.
 
 Pools are page-major, [num_pages, num_layers, page_size, num_kv_heads, ...], so one page's
 bytes for every layer are contiguous (cheap to move between device and host). The storage
-format is named by a `KVSpec` (models/kv_spec.py): bf16 pools hold uint16 bit patterns (XLA's
+format is named by a `KVSpec` (models/kv_spec.py), which may give layers different formats:
+layers that share a format share a pool (a layer group), so keys and values are each a tuple
+of group pools. bf16 pools hold uint16 bit patterns (XLA's
 CPU backend widens bf16 gathers and scatters by converting the whole pool to float32 every
 step, while integer ones stay in place); TurboQuant pools hold packed codes and norms
 (pallas_kernels/turboquant.py). The reference read path decodes the gathered pages into a
@@ -16,6 +18,7 @@ buffer; kernels read the packed pages directly.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -29,23 +32,53 @@ from pallas_kernels.turboquant import TurboQuant
 NULL_PAGE = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerGroups:
+    """Which layers share a pool on one side (keys or values), and each group's codec.
+
+    `groups[g]` lists the layers of group g in order; layer i lives in group `where[i][0]` at
+    index `where[i][1]`; `codecs[g]` is None for unquantized groups.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    codecs: tuple[TurboQuant | None, ...]
+    where: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def build(bits: tuple[int | None, ...], head_dim: int, seed: int, qjl: bool) -> LayerGroups:
+        formats = sorted(set(bits), key=lambda b: (b is None, b or 0))
+        groups = tuple(tuple(i for i, b in enumerate(bits) if b == f) for f in formats)
+        codecs = tuple(
+            None if f is None else TurboQuant(head_dim=head_dim, bits=f, seed=seed, qjl=qjl) for f in formats
+        )
+        where = [None] * len(bits)
+        for g, layers in enumerate(groups):
+            for j, i in enumerate(layers):
+                where[i] = (g, j)
+        return LayerGroups(groups, codecs, tuple(where))
+
+    def codec(self, layer: int) -> TurboQuant | None:
+        return self.codecs[self.where[layer][0]]
+
+
 @struct.dataclass
 class PagedKVCache:
     """Page pools for keys and values plus the per-slot tables.
 
-    `k` and `v` are storage pytrees whose leaves all start with [P, L, S, Hkv]: one array
-    [P, L, S, Hkv, Dh] for unquantized formats; for TurboQuant formats a dict with "codes"
-    uint8 [P, L, S, Hkv, Dh*b/8] and "norms" float32 [P, L, S, Hkv] (and with QJL "qjl_signs"
-    uint8 [P, L, S, Hkv, Dh/8] and "qjl_norms" float32 [P, L, S, Hkv]).
+    `k` and `v` are tuples with one storage pytree per layer group (`k_groups`, `v_groups`),
+    whose leaves all start with [P, Lg, S, Hkv]: one array [P, Lg, S, Hkv, Dh] for unquantized
+    groups; for TurboQuant groups a dict with "codes" uint8 [P, Lg, S, Hkv, Dh*b/8] and "norms"
+    float32 [P, Lg, S, Hkv] (and with QJL "qjl_signs" uint8 [P, Lg, S, Hkv, Dh/8] and
+    "qjl_norms" float32 [P, Lg, S, Hkv]).
     """
 
-    k: Any  # keys after RoPE, page-major storage pytree (see class doc)
-    v: Any
+    k: tuple[Any, ...]  # keys after RoPE, one page-major storage pytree per key layer group
+    v: tuple[Any, ...]
     block_tables: jax.Array  # [max_seqs, max_pages_per_seq] int32, page ids per slot (NULL_PAGE = none)
     seq_lens: jax.Array  # [max_seqs] int32, tokens stored per slot
     spec: KVSpec = struct.field(pytree_node=False, default=KVSpec("bf16"))
-    k_codec: TurboQuant | None = struct.field(pytree_node=False, default=None)
-    v_codec: TurboQuant | None = struct.field(pytree_node=False, default=None)
+    k_groups: LayerGroups | None = struct.field(pytree_node=False, default=None)
+    v_groups: LayerGroups | None = struct.field(pytree_node=False, default=None)
 
     @property
     def _first_leaf(self) -> jax.Array:
@@ -57,7 +90,7 @@ class PagedKVCache:
 
     @property
     def num_layers(self) -> int:
-        return self._first_leaf.shape[1]
+        return len(self.k_groups.where)
 
     @property
     def page_size(self) -> int:
@@ -71,54 +104,86 @@ class PagedKVCache:
     def max_pages_per_seq(self) -> int:
         return self.block_tables.shape[1]
 
-    def encode(self, k: jax.Array, v: jax.Array) -> tuple[Any, Any]:
-        """New keys/values [..., Hkv, Dh] -> storage pytrees (bit patterns, or TurboQuant codes)."""
-        return _encode(k, self.k_codec, self.spec), _encode(v, self.v_codec, self.spec)
+    def quantized(self, layer: int) -> bool:
+        """Whether both keys and values of `layer` are TurboQuant-coded."""
+        return self.k_groups.codec(layer) is not None and self.v_groups.codec(layer) is not None
 
-    def decode(self, k: Any, v: Any) -> tuple[jax.Array, jax.Array]:
-        """Storage pytrees -> keys/values [..., Hkv, Dh] as stored (float32 when quantized)."""
-        return _decode(k, self.k_codec, self.spec), _decode(v, self.v_codec, self.spec)
+    def layer_pools(self, layer: int) -> tuple[Any, Any, int, int]:
+        """(key pool, value pool, index of `layer` in the key pool, in the value pool)."""
+        (kg, ki), (vg, vi) = self.k_groups.where[layer], self.v_groups.where[layer]
+        return self.k[kg], self.v[vg], ki, vi
 
-    def read(self, page_table: jax.Array, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    def encode(self, k: jax.Array, v: jax.Array, layer: int) -> tuple[Any, Any]:
+        """New keys/values [..., Hkv, Dh] of `layer` -> storage pytrees (bit patterns, or codes)."""
+        return (
+            _encode(k, self.k_groups.codec(layer), self.spec),
+            _encode(v, self.v_groups.codec(layer), self.spec),
+        )
+
+    def decode(self, k: Any, v: Any, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Storage pytrees of `layer` -> keys/values [..., Hkv, Dh] as stored (float32 when quantized)."""
+        return (
+            _decode(k, self.k_groups.codec(layer), self.spec),
+            _decode(v, self.v_groups.codec(layer), self.spec),
+        )
+
+    def read(self, page_table: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of one layer for the pages of each row.
 
         Args:
             page_table: [B, NP] page ids.
-            layer: layer index.
+            layer: layer index (a Python int: it picks the layer's pool).
 
         Returns:
             k, v: [B, NP * S, Hkv, Dh] as stored.
         """
         b, num_pages = page_table.shape
+        k_pool, v_pool, ki, vi = self.layer_pools(layer)
 
-        def gather(tree):
+        def gather(tree, index):
             return jax.tree_util.tree_map(
-                lambda a: a[page_table, layer].reshape(b, num_pages * a.shape[2], *a.shape[3:]), tree
+                lambda a: a[page_table, index].reshape(b, num_pages * a.shape[2], *a.shape[3:]), tree
             )
 
-        return self.decode(gather(self.k), gather(self.v))
+        return self.decode(gather(k_pool, ki), gather(v_pool, vi), layer)
 
-    def write(self, pages: jax.Array, offsets: jax.Array, k: Any, v: Any) -> PagedKVCache:
+    def stack_layers(self, k: list[Any], v: list[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Per-layer storage pytrees (from `encode`, in layer order) -> per-group pytrees with
+        leaves [Lg, ...], the form `write` takes."""
+
+        def stack(per_layer, groups):
+            return tuple(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(per_layer[i] for i in g)) for g in groups)
+
+        return stack(k, self.k_groups.groups), stack(v, self.v_groups.groups)
+
+    def write(self, pages: jax.Array, offsets: jax.Array, k: tuple[Any, ...], v: tuple[Any, ...]) -> PagedKVCache:
         """Stores new keys/values of every layer.
 
         Args:
             pages, offsets: [B, T] page id and slot within the page of each new token.
-            k, v: storage pytrees (from `encode`) whose leaves are [L, B, T, Hkv, ...].
+            k, v: per-group storage pytrees (from `stack_layers`) whose leaves are [Lg, B, T, Hkv, ...].
         """
-        layers = jnp.arange(self.num_layers, dtype=jnp.int32)[None, None, :]
-        index = (pages[:, :, None], layers, offsets[:, :, None])
 
-        # [L, B, T, ...] -> [B, T, L, ...] to match the pool's [page, layer, offset] index order.
-        def put(pool, new):
-            return pool.at[index].set(jnp.moveaxis(new, 0, 2))
+        def put_group(pool_tree, new_tree):
+            layers = jnp.arange(jax.tree_util.tree_leaves(pool_tree)[0].shape[1], dtype=jnp.int32)
+            index = (pages[:, :, None], layers[None, None, :], offsets[:, :, None])
 
-        return self.replace(k=jax.tree_util.tree_map(put, self.k, k), v=jax.tree_util.tree_map(put, self.v, v))
+            # [Lg, B, T, ...] -> [B, T, Lg, ...] to match the pool's [page, layer, offset] index order.
+            def put(pool, new):
+                return pool.at[index].set(jnp.moveaxis(new, 0, 2))
+
+            return jax.tree_util.tree_map(put, pool_tree, new_tree)
+
+        return self.replace(
+            k=tuple(put_group(p, n) for p, n in zip(self.k, k, strict=True)),
+            v=tuple(put_group(p, n) for p, n in zip(self.v, v, strict=True)),
+        )
 
 
 def _encode(x: jax.Array, codec: TurboQuant | None, spec: KVSpec) -> Any:
     if codec is not None:
         return codec.encode(x)
-    if spec.unquantized_bytes == 2:
+    if spec.unquantized_bytes == 2 or spec.quantized:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(jnp.float32)
 
@@ -126,18 +191,16 @@ def _encode(x: jax.Array, codec: TurboQuant | None, spec: KVSpec) -> Any:
 def _decode(stored: Any, codec: TurboQuant | None, spec: KVSpec) -> jax.Array:
     if codec is not None:
         return codec.decode(stored)
-    if spec.unquantized_bytes == 2:
+    if stored.dtype == jnp.uint16:
         return jax.lax.bitcast_convert_type(stored, jnp.bfloat16)
     return stored
 
 
-def make_codecs(spec: KVSpec, head_dim: int, seed: int = 0) -> tuple[TurboQuant | None, TurboQuant | None]:
-    """The key and value codecs of a format (keys and values get different rotations)."""
-    if not spec.quantized:
-        return None, None
+def make_groups(spec: KVSpec, num_layers: int, head_dim: int, seed: int = 0) -> tuple[LayerGroups, LayerGroups]:
+    """Key and value layer groups of a format (keys and values get different rotations)."""
     return (
-        TurboQuant(head_dim=head_dim, bits=spec.key_bits, seed=seed, qjl=spec.key_qjl),
-        TurboQuant(head_dim=head_dim, bits=spec.value_bits, seed=seed + 1, qjl=spec.value_qjl),
+        LayerGroups.build(spec.layer_bits("k", num_layers), head_dim, seed, spec.key_qjl),
+        LayerGroups.build(spec.layer_bits("v", num_layers), head_dim, seed + 1, spec.value_qjl),
     )
 
 
@@ -157,10 +220,10 @@ def init_cache(
     spec = parse_kv_spec(kv_cache_dtype)
     if num_pages < 2:
         raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {num_pages}")
-    k_codec, v_codec = make_codecs(spec, cfg.head_dim, seed)
-    lead = (num_pages, cfg.num_layers, page_size, cfg.num_kv_heads)
+    k_groups, v_groups = make_groups(spec, cfg.num_layers, cfg.head_dim, seed)
 
-    def pool(codec: TurboQuant | None) -> Any:
+    def pool(codec: TurboQuant | None, num_layers: int) -> Any:
+        lead = (num_pages, num_layers, page_size, cfg.num_kv_heads)
         if codec is None:
             return _encode(jnp.full((*lead, cfg.head_dim), fill_value, jnp.float32), None, spec)
         # Encode one vector to learn the storage layout, then broadcast it over the pool.
@@ -171,12 +234,15 @@ def init_cache(
                 tree[key] = jnp.full(lead, fill_value, jnp.float32)
         return tree
 
+    def pools(groups: LayerGroups) -> tuple[Any, ...]:
+        return tuple(pool(c, len(g)) for c, g in zip(groups.codecs, groups.groups, strict=True))
+
     return PagedKVCache(
-        k=pool(k_codec),
-        v=pool(v_codec),
+        k=pools(k_groups),
+        v=pools(v_groups),
         block_tables=jnp.full((max_seqs, max_pages_per_seq), NULL_PAGE, jnp.int32),
         seq_lens=jnp.zeros((max_seqs,), jnp.int32),
         spec=spec,
-        k_codec=k_codec,
-        v_codec=v_codec,
+        k_groups=k_groups,
+        v_groups=v_groups,
     )

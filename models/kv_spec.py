@@ -6,9 +6,13 @@ Names:
     tq-k<kb>v<vb>         TurboQuant with separate key and value bit widths
     ...-qjlk / -qjlv / -qjl
                           add the 1-bit QJL residual to keys / values / both
+    ...-b<n>              keep the first and last n layers unquantized (bf16)
+    ...-k<b>@<layers>     keys of the listed layers (e.g. 1,2,10) at b bits, or bf16 with
+    ...-v<b>@<layers>     b = "bf16"; later modifiers override earlier ones
 
-A TurboQuant vector of dimension d costs d*b/8 bytes of codes plus a float32 norm, and with
-QJL another d/8 bytes of signs plus a float32 residual norm.
+so `tq-k5v4-k8@1,2,10` stores keys at 5 bits except in layers 1, 2 and 10 (8 bits), values at
+4 bits. A TurboQuant vector of dimension d costs d*b/8 bytes of codes plus a float32 norm, and
+with QJL another d/8 bytes of signs plus a float32 residual norm.
 """
 
 from __future__ import annotations
@@ -22,12 +26,21 @@ from pallas_kernels.turboquant import tq_vector_bytes
 UNQUANTIZED_BYTES = {"bf16": 2, "fp32": 4}
 TQ_BITS = range(2, 9)
 
-_TQ = re.compile(r"^tq(?:(?P<bits>\d)|-k(?P<kbits>\d)v(?P<vbits>\d))(?P<qjl>-qjl[kv]?)?$")
+_TQ = re.compile(r"^tq(?:(?P<bits>\d)|-k(?P<kbits>\d)v(?P<vbits>\d))(?P<qjl>-qjl[kv]?)?(?P<mods>(?:-[^-]+)*)$")
+_BOUNDARY = re.compile(r"^b(?P<n>\d+)$")
+_OVERRIDE = re.compile(r"^(?P<side>[kv])(?P<bits>\d+|bf16)@(?P<layers>\d+(?:,\d+)*)$")
+
+# A layer's format on one side: TurboQuant bits, or None for unquantized.
+LayerBits = int | None
 
 
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
-    """How keys and values are stored. `key_bits`/`value_bits` None means unquantized."""
+    """How keys and values are stored. `key_bits`/`value_bits` None means unquantized.
+
+    `boundary_layers` and `overrides` ((side, bits or None, layers) in order) make the bits
+    differ per layer; `layer_bits` resolves them for a model.
+    """
 
     name: str
     key_bits: int | None = None
@@ -35,22 +48,45 @@ class KVSpec:
     key_qjl: bool = False
     value_qjl: bool = False
     unquantized_bytes: int = 2  # per element when unquantized
+    boundary_layers: int = 0
+    overrides: tuple[tuple[str, LayerBits, tuple[int, ...]], ...] = ()
 
     @property
     def quantized(self) -> bool:
         return self.key_bits is not None
 
-    def vector_bytes(self, head_dim: int, side: str) -> int:
-        """Bytes stored for one key ("k") or value ("v") vector of `head_dim` elements."""
-        bits, qjl = (self.key_bits, self.key_qjl) if side == "k" else (self.value_bits, self.value_qjl)
+    def layer_bits(self, side: str, num_layers: int) -> tuple[LayerBits, ...]:
+        """Bits of every layer's keys ("k") or values ("v"); None = unquantized."""
+        bits: list[LayerBits] = [self.key_bits if side == "k" else self.value_bits] * num_layers
+        n = min(self.boundary_layers, num_layers)
+        for i in [*range(n), *range(num_layers - n, num_layers)]:
+            bits[i] = None
+        for s, b, layers in self.overrides:
+            for i in layers:
+                if i >= num_layers:
+                    raise ValueError(f"{self.name!r} names layer {i}, but the model has {num_layers} layers")
+                if s == side:
+                    bits[i] = b
+        return tuple(bits)
+
+    def qjl(self, side: str) -> bool:
+        return self.key_qjl if side == "k" else self.value_qjl
+
+    def vector_bytes(self, head_dim: int, side: str, bits: LayerBits | str = "base") -> int:
+        """Bytes stored for one key ("k") or value ("v") vector of `head_dim` elements, at the
+        format's base bits or at `bits` (None = unquantized)."""
+        if bits == "base":
+            bits = self.key_bits if side == "k" else self.value_bits
         if bits is None:
-            return head_dim * self.unquantized_bytes
-        return tq_vector_bytes(head_dim, bits, qjl)
+            return head_dim * (self.unquantized_bytes if not self.quantized else 2)
+        return tq_vector_bytes(head_dim, bits, self.qjl(side))
 
     def bytes_per_token(self, cfg: ModelConfig) -> int:
         """Cache bytes for one token across all layers and KV heads."""
-        per_head = self.vector_bytes(cfg.head_dim, "k") + self.vector_bytes(cfg.head_dim, "v")
-        return cfg.num_layers * cfg.num_kv_heads * per_head
+        total = 0
+        for side in ("k", "v"):
+            total += sum(self.vector_bytes(cfg.head_dim, side, b) for b in self.layer_bits(side, cfg.num_layers))
+        return total * cfg.num_kv_heads
 
 
 def parse_kv_spec(name: str) -> KVSpec:
@@ -63,13 +99,24 @@ def parse_kv_spec(name: str) -> KVSpec:
     if m is None:
         raise ValueError(
             f"unknown kv cache dtype {name!r}: use bf16, fp32, tq<bits> (e.g. tq4), tq-k<bits>v<bits> "
-            "(e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl"
+            "(e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl, then -b<n> (first/last n layers "
+            "unquantized) and -k<bits>@<layers> / -v<bits>@<layers> (e.g. -k8@1,2,10 or -kbf16@0)"
         )
     kbits = int(m["bits"] or m["kbits"])
     vbits = int(m["bits"] or m["vbits"])
     for side, bits in (("key", kbits), ("value", vbits)):
-        if bits not in TQ_BITS:
-            raise ValueError(f"{name!r}: {side} bits must be in {TQ_BITS.start}..{TQ_BITS.stop - 1}, got {bits}")
+        _check_bits(name, side, bits)
+    boundary, overrides = 0, []
+    for mod in m["mods"].split("-")[1:]:
+        if b := _BOUNDARY.match(mod):
+            boundary = int(b["n"])
+        elif o := _OVERRIDE.match(mod):
+            bits = None if o["bits"] == "bf16" else int(o["bits"])
+            if bits is not None:
+                _check_bits(name, "key" if o["side"] == "k" else "value", bits)
+            overrides.append((o["side"], bits, tuple(sorted({int(i) for i in o["layers"].split(",")}))))
+        else:
+            raise ValueError(f"{name!r}: unknown modifier {mod!r} (use b<n>, k<bits>@<layers> or v<bits>@<layers>)")
     qjl = m["qjl"] or ""
     return KVSpec(
         name,
@@ -77,4 +124,11 @@ def parse_kv_spec(name: str) -> KVSpec:
         value_bits=vbits,
         key_qjl=qjl in ("-qjl", "-qjlk"),
         value_qjl=qjl in ("-qjl", "-qjlv"),
+        boundary_layers=boundary,
+        overrides=tuple(overrides),
     )
+
+
+def _check_bits(name: str, side: str, bits: int) -> None:
+    if bits not in TQ_BITS:
+        raise ValueError(f"{name!r}: {side} bits must be in {TQ_BITS.start}..{TQ_BITS.stop - 1}, got {bits}")

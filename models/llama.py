@@ -20,6 +20,9 @@ from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.weights import ModelWeights
 from pallas_kernels.paged_attention import dot_precision, paged_attention_reference
+from pallas_kernels.tq_attention import tq_paged_attention
+
+ATTENTION_IMPLS = ("reference", "pallas")
 
 
 @struct.dataclass
@@ -63,8 +66,8 @@ class KVUpdate:
 
     pages: jax.Array  # [B, T] int32 page of each new token (NULL_PAGE for padding)
     offsets: jax.Array  # [B, T] int32 slot within the page
-    k: Any  # storage pytree (see PagedKVCache), leaves [L, B, T, Hkv, ...]
-    v: Any
+    k: tuple[Any, ...]  # per layer group storage pytrees (see PagedKVCache), leaves [Lg, B, T, Hkv, ...]
+    v: tuple[Any, ...]
     slots: jax.Array  # [B] int32
     seq_lens: jax.Array  # [B] int32 tokens stored per row after the update
 
@@ -78,6 +81,7 @@ def forward(
     cfg: ModelConfig,
     num_pages: int,
     all_logits: bool,
+    attention: str = "reference",
 ) -> tuple[jax.Array, KVUpdate]:
     """Runs T new tokens per row through the model; reads the cache, returns what to write.
 
@@ -86,6 +90,9 @@ def forward(
             must cover every row's final length).
         all_logits: return logits for every position ([B, T, V]); otherwise only for each
             row's last valid token ([B, V]).
+        attention: "pallas" reads TurboQuant layers with the rotated-domain kernel (other
+            layers, and every layer of unquantized or QJL formats, use the reference);
+            "reference" decodes the pages and runs the jnp reference everywhere.
 
     Returns:
         (logits float32, the new tokens' keys/values and where they go).
@@ -109,14 +116,30 @@ def forward(
             q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            k_store, v_store = cache.encode(k, v)
-            if cache.spec.quantized:
+            k_store, v_store = cache.encode(k, v, idx)
+            if attention == "pallas" and _kernel_reads(cache, idx):
+                k_pool, v_pool, ki, vi = cache.layer_pools(idx)
+                attn = tq_paged_attention(
+                    q,
+                    k_store,
+                    v_store,
+                    k_pool,
+                    v_pool,
+                    read_table,
+                    ki,
+                    batch.start,
+                    batch.num_new,
+                    k_codec=cache.k_groups.codec(idx),
+                    v_codec=cache.v_groups.codec(idx),
+                    v_layer=vi,
+                )
+            else:
                 # Every position attends to keys/values as stored, the new ones included.
-                k, v = cache.decode(k_store, v_store)
-            k_ctx, v_ctx = cache.read(read_table, idx)
-            attn = paged_attention_reference(
-                q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, batch.start, batch.num_new
-            )
+                k, v = cache.decode(k_store, v_store, idx)
+                k_ctx, v_ctx = cache.read(read_table, idx)
+                attn = paged_attention_reference(
+                    q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, batch.start, batch.num_new
+                )
             x = x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo)
             h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
             gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
@@ -128,13 +151,21 @@ def forward(
     if not all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
+    k_groups, v_groups = cache.stack_layers(new_k, new_v)
     logits = jnp.matmul(x, weights.lm_head, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
     update = KVUpdate(
         pages=jnp.where(valid, page_of_pos, NULL_PAGE),
         offsets=positions % page_size,
-        k=jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *new_k),
-        v=jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *new_v),
+        k=k_groups,
+        v=v_groups,
         slots=batch.slots,
         seq_lens=batch.start + batch.num_new,
     )
     return logits, update
+
+
+def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:
+    """Whether the rotated-domain kernel can read this layer's pages (TurboQuant keys and
+    values, no QJL residual)."""
+    k_codec, v_codec = cache.k_groups.codec(layer), cache.v_groups.codec(layer)
+    return k_codec is not None and v_codec is not None and not (k_codec.qjl or v_codec.qjl)

@@ -41,12 +41,13 @@ def tq_paged_attention_reference(
     k_pool: dict[str, jax.Array],  # the cache's key pool, leaves [P, L, S, Hkv, ...]
     v_pool: dict[str, jax.Array],
     block_table: jax.Array,  # [B, NP] int32 pages of each row, in order
-    layer: jax.Array | int,  # which layer of the pool to read
+    layer: jax.Array | int,  # which layer of the key pool to read (and of the value pool, unless v_layer)
     ctx_lens: jax.Array,  # [B] int32 tokens stored per row before this step
     num_new: jax.Array,  # [B] int32 valid new tokens per row
     *,
     k_codec: TurboQuant,
     v_codec: TurboQuant,
+    v_layer: jax.Array | int | None = None,
     pages_per_split: int = 16,
     interpret: bool | None = None,
 ) -> jax.Array:  # [B, T, Hq, Dh]
@@ -54,13 +55,14 @@ def tq_paged_attention_reference(
     `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
     del pages_per_split, interpret
     b, num_pages = block_table.shape
+    v_layer = layer if v_layer is None else v_layer
 
-    def gather(tree):
+    def gather(tree, index):
         return {
-            name: a[block_table, layer].reshape(b, num_pages * a.shape[2], *a.shape[3:]) for name, a in tree.items()
+            name: a[block_table, index].reshape(b, num_pages * a.shape[2], *a.shape[3:]) for name, a in tree.items()
         }
 
-    k_ctx, v_ctx = k_codec.decode(gather(k_pool)), v_codec.decode(gather(v_pool))
+    k_ctx, v_ctx = k_codec.decode(gather(k_pool, layer)), v_codec.decode(gather(v_pool, v_layer))
     k, v = k_codec.decode(k_new).astype(q.dtype), v_codec.decode(v_new).astype(q.dtype)
     return paged_attention_reference(q, k, v, k_ctx, v_ctx, ctx_lens, num_new)
 
@@ -78,6 +80,7 @@ def tq_paged_attention(
     *,
     k_codec: TurboQuant,
     v_codec: TurboQuant,
+    v_layer: jax.Array | int | None = None,
     pages_per_split: int = 16,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -99,7 +102,7 @@ def tq_paged_attention(
         k_pool,
         v_pool,
         block_table,
-        jnp.asarray(layer, jnp.int32).reshape(1),
+        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)]),
         ctx_lens,
         num_new,
         k_codec=k_codec,
@@ -230,7 +233,7 @@ def _context_partials(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec,
     in_specs = [
         pl.BlockSpec((None, None, padded_q, dh), lambda i, j, s: (i, j, 0, 0)),  # queries of (row, head)
         full(table.shape),
-        full((1,)),  # layer
+        full((2,)),  # key and value pool layers
         full(ctx_lens.shape),
         full(k_pool["codes"].shape),
         full(k_pool["norms"].shape),
@@ -275,7 +278,7 @@ def _context_partials(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec,
 def _context_kernel(
     q_ref,  # [Qp, Dh] rotated, scaled queries of this (row, KV head)
     table_ref,  # [B, NS * pages_per_split] page ids
-    layer_ref,  # [1]
+    layer_ref,  # [2] layer in the key pool, in the value pool
     ctx_ref,  # [B] stored tokens per row
     kc_ref,  # [P, L, S, Hkv, Dh * kb / 8] uint8 key codes (planar)
     kn_ref,  # [P, L, S, Hkv] float32 key norms
@@ -297,10 +300,10 @@ def _context_kernel(
     chunk = head_dim // 8
     q = [q_ref[:, pl.ds(c * chunk, chunk)] for c in range(8)]  # the 8 planar chunks, [Qp, c] each
     ctx_len = ctx_ref[row]
-    layer = layer_ref[0]
     offsets = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
 
-    def chunks_of(codes_ref, norms_ref, codebook_ref, bits, page):
+    def chunks_of(codes_ref, norms_ref, codebook_ref, bits, page, side):
+        layer = layer_ref[side]
         planes = [codes_ref[page, layer, :, head, pl.ds(r * chunk, chunk)].astype(jnp.int32) for r in range(bits)]
         return [codebook_ref[c] for c in unpack_planes(planes, bits)], norms_ref[page, layer, :, head]
 
@@ -309,14 +312,14 @@ def _context_kernel(
         index = split * pages_per_split + i
         page = table_ref[row, index]
         valid = index * page_size + offsets < ctx_len  # [1, S]
-        k_chunks, k_norms = chunks_of(kc_ref, kn_ref, kcb_ref, k_bits, page)
+        k_chunks, k_norms = chunks_of(kc_ref, kn_ref, kcb_ref, k_bits, page, 0)
         scores = sum(_matmul_t(qc, kc) for qc, kc in zip(q, k_chunks, strict=True)) * k_norms[None, :]  # [Qp, S]
         # Replace (not add): garbage in unused pages may be NaN.
         scores = jnp.where(valid, scores, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(scores, axis=1))
         alpha = jnp.exp(m - m_next)
         p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
-        v_chunks, v_norms = chunks_of(vc_ref, vn_ref, vcb_ref, v_bits, page)
+        v_chunks, v_norms = chunks_of(vc_ref, vn_ref, vcb_ref, v_bits, page, 1)
         weights = p * jnp.where(valid, v_norms[None, :], 0.0)  # [Qp, S]
         acc = [a * alpha[:, None] + _matmul(weights, vc) for a, vc in zip(acc, v_chunks, strict=True)]
         return m_next, sums * alpha + jnp.sum(p, axis=1), acc

@@ -38,7 +38,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def test_bf16_cache_is_stored_as_bits(llm_bf16):
     assert llm_bf16.engine.cache.spec.name == "bf16"
-    assert str(llm_bf16.engine.cache.k.dtype) == "uint16"
+    assert [str(pool.dtype) for pool in llm_bf16.engine.cache.k] == ["uint16"]
 
 
 def test_bf16_logits_close_to_float32(llm_bf16, llm_f32):

@@ -29,7 +29,7 @@ def test_parse(name, k, v, kq, vq):
 
 @pytest.mark.parametrize("name", ["tq1", "tq9", "tq-k9v4", "tq4-qjlx", "int8", "", "TQ4", "tq-k4"])
 def test_bad_names_list_the_accepted_forms(name):
-    with pytest.raises(ValueError, match=r"bits must be in 2\.\.8|unknown kv cache dtype"):
+    with pytest.raises(ValueError, match=r"bits must be in 2\.\.8|unknown kv cache dtype|unknown modifier"):
         parse_kv_spec(name)
 
 

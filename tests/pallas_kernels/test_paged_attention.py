@@ -61,18 +61,18 @@ def test_reference_matches_dense(page_size, ctx_lens, num_new):
     full_k = rng.standard_normal((b, np_read * page_size, hkv, d)).astype(np.float32)
     full_v = rng.standard_normal((b, np_read * page_size, hkv, d)).astype(np.float32)
     layer = 1
-    k_pool, v_pool = np.asarray(cache.k).copy(), np.asarray(cache.v).copy()
+    k_pool, v_pool = np.asarray(cache.k[0]).copy(), np.asarray(cache.v[0]).copy()
     for r in range(b):
         used = -(-ctx_lens[r] // page_size)
         table[r, :used] = perm[r * np_read : r * np_read + used]
         for j in range(ctx_lens[r]):
             k_pool[table[r, j // page_size], layer, j % page_size] = full_k[r, j]
             v_pool[table[r, j // page_size], layer, j % page_size] = full_v[r, j]
-    cache = cache.replace(k=jnp.asarray(k_pool), v=jnp.asarray(v_pool))
+    cache = cache.replace(k=(jnp.asarray(k_pool),), v=(jnp.asarray(v_pool),))
     q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
     k_new = np.stack([full_k[r, ctx_lens[r] : ctx_lens[r] + t] for r in range(b)])
     v_new = np.stack([full_v[r, ctx_lens[r] : ctx_lens[r] + t] for r in range(b)])
-    k_ctx, v_ctx = cache.read(jnp.asarray(table), jnp.int32(layer))
+    k_ctx, v_ctx = cache.read(jnp.asarray(table), layer)
     out = jax.jit(paged_attention_reference)(
         jnp.asarray(q),
         jnp.asarray(k_new),
