@@ -27,6 +27,7 @@ from flax import struct
 
 from models.config import ModelConfig
 from models.kv_spec import KVSpec, parse_kv_spec
+from pallas_kernels.tq_encode import tq_encode
 from pallas_kernels.turboquant import TurboQuant
 
 NULL_PAGE = 0
@@ -113,11 +114,12 @@ class PagedKVCache:
         (kg, ki), (vg, vi) = self.k_groups.where[layer], self.v_groups.where[layer]
         return self.k[kg], self.v[vg], ki, vi
 
-    def encode(self, k: jax.Array, v: jax.Array, layer: int) -> tuple[Any, Any]:
-        """New keys/values [..., Hkv, Dh] of `layer` -> storage pytrees (bit patterns, or codes)."""
+    def encode(self, k: jax.Array, v: jax.Array, layer: int, *, kernel: bool = False) -> tuple[Any, Any]:
+        """New keys/values [..., Hkv, Dh] of `layer` -> storage pytrees (bit patterns, or codes).
+        `kernel` quantizes with the Pallas encoder instead of the jnp codec (same result)."""
         return (
-            _encode(k, self.k_groups.codec(layer), self.spec),
-            _encode(v, self.v_groups.codec(layer), self.spec),
+            _encode(k, self.k_groups.codec(layer), self.spec, kernel),
+            _encode(v, self.v_groups.codec(layer), self.spec, kernel),
         )
 
     def decode(self, k: Any, v: Any, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -180,9 +182,9 @@ class PagedKVCache:
         )
 
 
-def _encode(x: jax.Array, codec: TurboQuant | None, spec: KVSpec) -> Any:
+def _encode(x: jax.Array, codec: TurboQuant | None, spec: KVSpec, kernel: bool = False) -> Any:
     if codec is not None:
-        return codec.encode(x)
+        return tq_encode(x, codec) if kernel else codec.encode(x)
     if spec.unquantized_bytes == 2 or spec.quantized:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(jnp.float32)

@@ -90,9 +90,10 @@ def forward(
             must cover every row's final length).
         all_logits: return logits for every position ([B, T, V]); otherwise only for each
             row's last valid token ([B, V]).
-        attention: "pallas" reads TurboQuant layers with the rotated-domain kernel (other
-            layers, and every layer of unquantized or QJL formats, use the reference);
-            "reference" decodes the pages and runs the jnp reference everywhere.
+        attention: "pallas" quantizes new keys/values with the Pallas encoder and reads
+            TurboQuant layers with the rotated-domain kernel (other layers, and every layer of
+            unquantized or QJL formats, use the reference); "reference" encodes with the jnp
+            codec, decodes the pages and runs the jnp reference everywhere.
 
     Returns:
         (logits float32, the new tokens' keys/values and where they go).
@@ -116,7 +117,7 @@ def forward(
             q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            k_store, v_store = cache.encode(k, v, idx)
+            k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
             if attention == "pallas" and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
                 attn = tq_paged_attention(

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_attention import MASK_VALUE, paged_attention_reference
 from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
@@ -260,6 +261,8 @@ def _context_partials(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec,
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
+        # Triton parameters select the Triton lowering on GPU (Mosaic GPU is the default there).
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
         name="tq_paged_attention",
     )(
         q_blocks,
