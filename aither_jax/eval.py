@@ -5,6 +5,8 @@
                 change, mean KL divergence and top-1 agreement; a table, JSON and a plot.
     codec       TurboQuant codec quality on random unit vectors: per-vector MSE, inner-product
                 error and the ratio to the 4^-b lower bound.
+    allocate    per-layer key/value bits for compression targets: measures each layer's
+                sensitivity, allocates bits greedily, scores the result.
     capacity    KV bytes per token for each --kv-cache-dtype of a model, and how many tokens fit
                 in a memory budget.
 
@@ -71,56 +73,64 @@ def quality_metrics(logits: np.ndarray, reference: np.ndarray, ids: list[int]) -
     }
 
 
-def run_perplexity(args) -> list[dict]:
-    import aither_jax as aj  # heavy import after argument checks
-    from aither_jax.engine import Engine
-    from aither_jax.llm import resolve_dtype
+class FormatScorer:
+    """Scores KV formats on one text against bf16 KV: one model load, one reference run, then
+    an engine per format that shares the weights."""
 
-    with open(args.text_file, encoding="utf-8") as f:
-        text = f.read()
-    dtype = resolve_dtype(args.dtype)
-    llm = aj.LLM(args.model, dtype=dtype, kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=args.max_tokens + 1)
-    ids = llm.tokenizer.encode(text)[: args.max_tokens]
-    if len(ids) < 2:
-        raise ValueError(f"{args.text_file} has fewer than 2 tokens")
-    pages = -(-len(ids) // 16) + 1
+    def __init__(self, model: str, dtype: str, text_file: str, max_tokens: int, chunk: int):
+        import aither_jax as aj  # heavy import after argument checks
+        from aither_jax.llm import resolve_dtype
 
-    def score(kv: str) -> tuple[np.ndarray, float]:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+        self.model, self.text_file, self.chunk = model, os.path.abspath(text_file), chunk
+        self.dtype = resolve_dtype(dtype)
+        self.max_tokens = max_tokens
+        self.llm = aj.LLM(model, dtype=self.dtype, kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=max_tokens + 1)
+        self.ids = self.llm.tokenizer.encode(text)[:max_tokens]
+        if len(self.ids) < 2:
+            raise ValueError(f"{text_file} has fewer than 2 tokens")
+        self.reference, _ = self.logits("bf16")
+        self.bf16_bytes = parse_kv_spec("bf16").bytes_per_token(self.llm.config)
+
+    def logits(self, kv: str) -> tuple[np.ndarray, float]:
+        from aither_jax.engine import Engine
+
         engine = Engine(
-            llm.engine.weights,
-            llm.config,
-            llm.tokenizer,
+            self.llm.engine.weights,
+            self.llm.config,
+            self.llm.tokenizer,
             max_num_seqs=1,
-            max_model_len=args.max_tokens + 1,
-            num_pages=pages,
-            max_prefill_chunk=args.chunk,
+            max_model_len=self.max_tokens + 1,
+            num_pages=-(-len(self.ids) // 16) + 1,
+            max_prefill_chunk=self.chunk,
             kv_cache_dtype=kv,
         )
         t0 = time.perf_counter()
-        out = engine.score(ids)
+        out = engine.score(self.ids)
         return out, time.perf_counter() - t0
 
-    reference, _ = score("bf16")
-    bf16_bytes = parse_kv_spec("bf16").bytes_per_token(llm.config)
-    rows = []
-    for spec in tqdm(args.kv_cache_dtype, desc="scoring KV formats", unit="format"):
-        logits, seconds = score(spec.name)
-        per_token = spec.bytes_per_token(llm.config)
-        rows.append(
-            {
-                "model": args.model,
-                "kv_cache_dtype": spec.name,
-                "bytes_per_token": per_token,
-                "compression_vs_bf16": round(bf16_bytes / per_token, 3),
-                **quality_metrics(logits, reference, ids),
-                "num_tokens": len(ids),
-                "text_file": os.path.abspath(args.text_file),
-                "weights_dtype": dtype,
-                "chunk": args.chunk,
-                "seconds": round(seconds, 3),
-            }
-        )
-    return rows
+    def score(self, spec: KVSpec) -> dict:
+        """One format's row: bytes per token, compression, and the quality metrics."""
+        logits, seconds = self.logits(spec.name)
+        per_token = spec.bytes_per_token(self.llm.config)
+        return {
+            "model": self.model,
+            "kv_cache_dtype": spec.name,
+            "bytes_per_token": per_token,
+            "compression_vs_bf16": round(self.bf16_bytes / per_token, 3),
+            **quality_metrics(logits, self.reference, self.ids),
+            "num_tokens": len(self.ids),
+            "text_file": self.text_file,
+            "weights_dtype": self.dtype,
+            "chunk": self.chunk,
+            "seconds": round(seconds, 3),
+        }
+
+
+def run_perplexity(args) -> list[dict]:
+    scorer = FormatScorer(args.model, args.dtype, args.text_file, args.max_tokens, args.chunk)
+    return [scorer.score(spec) for spec in tqdm(args.kv_cache_dtype, desc="scoring KV formats", unit="format")]
 
 
 def write_plot(rows: list[dict], path: str) -> None:
@@ -173,6 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     ppl.add_argument("--plot", default="out/kv_quality.png", help="where to write the quality plot ('' to skip)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
+    alloc = sub.add_parser("allocate", help="per-layer key/value bits for a compression target, from measurements")
+    add_model_argument(alloc)
+    alloc.add_argument("--text-file", required=True, help="UTF-8 text to measure on")
+    alloc.add_argument("--max-tokens", type=int_in("--max-tokens", 2, 8192), default=1024)
+    alloc.add_argument("--chunk", type=int_in("--chunk", 16, 1024), default=256, help="prefill chunk (power of two)")
+    alloc.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    alloc.add_argument(
+        "--compression",
+        type=float_in("--compression", 1.0, 8.0),
+        nargs="+",
+        default=[3.0],
+        help="one or more targets: bf16 bytes / format bytes",
+    )
+    alloc.add_argument("--min-bits", type=int_in("--min-bits", 2, 8), default=3, help="fewest bits any layer gets")
+    alloc.add_argument("--probe-key-bits", type=int_in("--probe-key-bits", 2, 8), default=4)
+    alloc.add_argument("--probe-value-bits", type=int_in("--probe-value-bits", 2, 8), default=3)
+    alloc.add_argument("--json", action="store_true", help="print one JSON object")
     codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
     codec.add_argument("--head-dim", type=int_in("--head-dim", 4, 1024), default=128)
     codec.add_argument("--bits", type=int_in("--bits", 1, 8), nargs="+", default=[2, 3, 4])
@@ -207,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return perplexity_main(parser, args)
     if args.command == "codec":
         return codec_main(parser, args)
+    if args.command == "allocate":
+        return allocate_main(parser, args)
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
@@ -246,6 +275,35 @@ def codec_main(parser: argparse.ArgumentParser, args) -> int:
                 f"{', qjl' if args.qjl else ''}): mse {report['mse']:.5f} = {report['mse_ratio']:.2f} x 4^-b, "
                 f"inner-product rmse {report['inner_product_rmse']:.5f}, {report['bytes_per_vector']} B/vector"
             )
+    return 0
+
+
+def allocate_main(parser: argparse.ArgumentParser, args) -> int:
+    from aither_jax.kv_allocation import run_allocate
+
+    if not os.path.isfile(args.text_file):
+        parser.error(f"--text-file {args.text_file!r} does not exist")
+    if args.chunk & (args.chunk - 1):
+        parser.error(f"--chunk must be a power of two, got {args.chunk}")
+    try:
+        report = run_allocate(args)
+    except (ValueError, GGUFError, UnicodeDecodeError) as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{args.model}: {report['plans'][0]['num_tokens']} tokens of {args.text_file}")
+    print(f"per-layer KL at the probe widths (keys {args.probe_key_bits} bits, values {args.probe_value_bits} bits):")
+    for side in ("k", "v"):
+        kls = [p["kl_divergence"] for p in report["probes"] if p["side"] == side]
+        print(f"  {side}: " + " ".join(f"{x:.4f}" for x in kls))
+    for plan in report["plans"]:
+        print(
+            f"{plan['kv_cache_dtype']}\n  target {plan['target_compression']:g}x: {plan['bytes_per_token']:,} B/token "
+            f"({plan['compression_vs_bf16']:.2f}x), predicted KL {plan['predicted_kl_divergence']:.4f}, measured KL "
+            f"{plan['kl_divergence']:.4f}, perplexity change {plan['perplexity_change_pct']:+.2f}%, "
+            f"top-1 {plan['top1_agreement']:.1%}"
+        )
     return 0
 
 
