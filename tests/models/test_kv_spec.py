@@ -46,3 +46,33 @@ def test_bytes_agree_with_the_codec(name):
     k = TurboQuant(head_dim=64, bits=spec.key_bits, qjl=spec.key_qjl).bytes_per_vector
     v = TurboQuant(head_dim=64, bits=spec.value_bits, qjl=spec.value_qjl).bytes_per_vector
     assert spec.bytes_per_token(SMOLLM2) == 30 * 3 * (k + v)
+
+
+def test_boundary_layers_and_overrides_resolve_per_layer():
+    spec = parse_kv_spec("tq-k5v4-b2-k8@2,10-vbf16@15-k3@1")
+    k, v = spec.layer_bits("k", 30), spec.layer_bits("v", 30)
+    assert k[:3] == (None, 3, 8) and k[10] == 8 and k[28:] == (None, None) and k[5] == 5
+    assert k[27] == 5  # only the last two layers are boundary layers
+    assert v[:2] == (None, None) and v[15] is None and v[2] == 4 and v[28:] == (None, None)
+    # bf16 layers cost 128 B per vector; TurboQuant ones codes + a float32 norm.
+    expected = 3 * sum((64 * 2 if b is None else 64 * b // 8 + 4) for b in k + v)
+    assert spec.bytes_per_token(SMOLLM2) == expected
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("tq4-k9@1", "bits must be in 2..8"),
+        ("tq4-k8@", "unknown modifier"),
+        ("tq4-x3", "unknown modifier"),
+        ("tq4-k8@1,,2", "unknown modifier"),
+    ],
+)
+def test_bad_modifiers(name, message):
+    with pytest.raises(ValueError, match=message):
+        parse_kv_spec(name)
+
+
+def test_override_past_the_last_layer_names_the_layer_count():
+    with pytest.raises(ValueError, match="names layer 30, but the model has 30 layers"):
+        parse_kv_spec("tq4-k8@30").bytes_per_token(SMOLLM2)
