@@ -278,17 +278,22 @@ def codec_main(parser: argparse.ArgumentParser, args) -> int:
     return 0
 
 
-def allocate_main(parser: argparse.ArgumentParser, args) -> int:
-    from aither_jax.kv_allocation import run_allocate
-
+def run_on_text(parser: argparse.ArgumentParser, args, run):
+    """Checks the text-scoring arguments, then `run(args)`; bad input exits with code 2."""
     if not os.path.isfile(args.text_file):
         parser.error(f"--text-file {args.text_file!r} does not exist")
     if args.chunk & (args.chunk - 1):
         parser.error(f"--chunk must be a power of two, got {args.chunk}")
     try:
-        report = run_allocate(args)
+        return run(args)
     except (ValueError, GGUFError, UnicodeDecodeError) as e:
         parser.error(str(e))
+
+
+def allocate_main(parser: argparse.ArgumentParser, args) -> int:
+    from aither_jax.kv_allocation import run_allocate
+
+    report = run_on_text(parser, args, run_allocate)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -308,14 +313,7 @@ def allocate_main(parser: argparse.ArgumentParser, args) -> int:
 
 
 def perplexity_main(parser: argparse.ArgumentParser, args) -> int:
-    if not os.path.isfile(args.text_file):
-        parser.error(f"--text-file {args.text_file!r} does not exist")
-    if args.chunk & (args.chunk - 1):
-        parser.error(f"--chunk must be a power of two, got {args.chunk}")
-    try:
-        rows = run_perplexity(args)
-    except (ValueError, GGUFError, UnicodeDecodeError) as e:
-        parser.error(str(e))
+    rows = run_on_text(parser, args, run_perplexity)
     if args.plot:
         write_plot(rows, args.plot)
     if args.json:

@@ -81,14 +81,21 @@ def run_allocate(args) -> dict:
     cfg = scorer.llm.config
     n = cfg.num_layers
     probe = {"k": args.probe_key_bits, "v": args.probe_value_bits}
+    vector_bytes = {
+        side: {b: parse_kv_spec(f"tq{b}").vector_bytes(cfg.head_dim, side) for b in range(2, 9)} for side in "kv"
+    }
+    floor = 2 * n * cfg.num_kv_heads * vector_bytes["k"][args.min_bits]
+    for compression in args.compression:
+        if scorer.bf16_bytes / compression < floor:
+            raise ValueError(
+                f"--compression {compression:g} needs at most {int(scorer.bf16_bytes / compression)} B/token, "
+                f"below the {floor} B/token of --min-bits {args.min_bits} everywhere"
+            )
     sensitivity, probes = {}, []
     for side, layer in tqdm([(s, i) for s in "kv" for i in range(n)], desc="per-layer sensitivity", unit="probe"):
         row = scorer.score(parse_kv_spec(probe_name(side, layer, probe[side], n)))
         sensitivity[(side, layer)] = row["kl_divergence"]
         probes.append({"side": side, "layer": layer, "bits": probe[side], "kl_divergence": row["kl_divergence"]})
-    vector_bytes = {
-        side: {b: parse_kv_spec(f"tq{b}").vector_bytes(cfg.head_dim, side) for b in range(2, 9)} for side in "kv"
-    }
     plans = []
     for compression in args.compression:
         budget = int(scorer.bf16_bytes / compression)

@@ -33,6 +33,9 @@ def test_capacity_table(capsys):
         (["capacity", "--kv-cache-dtype", "int8"], "unknown kv cache dtype 'int8'"),
         (["capacity", "--memory-gib", "0"], "--memory-gib must be in (0, 1048576]"),
         (["capacity", "--model", "nope"], "unknown model 'nope'"),
+        (["allocate", "--text-file", "/nonexistent.txt"], "does not exist"),
+        (["allocate", "--text-file", "/etc/hostname", "--compression", "0.5"], "--compression must be in [1, 8]"),
+        (["allocate", "--text-file", "/etc/hostname", "--min-bits", "9"], "--min-bits must be in [2, 8]"),
         ([], "command"),
     ],
 )
@@ -110,3 +113,14 @@ def test_codec_rejects_non_power_of_two(capsys):
     with pytest.raises(SystemExit) as exc:
         aj_eval.main(["codec", "--head-dim", "96"])
     assert exc.value.code == 2 and "power of two" in capsys.readouterr().err
+
+
+def test_allocate_rejects_a_budget_below_the_minimum_widths_before_probing(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        aj_eval.main(
+            ["allocate", "--text-file", str(text), "--compression", "6", "--min-bits", "4", "--dtype", "float32"]
+        )
+    assert exc.value.code == 2
+    assert "below the 6480 B/token of --min-bits 4 everywhere" in capsys.readouterr().err

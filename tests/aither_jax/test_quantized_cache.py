@@ -16,17 +16,10 @@ from pallas_kernels.turboquant import TurboQuant
 TEXT = " ".join(f"Entry {i}: the northern river floods every spring, and the town moves uphill." for i in range(12))
 
 
-def make_llm(kv: str, chunk: int = 64) -> aj.LLM:
+def make_llm(kv: str, chunk: int = 64, **overrides) -> aj.LLM:
+    options = dict(max_model_len=320, max_num_seqs=4, num_pages=80, max_prefill_chunk=chunk) | overrides
     return aj.LLM(
-        "smollm2-135m",
-        dtype="float32",
-        kv_cache_dtype=kv,
-        max_model_len=320,
-        max_num_seqs=4,
-        num_pages=80,
-        max_prefill_chunk=chunk,
-        progress=False,
-        _cache_fill_value=float("nan"),
+        "smollm2-135m", dtype="float32", kv_cache_dtype=kv, progress=False, _cache_fill_value=float("nan"), **options
     )
 
 
@@ -134,18 +127,7 @@ def test_bad_kv_cache_dtype():
 
 
 def small_llm(kv: str, attention: str = "reference") -> aj.LLM:
-    return aj.LLM(
-        "smollm2-135m",
-        dtype="float32",
-        kv_cache_dtype=kv,
-        max_model_len=96,
-        max_num_seqs=2,
-        num_pages=16,
-        max_prefill_chunk=32,
-        attention=attention,
-        progress=False,
-        _cache_fill_value=float("nan"),
-    )
+    return make_llm(kv, chunk=32, max_model_len=96, max_num_seqs=2, num_pages=16, attention=attention)
 
 
 @pytest.fixture(scope="module")
