@@ -61,6 +61,8 @@ def forward_step(
 def write_step(cache: PagedKVCache, update: KVUpdate) -> PagedKVCache:
     """Stores a step's keys/values and lengths in place."""
     cache = cache.write(update.pages, update.offsets, update.k, update.v)
+    if cache.num_sinks:
+        cache = cache.write_sinks(update.slots, update.start, update.num_new, update.sink_k, update.sink_v)
     return cache.replace(seq_lens=cache.seq_lens.at[update.slots].set(update.seq_lens, mode="drop"))
 
 

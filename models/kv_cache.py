@@ -75,6 +75,10 @@ class PagedKVCache:
 
     k: tuple[Any, ...]  # keys after RoPE, one page-major storage pytree per key layer group
     v: tuple[Any, ...]
+    # With sink tokens (spec.sink_tokens = n > 0): the first n keys/values of each slot, bf16
+    # bit patterns [max_seqs, L, n, Hkv, Dh], read instead of their quantized page copies.
+    sink_k: jax.Array | None
+    sink_v: jax.Array | None
     block_tables: jax.Array  # [max_seqs, max_pages_per_seq] int32, page ids per slot (NULL_PAGE = none)
     seq_lens: jax.Array  # [max_seqs] int32, tokens stored per slot
     spec: KVSpec = struct.field(pytree_node=False, default=KVSpec("bf16"))
@@ -148,6 +152,47 @@ class PagedKVCache:
             )
 
         return self.decode(gather(k_pool, ki), gather(v_pool, vi), layer)
+
+    @property
+    def num_sinks(self) -> int:
+        return self.spec.sink_tokens
+
+    def sinks(self, slots: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
+        """The sink keys/values [B, n, Hkv, Dh] (float32) of `layer` for the given slots."""
+        rows = jnp.minimum(slots, self.max_seqs - 1)
+        return tuple(
+            jax.lax.bitcast_convert_type(a[rows, layer], jnp.bfloat16).astype(jnp.float32)
+            for a in (self.sink_k, self.sink_v)
+        )
+
+    def with_sinks(self, k: jax.Array, v: jax.Array, slots: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Context read from pages [B, S, Hkv, Dh] with its first n positions replaced by the
+        slots' unquantized sinks (no-op without sinks)."""
+        n = min(self.num_sinks, k.shape[1])
+        if n == 0:
+            return k, v
+        sink_k, sink_v = self.sinks(slots, layer)
+        return k.at[:, :n].set(sink_k[:, :n].astype(k.dtype)), v.at[:, :n].set(sink_v[:, :n].astype(v.dtype))
+
+    def write_sinks(self, slots: jax.Array, start: jax.Array, num_new: jax.Array, k: jax.Array, v: jax.Array):
+        """Stores the sink-position tokens among a step's first n new tokens per row.
+
+        Args:
+            slots, start, num_new: [B] the rows' slots, first positions and valid counts.
+            k, v: [L, B, T', Hkv, Dh] uint16 bf16 bits of the rows' first T' = min(T, n) new tokens.
+        """
+        if self.num_sinks == 0:
+            return self
+        t = k.shape[2]
+        pos = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T']
+        keep = (jnp.arange(t)[None, :] < num_new[:, None]) & (pos < self.num_sinks)
+        pos = jnp.where(keep, pos, self.num_sinks)  # out of range: dropped
+        index = (slots[:, None], slice(None), pos)
+
+        def put(buf, new):  # buf [max_seqs, L, n, ...]; new [L, B, T', ...] -> [B, T', L, ...]
+            return buf.at[index].set(jnp.moveaxis(new, 0, 2), mode="drop")
+
+        return self.replace(sink_k=put(self.sink_k, k), sink_v=put(self.sink_v, v))
 
     def stack_layers(self, k: list[Any], v: list[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Per-layer storage pytrees (from `encode`, in layer order) -> per-group pytrees with
@@ -239,9 +284,17 @@ def init_cache(
     def pools(groups: LayerGroups) -> tuple[Any, ...]:
         return tuple(pool(c, len(g)) for c, g in zip(groups.codecs, groups.groups, strict=True))
 
+    def sinks() -> jax.Array | None:
+        if not spec.sink_tokens:
+            return None
+        shape = (max_seqs, cfg.num_layers, spec.sink_tokens, cfg.num_kv_heads, cfg.head_dim)
+        return _encode(jnp.full(shape, fill_value, jnp.float32), None, spec)
+
     return PagedKVCache(
         k=pools(k_groups),
         v=pools(v_groups),
+        sink_k=sinks(),
+        sink_v=sinks(),
         block_tables=jnp.full((max_seqs, max_pages_per_seq), NULL_PAGE, jnp.int32),
         seq_lens=jnp.zeros((max_seqs,), jnp.int32),
         spec=spec,

@@ -7,12 +7,15 @@ Names:
     ...-qjlk / -qjlv / -qjl
                           add the 1-bit QJL residual to keys / values / both
     ...-b<n>              keep the first and last n layers unquantized (bf16)
+    ...-s<n>              keep the first n tokens of every sequence ("sinks") unquantized too
     ...-k<b>@<layers>     keys of the listed layers (e.g. 1,2,10) at b bits, or bf16 with
     ...-v<b>@<layers>     b = "bf16"; later modifiers override earlier ones
 
 so `tq-k5v4-k8@1,2,10` stores keys at 5 bits except in layers 1, 2 and 10 (8 bits), values at
-4 bits. A TurboQuant vector of dimension d costs d*b/8 bytes of codes plus a float32 norm, and
-with QJL another d/8 bytes of signs plus a float32 residual norm.
+4 bits. Sink tokens cost a fixed n x layers x kv_heads x head_dim x 4 bytes per sequence
+slot (bf16 keys and values), not bytes per token. A TurboQuant vector of dimension d costs
+d*b/8 bytes of codes plus a float32 norm, and with QJL another d/8 bytes of signs plus a
+float32 residual norm.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ TQ_BITS = range(2, 9)
 
 _TQ = re.compile(r"^tq(?:(?P<bits>\d)|-k(?P<kbits>\d)v(?P<vbits>\d))(?P<qjl>-qjl[kv]?)?(?P<mods>(?:-[^-]+)*)$")
 _BOUNDARY = re.compile(r"^b(?P<n>\d+)$")
+_SINKS = re.compile(r"^s(?P<n>\d+)$")
+MAX_SINK_TOKENS = 64
 _OVERRIDE = re.compile(r"^(?P<side>[kv])(?P<bits>\d+|bf16)@(?P<layers>\d+(?:,\d+)*)$")
 
 # A layer's format on one side: TurboQuant bits, or None for unquantized.
@@ -49,6 +54,7 @@ class KVSpec:
     value_qjl: bool = False
     unquantized_bytes: int = 2  # per element when unquantized
     boundary_layers: int = 0
+    sink_tokens: int = 0  # first tokens of each sequence also kept unquantized, per slot
     overrides: tuple[tuple[str, LayerBits, tuple[int, ...]], ...] = ()
 
     @property
@@ -100,23 +106,30 @@ def parse_kv_spec(name: str) -> KVSpec:
         raise ValueError(
             f"unknown kv cache dtype {name!r}: use bf16, fp32, tq<bits> (e.g. tq4), tq-k<bits>v<bits> "
             "(e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl, then -b<n> (first/last n layers "
-            "unquantized) and -k<bits>@<layers> / -v<bits>@<layers> (e.g. -k8@1,2,10 or -kbf16@0)"
+            "unquantized), -s<n> (first n tokens unquantized) and -k<bits>@<layers> / -v<bits>@<layers> "
+            "(e.g. -k8@1,2,10 or -kbf16@0)"
         )
     kbits = int(m["bits"] or m["kbits"])
     vbits = int(m["bits"] or m["vbits"])
     for side, bits in (("key", kbits), ("value", vbits)):
         _check_bits(name, side, bits)
-    boundary, overrides = 0, []
+    boundary, sinks, overrides = 0, 0, []
     for mod in m["mods"].split("-")[1:]:
         if b := _BOUNDARY.match(mod):
             boundary = int(b["n"])
+        elif m_sinks := _SINKS.match(mod):
+            sinks = int(m_sinks["n"])
+            if not 1 <= sinks <= MAX_SINK_TOKENS:
+                raise ValueError(f"{name!r}: sink tokens must be in 1..{MAX_SINK_TOKENS}, got {sinks}")
         elif o := _OVERRIDE.match(mod):
             bits = None if o["bits"] == "bf16" else int(o["bits"])
             if bits is not None:
                 _check_bits(name, "key" if o["side"] == "k" else "value", bits)
             overrides.append((o["side"], bits, tuple(sorted({int(i) for i in o["layers"].split(",")}))))
         else:
-            raise ValueError(f"{name!r}: unknown modifier {mod!r} (use b<n>, k<bits>@<layers> or v<bits>@<layers>)")
+            raise ValueError(
+                f"{name!r}: unknown modifier {mod!r} (use b<n>, s<n>, k<bits>@<layers> or v<bits>@<layers>)"
+            )
     qjl = m["qjl"] or ""
     return KVSpec(
         name,
@@ -125,6 +138,7 @@ def parse_kv_spec(name: str) -> KVSpec:
         key_qjl=qjl in ("-qjl", "-qjlk"),
         value_qjl=qjl in ("-qjl", "-qjlv"),
         boundary_layers=boundary,
+        sink_tokens=sinks,
         overrides=tuple(overrides),
     )
 

@@ -20,7 +20,7 @@ from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.weights import ModelWeights
 from pallas_kernels.paged_attention import dot_precision, paged_attention_reference
-from pallas_kernels.tq_attention import tq_paged_attention
+from pallas_kernels.tq_attention import Sinks, tq_paged_attention
 
 ATTENTION_IMPLS = ("reference", "pallas")
 
@@ -69,7 +69,12 @@ class KVUpdate:
     k: tuple[Any, ...]  # per layer group storage pytrees (see PagedKVCache), leaves [Lg, B, T, Hkv, ...]
     v: tuple[Any, ...]
     slots: jax.Array  # [B] int32
+    start: jax.Array  # [B] int32 position of each row's first new token
+    num_new: jax.Array  # [B] int32
     seq_lens: jax.Array  # [B] int32 tokens stored per row after the update
+    # With sink tokens: bf16 bits [L, B, min(T, n), Hkv, Dh] of each row's first new tokens.
+    sink_k: jax.Array | None = None
+    sink_v: jax.Array | None = None
 
 
 def forward(
@@ -108,7 +113,7 @@ def forward(
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
 
     x = weights.embed[tokens]  # [B, T, D]
-    new_k, new_v = [], []
+    new_k, new_v, sink_k, sink_v = [], [], [], []
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
             h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
@@ -118,6 +123,11 @@ def forward(
             k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
+            if cache.num_sinks:
+                k_exact, v_exact = (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
+                sink_k.append(k_exact[:, : min(t, cache.num_sinks)])
+                sink_v.append(v_exact[:, : min(t, cache.num_sinks)])
+            sinks = _sinks(cache, batch, idx, k, v) if cache.num_sinks and cache.quantized(idx) else None
             if attention == "pallas" and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
                 attn = tq_paged_attention(
@@ -133,11 +143,15 @@ def forward(
                     k_codec=cache.k_groups.codec(idx),
                     v_codec=cache.v_groups.codec(idx),
                     v_layer=vi,
+                    sinks=sinks,
                 )
             else:
                 # Every position attends to keys/values as stored, the new ones included.
                 k, v = cache.decode(k_store, v_store, idx)
                 k_ctx, v_ctx = cache.read(read_table, idx)
+                if sinks is not None:
+                    k, v = sinks.apply_new(k, v, batch.start)
+                    k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)
                 attn = paged_attention_reference(
                     q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, batch.start, batch.num_new
                 )
@@ -160,7 +174,11 @@ def forward(
         k=k_groups,
         v=v_groups,
         slots=batch.slots,
+        start=batch.start,
+        num_new=batch.num_new,
         seq_lens=batch.start + batch.num_new,
+        sink_k=jnp.stack(sink_k) if sink_k else None,
+        sink_v=jnp.stack(sink_v) if sink_v else None,
     )
     return logits, update
 
@@ -170,3 +188,11 @@ def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:
     values, no QJL residual)."""
     k_codec, v_codec = cache.k_groups.codec(layer), cache.v_groups.codec(layer)
     return k_codec is not None and v_codec is not None and not (k_codec.qjl or v_codec.qjl)
+
+
+def _sinks(cache: PagedKVCache, batch: StepBatch, layer: int, k: jax.Array, v: jax.Array) -> Sinks:
+    """The unquantized (bf16) sink keys/values of this layer: stored ones for the rows' slots,
+    and the new tokens' own values for those that fall on sink positions."""
+    stored_k, stored_v = cache.sinks(batch.slots, layer)
+    new_k, new_v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (k, v))
+    return Sinks(k=stored_k, v=stored_v, new_k=new_k, new_v=new_v)

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -33,6 +34,35 @@ from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
 # Triton's dot wants every dimension >= 16; smaller products are done as broadcast sums.
 _MIN_DOT = 16
 _HI = jax.lax.Precision.HIGHEST
+
+
+@struct.dataclass
+class Sinks:
+    """Unquantized values for the first n positions of each row ("sink" tokens): they replace
+    the quantized copies in the pages, and the new tokens' decoded values where a new token
+    falls on a sink position."""
+
+    k: jax.Array  # [B, n, Hkv, Dh] float32 keys of positions 0..n-1 (valid below each row's ctx_len)
+    v: jax.Array
+    new_k: jax.Array  # [B, T, Hkv, Dh] float32 unquantized keys of the new tokens
+    new_v: jax.Array
+
+    @property
+    def count(self) -> int:
+        return self.k.shape[1]
+
+    def new_mask(self, ctx_lens: jax.Array, t: int) -> jax.Array:
+        """[B, T, 1, 1]: which new tokens sit on sink positions."""
+        pos = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        return (pos < self.count)[:, :, None, None]
+
+    def apply_new(self, k: jax.Array, v: jax.Array, ctx_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        sink = self.new_mask(ctx_lens, k.shape[1])
+        return jnp.where(sink, self.new_k.astype(k.dtype), k), jnp.where(sink, self.new_v.astype(v.dtype), v)
+
+    def apply_ctx(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        n = min(self.count, k.shape[1])
+        return k.at[:, :n].set(self.k[:, :n].astype(k.dtype)), v.at[:, :n].set(self.v[:, :n].astype(v.dtype))
 
 
 def tq_paged_attention_reference(
@@ -49,11 +79,13 @@ def tq_paged_attention_reference(
     k_codec: TurboQuant,
     v_codec: TurboQuant,
     v_layer: jax.Array | int | None = None,
+    sinks: Sinks | None = None,
     pages_per_split: int = 16,
     interpret: bool | None = None,
 ) -> jax.Array:  # [B, T, Hq, Dh]
-    """Decodes the row's pages and the new tokens, then plain causal GQA attention.
-    `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
+    """Decodes the row's pages and the new tokens (sink positions from `sinks` instead), then
+    plain causal GQA attention. `pages_per_split` and `interpret` are accepted for signature
+    parity and ignored."""
     del pages_per_split, interpret
     b, num_pages = block_table.shape
     v_layer = layer if v_layer is None else v_layer
@@ -64,8 +96,11 @@ def tq_paged_attention_reference(
         }
 
     k_ctx, v_ctx = k_codec.decode(gather(k_pool, layer)), v_codec.decode(gather(v_pool, v_layer))
-    k, v = k_codec.decode(k_new).astype(q.dtype), v_codec.decode(v_new).astype(q.dtype)
-    return paged_attention_reference(q, k, v, k_ctx, v_ctx, ctx_lens, num_new)
+    k, v = k_codec.decode(k_new), v_codec.decode(v_new)
+    if sinks is not None:
+        k, v = sinks.apply_new(k, v, ctx_lens)
+        k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)
+    return paged_attention_reference(q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, ctx_lens, num_new)
 
 
 def tq_paged_attention(
@@ -82,6 +117,7 @@ def tq_paged_attention(
     k_codec: TurboQuant,
     v_codec: TurboQuant,
     v_layer: jax.Array | int | None = None,
+    sinks: Sinks | None = None,
     pages_per_split: int = 16,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -106,6 +142,7 @@ def tq_paged_attention(
         jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)]),
         ctx_lens,
         num_new,
+        sinks,
         k_codec=k_codec,
         v_codec=v_codec,
         pages_per_split=pages_per_split,
@@ -154,6 +191,7 @@ def _tq_paged_attention(
     layer,
     ctx_lens,
     num_new,
+    sinks,
     *,
     k_codec,
     v_codec,
@@ -179,14 +217,19 @@ def _tq_paged_attention(
     num_pages = block_table.shape[1]
     num_splits = -(-num_pages // pages_per_split)
     table = jnp.pad(block_table, ((0, 0), (0, num_splits * pages_per_split - num_pages)))
+    num_sinks = 0 if sinks is None else sinks.count
     acc, m, sums = _context_partials(
-        q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, interpret
+        q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, num_sinks, interpret
     )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
     acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
 
     # New tokens: causal among themselves, in the rotated domain.
     k_vals = _rotated_values(k_new, k_codec)  # [B, T, Hkv, Dh]
     v_vals = _rotated_values(v_new, v_codec)
+    if sinks is not None:
+        on_sink = sinks.new_mask(ctx_lens, t)
+        k_vals = jnp.where(on_sink, jnp.einsum("bthd,ed->bthe", sinks.new_k, rk, precision=hi), k_vals)
+        v_vals = jnp.where(on_sink, jnp.einsum("bthd,ed->bthe", sinks.new_v, rv, precision=hi), v_vals)
     s_new = jnp.einsum("bthgd,buhd->bhtgu", q_rot, k_vals, precision=hi)  # [B, Hkv, T, G, T]
     new_valid = jnp.arange(t)[None, :] < num_new[:, None]  # [B, T]
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(key)]
@@ -198,10 +241,22 @@ def _tq_paged_attention(
     v_vals = jnp.where(new_valid[:, :, None, None], v_vals, 0.0)
     acc_new = jnp.einsum("bhtgu,buhd->bhtgd", p_new, v_vals, precision=hi)
 
-    # Merge the splits and the new tokens' part, normalize, rotate back once.
-    m_all = jnp.concatenate([m, m_new[:, :, None]], axis=2)  # [B, Hkv, NS + 1, T, G]
-    sums_all = jnp.concatenate([sums, sums_new[:, :, None]], axis=2)
-    acc_all = jnp.concatenate([acc, acc_new[:, :, None]], axis=2)
+    parts = [(m, sums, acc), (m_new[:, :, None], sums_new[:, :, None], acc_new[:, :, None])]
+    if sinks is not None:  # the stored sinks, unquantized: seen by every new token of the row
+        sk = jnp.einsum("bshd,ed->bshe", sinks.k, rk, precision=hi)
+        sv = jnp.einsum("bshd,ed->bshe", sinks.v, rv, precision=hi)
+        seen = (jnp.arange(num_sinks)[None, :] < ctx_lens[:, None])[:, None, None, None, :]  # [B, 1, 1, 1, n]
+        s_sink = jnp.where(seen, jnp.einsum("bthgd,bshd->bhtgs", q_rot, sk, precision=hi), MASK_VALUE)
+        m_sink = jnp.max(s_sink, axis=-1)
+        p_sink = jnp.where(seen, jnp.exp(s_sink - m_sink[..., None]), 0.0)
+        sv = jnp.where(seen[:, 0, 0, 0, :, None, None], sv, 0.0)
+        acc_sink = jnp.einsum("bhtgs,bshd->bhtgd", p_sink, sv, precision=hi)
+        parts.append((m_sink[:, :, None], jnp.sum(p_sink, axis=-1)[:, :, None], acc_sink[:, :, None]))
+
+    # Merge the splits, the new tokens' part and the sinks, normalize, rotate back once.
+    m_all = jnp.concatenate([p[0] for p in parts], axis=2)  # [B, Hkv, parts, T, G]
+    sums_all = jnp.concatenate([p[1] for p in parts], axis=2)
+    acc_all = jnp.concatenate([p[2] for p in parts], axis=2)
     m_max = jnp.max(m_all, axis=2, keepdims=True)
     w = jnp.exp(m_all - m_max)
     denom = jnp.sum(w * sums_all, axis=2)  # [B, Hkv, T, G]
@@ -216,7 +271,9 @@ def _rotated_values(enc: dict[str, jax.Array], codec: TurboQuant) -> jax.Array:
     return jnp.asarray(codec.centroids)[idx] * enc["norms"][..., None]
 
 
-def _context_partials(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, interpret):
+def _context_partials(
+    q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, num_sinks, interpret
+):
     """Runs the kernel: per (row, KV head, split) the unnormalized rotated-domain output, the
     running max and the softmax denominator over that split's stored keys."""
     b, hkv, padded_q, dh = q_blocks.shape
@@ -229,6 +286,7 @@ def _context_partials(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec,
         head_dim=dh,
         page_size=page_size,
         pages_per_split=pages_per_split,
+        num_sinks=num_sinks,
     )
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
     in_specs = [
@@ -298,6 +356,7 @@ def _context_kernel(
     head_dim: int,
     page_size: int,
     pages_per_split: int,
+    num_sinks: int,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     chunk = head_dim // 8
@@ -314,7 +373,8 @@ def _context_kernel(
         m, sums, acc = carry
         index = split * pages_per_split + i
         page = table_ref[row, index]
-        valid = index * page_size + offsets < ctx_len  # [1, S]
+        pos = index * page_size + offsets
+        valid = (pos >= num_sinks) & (pos < ctx_len)  # [1, S]; sinks are read unquantized outside
         k_chunks, k_norms = chunks_of(kc_ref, kn_ref, kcb_ref, k_bits, page, 0)
         scores = sum(_matmul_t(qc, kc) for qc, kc in zip(q, k_chunks, strict=True)) * k_norms[None, :]  # [Qp, S]
         # Replace (not add): garbage in unused pages may be NaN.

@@ -201,7 +201,7 @@ def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
         return out
 
     monkeypatch.setattr(models.llama, "tq_paged_attention", checked)
-    kv, ids = "tq3-b1-k8@4", short_ids[:40]  # layers 1..28 quantized, two key formats
+    kv, ids = "tq3-b1-k8@4-s2", short_ids[:40]  # layers 1..28 quantized, two key formats, 2 sinks
     ref, ker = small_llm(kv, "reference"), small_llm(kv, "pallas")
     a, b = ker.logits(ids), ref.logits(ids)
     assert len(gaps) == 2 * 28 and max(gaps) < 1e-4  # 2 chunks (32 + 8 tokens) x 28 layers
@@ -213,3 +213,21 @@ def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
     gaps.clear()
     assert ker.generate([TEXT[:100]], params)[0].token_ids == ref.generate([TEXT[:100]], params)[0].token_ids
     assert len(gaps) >= 4 * 28 and max(gaps) < 1e-4
+
+
+def test_sink_tokens_are_stored_unquantized_across_chunks_and_decode_steps(short_ids):
+    """With 64 sink tokens and at most 64 tokens, every position is a sink: logits and greedy
+    text equal bf16 KV although the pages hold 2-bit codes. Prefill in chunks of 16 makes later
+    chunks read the earlier ones from the sink buffer; decoding reads it every step."""
+    sinks = make_llm("tq2-s64", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16)
+    plain = make_llm("bf16", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16)
+    ids = short_ids[:56]
+    np.testing.assert_allclose(sinks.logits(ids), plain.logits(ids), rtol=1e-5, atol=1e-5)
+    params = aj.SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = [{"role": "user", "content": "Name a colour."}]
+    assert sinks.chat([prompt], params)[0].token_ids == plain.chat([prompt], params)[0].token_ids
+    # Past the sinks the 2-bit pages are read: the logits move away from bf16.
+    few = make_llm("tq2-s4", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16)
+    got = few.logits(ids)
+    np.testing.assert_allclose(got[:4], plain.logits(ids)[:4], rtol=1e-5, atol=1e-5)
+    assert np.abs(got[8:] - plain.logits(ids)[8:]).mean() > 0.1

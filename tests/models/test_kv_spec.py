@@ -66,6 +66,8 @@ def test_boundary_layers_and_overrides_resolve_per_layer():
         ("tq4-k8@", "unknown modifier"),
         ("tq4-x3", "unknown modifier"),
         ("tq4-k8@1,,2", "unknown modifier"),
+        ("tq4-s0", "sink tokens must be in 1..64"),
+        ("tq4-s65", "sink tokens must be in 1..64"),
     ],
 )
 def test_bad_modifiers(name, message):
@@ -76,3 +78,9 @@ def test_bad_modifiers(name, message):
 def test_override_past_the_last_layer_names_the_layer_count():
     with pytest.raises(ValueError, match="names layer 30, but the model has 30 layers"):
         parse_kv_spec("tq4-k8@30").bytes_per_token(SMOLLM2)
+
+
+def test_sink_tokens_do_not_change_bytes_per_token():
+    spec = parse_kv_spec("tq-k6v4-s4")
+    assert spec.sink_tokens == 4 and parse_kv_spec("tq-k6v4").sink_tokens == 0
+    assert spec.bytes_per_token(SMOLLM2) == parse_kv_spec("tq-k6v4").bytes_per_token(SMOLLM2)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tq_attention import tq_paged_attention, tq_paged_attention_reference
+from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_reference
 from pallas_kernels.turboquant import TurboQuant
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -133,3 +133,23 @@ def test_gpu_kernel_matches_reference(k_bits, v_bits):
     args, codecs = make_case(k_bits=k_bits, v_bits=v_bits, ctx_lens=(100, 1, 513, 64), page_size=16)
     out, ref = run_both(args, codecs, pages_per_split=8, interpret=False)
     np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("t, ctx_lens, n", [(1, (0, 3, 19), 4), (6, (0, 2, 13), 8)])
+def test_sink_tokens_are_read_unquantized(t, ctx_lens, n):
+    """Positions below n come from `Sinks` (stored ones for the context, the new tokens' own
+    values where a new token sits on a sink position), everything else from the pages."""
+    args, codecs = make_case(k_bits=3, v_bits=3, t=t, ctx_lens=ctx_lens)
+    rng = np.random.default_rng(5)
+    b, hkv = len(ctx_lens), 3
+    sinks = Sinks(
+        *(
+            jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+            for shape in [(b, n, hkv, 64)] * 2 + [(b, t, hkv, 64)] * 2
+        )
+    )
+    out = np.asarray(tq_paged_attention(*args, **codecs, sinks=sinks, pages_per_split=2))
+    ref = np.asarray(tq_paged_attention_reference(*args, **codecs, sinks=sinks))
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+    plain = np.asarray(tq_paged_attention_reference(*args, **codecs))
+    assert np.abs(out - plain).max() > 1e-2  # the sinks changed what was read
