@@ -153,3 +153,21 @@ def test_sink_tokens_are_read_unquantized(t, ctx_lens, n):
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
     plain = np.asarray(tq_paged_attention_reference(*args, **codecs))
     assert np.abs(out - plain).max() > 1e-2  # the sinks changed what was read
+
+
+@pytest.mark.parametrize("k_bits, v_bits, t", [(4, 4, 1), (6, 4, 1), (3, 3, 16)])
+def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t):
+    """Without a GPU, at least the Pallas -> Triton lowering must accept the kernel body
+    (every primitive it uses has a Triton rule). Compiling and running it needs a GPU."""
+    from pallas_kernels import tq_attention
+
+    args, codecs = make_case(k_bits=k_bits, v_bits=v_bits, t=t, page_size=16, ctx_lens=(40, 3))
+    q, k_new, v_new, k_pool, v_pool, table, layer, ctx, num_new = args
+    layers = jnp.asarray([layer, layer], jnp.int32)
+
+    def run(*a):
+        return tq_attention._tq_paged_attention(*a, **codecs, pages_per_split=2, interpret=False)
+
+    lowered = jax.jit(run).trace(q, k_new, v_new, k_pool, v_pool, table, layers, ctx, num_new, None)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "tq_paged_attention" in text

@@ -193,3 +193,14 @@ def test_corrupted_plane_is_caught(plane):
         assert_matches_reference(x, codec, corrupted, ref)
     diff = np.abs(np.asarray(codec.decode(corrupted)) - np.asarray(codec.decode(ref)))
     assert diff.max() > 1e-2 * float(np.min(np.asarray(ref["norms"])))
+
+
+@pytest.mark.parametrize("bits, qjl", [(4, False), (6, False), (3, True)])
+def test_kernel_lowers_to_triton_for_cuda(bits, qjl):
+    """Without a GPU, at least the Pallas -> Triton lowering must accept the kernel body."""
+    from pallas_kernels.tq_encode import _tq_encode
+
+    codec = TurboQuant(head_dim=64, bits=bits, qjl=qjl)
+    x = jnp.zeros((3, 40, 64), jnp.float32)
+    lowered = _tq_encode.trace(x, codec=codec, block_rows=32, num_warps=4, interpret=False)
+    assert "tq_encode" in lowered.lower(lowering_platforms=("cuda",)).as_text()
