@@ -49,6 +49,11 @@ def kv_spec(text: str) -> KVSpec:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def kv_spec_or_auto(text: str) -> KVSpec | str:
+    """A format name, or "auto" (resolved once the model is known)."""
+    return text if text == "auto" else kv_spec(text)
+
+
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec
+from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec_or_auto
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
 from models.kv_spec import KVSpec, parse_kv_spec
@@ -128,9 +129,22 @@ class FormatScorer:
         }
 
 
+def resolve_specs(specs: list[KVSpec | str], model: str) -> list[KVSpec]:
+    """--kv-cache-dtype values with "auto" replaced by the model's default format."""
+    from models.registry import default_kv_cache_dtype
+
+    return [parse_kv_spec(default_kv_cache_dtype(model)) if s == "auto" else s for s in specs]
+
+
 def run_perplexity(args) -> list[dict]:
     scorer = FormatScorer(args.model, args.dtype, args.text_file, args.max_tokens, args.chunk)
-    return [scorer.score(spec) for spec in tqdm(args.kv_cache_dtype, desc="scoring KV formats", unit="format")]
+    specs = resolve_specs(args.kv_cache_dtype, args.model)
+    return [scorer.score(spec) for spec in tqdm(specs, desc="scoring KV formats", unit="format")]
+
+
+def plot_label(name: str) -> str:
+    """Per-layer formats are long: label them by their base widths, starred."""
+    return name if "@" not in name else re.match(r"tq(-k\d+v\d+|\d)", name).group(0) + "*"
 
 
 def write_plot(rows: list[dict], path: str) -> None:
@@ -147,7 +161,7 @@ def write_plot(rows: list[dict], path: str) -> None:
     ):
         for r in rows:
             ax.scatter(r["bytes_per_token"], r[key])
-            ax.annotate(r["kv_cache_dtype"], (r["bytes_per_token"], r[key]), fontsize=8)
+            ax.annotate(plot_label(r["kv_cache_dtype"]), (r["bytes_per_token"], r[key]), fontsize=8)
         ax.set_xlabel("KV bytes per token")
         ax.set_ylabel(label)
         ax.set_xscale("log")
@@ -171,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        type=kv_spec,
+        type=kv_spec_or_auto,
         required=True,
-        help="one or more formats: bf16, fp32, tq<bits>, tq-k<bits>v<bits>, with -qjlk/-qjlv/-qjl",
+        help="one or more formats: auto (the model's default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
+        "with -qjlk/-qjlv/-qjl and the modifiers -b<n>, -s<n>, -k<bits>@<layers>, -v<bits>@<layers>",
     )
     ppl.add_argument("--text-file", required=True, help="UTF-8 text to score")
     ppl.add_argument(
@@ -213,9 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        type=kv_spec,
-        default=[parse_kv_spec(n) for n in ("bf16", "tq8", "tq6", "tq-k6v4", "tq4", "tq3", "tq2")],
-        help="one or more formats: bf16, fp32, tq<bits>, tq-k<bits>v<bits>, with -qjlk/-qjlv/-qjl",
+        type=kv_spec_or_auto,
+        default=["auto", *(parse_kv_spec(n) for n in ("bf16", "tq8", "tq6", "tq-k6v4", "tq4", "tq3", "tq2"))],
+        help="one or more formats: auto (the model's default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
+        "with -qjlk/-qjlv/-qjl and the modifiers -b<n>, -s<n>, -k<bits>@<layers>, -v<bits>@<layers>",
     )
     cap.add_argument(
         "--memory-gib",
@@ -240,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
         parser.error(str(e))
-    rows = capacity_rows(cfg, args.kv_cache_dtype, int(args.memory_gib * (1 << 30)))
+    rows = capacity_rows(cfg, resolve_specs(args.kv_cache_dtype, args.model), int(args.memory_gib * (1 << 30)))
     if args.json:
         for row in rows:
             print(json.dumps({"model": args.model, **row}))
@@ -249,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim}, "
         f"budget {args.memory_gib:g} GiB"
     )
-    print(f"{'kv_cache_dtype':<16} {'bytes/token':>12} {'vs bf16':>8} {'tokens in budget':>17}")
+    w = max(16, *(len(r["kv_cache_dtype"]) for r in rows))
+    print(f"{'kv_cache_dtype':<{w}} {'bytes/token':>12} {'vs bf16':>8} {'tokens in budget':>17}")
     for r in rows:
         print(
-            f"{r['kv_cache_dtype']:<16} {r['bytes_per_token']:>12,} {r['compression_vs_bf16']:>7.2f}x "
+            f"{r['kv_cache_dtype']:<{w}} {r['bytes_per_token']:>12,} {r['compression_vs_bf16']:>7.2f}x "
             f"{r['tokens_in_budget']:>17,}"
         )
     return 0
@@ -324,13 +341,14 @@ def perplexity_main(parser: argparse.ArgumentParser, args) -> int:
         f"{args.model}: {rows[0]['num_tokens']} tokens of {args.text_file}, weights {rows[0]['weights_dtype']}, "
         f"perplexity with bf16 KV {rows[0]['perplexity_bf16']:.4f}"
     )
+    w = max(16, *(len(r["kv_cache_dtype"]) for r in rows))
     print(
-        f"{'kv_cache_dtype':<16} {'bytes/token':>11} {'vs bf16':>8} {'ppl':>9} {'ppl change':>11} "
+        f"{'kv_cache_dtype':<{w}} {'bytes/token':>11} {'vs bf16':>8} {'ppl':>9} {'ppl change':>11} "
         f"{'KL':>8} {'top-1':>7}"
     )
     for r in rows:
         print(
-            f"{r['kv_cache_dtype']:<16} {r['bytes_per_token']:>11,} {r['compression_vs_bf16']:>7.2f}x "
+            f"{r['kv_cache_dtype']:<{w}} {r['bytes_per_token']:>11,} {r['compression_vs_bf16']:>7.2f}x "
             f"{r['perplexity']:>9.4f} {r['perplexity_change_pct']:>+10.2f}% {r['kl_divergence']:>8.4f} "
             f"{r['top1_agreement']:>6.1%}"
         )

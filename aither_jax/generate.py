@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         type=lambda text: text if text == "auto" else kv_spec(text).name,
         default="auto",
-        help="KV cache format: auto (unquantized in the model dtype), bf16, fp32, tq<bits>, tq-k<bits>v<bits>",
+        help="KV cache format: auto (the model's measured default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
+        "with modifiers (README)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p

@@ -14,7 +14,7 @@ from aither_jax.sampling import SamplingParams
 from models.config import ModelConfig
 from models.gguf_file import GGUFFile
 from models.kv_spec import KVSpec, parse_kv_spec
-from models.registry import DEFAULT_MODEL, resolve_model
+from models.registry import DEFAULT_MODEL, default_kv_cache_dtype, resolve_model
 from models.tokenizer import Tokenizer
 from models.weights import DTYPES, load_weights
 
@@ -30,11 +30,9 @@ def resolve_dtype(dtype: str) -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
-    """ "auto" -> the cache unquantized in the weights' dtype."""
-    if kv_cache_dtype != "auto":
-        return kv_cache_dtype
-    return "fp32" if dtype == "float32" else "bf16"
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model: str) -> str:
+    """ "auto" -> the model's measured default format (models/registry.py)."""
+    return default_kv_cache_dtype(model) if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def resolve_attention(attention: str) -> str:
@@ -74,9 +72,9 @@ class LLM:
     Args:
         model: a registered name (`smollm2-135m`) or a path to a `.gguf` file.
         dtype: weight and activation dtype, "bfloat16" (default) or "float32".
-        kv_cache_dtype: KV cache format: "auto" (the default: unquantized in the model's dtype,
-            bf16 or fp32), "bf16", "fp32", or a TurboQuant format such as "tq4" or "tq-k6v4"
-            (see `python -m aither_jax.eval capacity`).
+        kv_cache_dtype: KV cache format: "auto" (the default: the model's measured TurboQuant
+            format, see models/registry.py; bf16 for unregistered GGUF files), "bf16", "fp32",
+            or a TurboQuant format such as "tq4" or "tq-k6v4" (README: KV cache formats).
         max_model_len: longest prompt + completion (default: the model's context length).
         max_num_seqs: sequences decoded together.
         num_pages: KV pages in the pool (default: as many as fit in 1 GiB, at most enough for
@@ -119,7 +117,7 @@ class LLM:
         max_model_len = self.config.max_context if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model)
         self.kv_spec = parse_kv_spec(kv_cache_dtype)
         if num_pages is None:
             num_pages = default_num_pages(

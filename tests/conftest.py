@@ -23,6 +23,7 @@ def llm_f32() -> aj.LLM:
     return aj.LLM(
         MODEL,
         dtype="float32",
+        kv_cache_dtype="fp32",
         max_model_len=640,
         max_num_seqs=8,
         num_pages=200,
