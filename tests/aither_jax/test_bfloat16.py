@@ -22,6 +22,7 @@ def llm_bf16() -> aj.LLM:
     return aj.LLM(
         "smollm2-135m",
         dtype="bfloat16",
+        kv_cache_dtype="bf16",
         max_model_len=256,
         max_num_seqs=4,
         num_pages=80,
