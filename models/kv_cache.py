@@ -110,8 +110,8 @@ class PagedKVCache:
         return self.block_tables.shape[1]
 
     def quantized(self, layer: int) -> bool:
-        """Whether both keys and values of `layer` are TurboQuant-coded."""
-        return self.k_groups.codec(layer) is not None and self.v_groups.codec(layer) is not None
+        """Whether the keys or the values of `layer` are TurboQuant-coded."""
+        return self.k_groups.codec(layer) is not None or self.v_groups.codec(layer) is not None
 
     def layer_pools(self, layer: int) -> tuple[Any, Any, int, int]:
         """(key pool, value pool, index of `layer` in the key pool, in the value pool)."""
