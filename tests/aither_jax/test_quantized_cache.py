@@ -201,10 +201,11 @@ def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
         return out
 
     monkeypatch.setattr(models.llama, "tq_paged_attention", checked)
-    kv, ids = "tq3-b1-k8@4-s2", short_ids[:40]  # layers 1..28 quantized, two key formats, 2 sinks
+    # Layers 13..16 quantized (the interpreter is slow), two key widths, 2 sink tokens.
+    kv, ids = "tq3-b13-k8@13-s2", short_ids[:40]
     ref, ker = small_llm(kv, "reference"), small_llm(kv, "pallas")
     a, b = ker.logits(ids), ref.logits(ids)
-    assert len(gaps) == 2 * 28 and max(gaps) < 1e-4  # 2 chunks (32 + 8 tokens) x 28 layers
+    assert len(gaps) == 2 * 4 and max(gaps) < 1e-4  # 2 chunks (32 + 8 tokens) x 4 layers
     exact = small_llm("fp32").logits(ids)
     assert np.isfinite(a).all()
     assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact).mean()
@@ -212,7 +213,7 @@ def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
     params = aj.SamplingParams(max_tokens=4, temperature=0.0)
     gaps.clear()
     assert ker.generate([TEXT[:100]], params)[0].token_ids == ref.generate([TEXT[:100]], params)[0].token_ids
-    assert len(gaps) >= 4 * 28 and max(gaps) < 1e-4
+    assert len(gaps) >= 4 * 4 and max(gaps) < 1e-4
 
 
 def test_sink_tokens_are_stored_unquantized_across_chunks_and_decode_steps(short_ids):
