@@ -177,6 +177,22 @@ def write_plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+KV_FORMATS_HELP = (
+    "one or more formats: auto (the model's default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
+    "with -qjlk/-qjlv/-qjl and the modifiers -b<n>, -s<n>, -k<bits>@<layers>, -v<bits>@<layers>"
+)
+
+
+def add_text_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of commands that score KV formats on a text (checked by `run_on_text`)."""
+    parser.add_argument("--text-file", required=True, help="UTF-8 text to score")
+    parser.add_argument(
+        "--max-tokens", type=int_in("--max-tokens", 2, 8192), default=1024, help="tokens of the text to use"
+    )
+    parser.add_argument("--chunk", type=int_in("--chunk", 16, 1024), default=256, help="prefill chunk (power of two)")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aither_jax.eval", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -187,23 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=kv_spec_or_auto,
         required=True,
-        help="one or more formats: auto (the model's default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
-        "with -qjlk/-qjlv/-qjl and the modifiers -b<n>, -s<n>, -k<bits>@<layers>, -v<bits>@<layers>",
+        help=KV_FORMATS_HELP,
     )
-    ppl.add_argument("--text-file", required=True, help="UTF-8 text to score")
-    ppl.add_argument(
-        "--max-tokens", type=int_in("--max-tokens", 2, 8192), default=1024, help="tokens of the text to use"
-    )
-    ppl.add_argument("--chunk", type=int_in("--chunk", 16, 1024), default=256, help="prefill chunk (power of two)")
-    ppl.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    add_text_arguments(ppl)
     ppl.add_argument("--plot", default="out/kv_quality.png", help="where to write the quality plot ('' to skip)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
     alloc = sub.add_parser("allocate", help="per-layer key/value bits for a compression target, from measurements")
     add_model_argument(alloc)
-    alloc.add_argument("--text-file", required=True, help="UTF-8 text to measure on")
-    alloc.add_argument("--max-tokens", type=int_in("--max-tokens", 2, 8192), default=1024)
-    alloc.add_argument("--chunk", type=int_in("--chunk", 16, 1024), default=256, help="prefill chunk (power of two)")
-    alloc.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    add_text_arguments(alloc)
     alloc.add_argument(
         "--compression",
         type=float_in("--compression", 1.0, 8.0),
@@ -230,8 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=kv_spec_or_auto,
         default=["auto", *(parse_kv_spec(n) for n in ("bf16", "tq8", "tq6", "tq-k6v4", "tq4", "tq3", "tq2"))],
-        help="one or more formats: auto (the model's default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
-        "with -qjlk/-qjlv/-qjl and the modifiers -b<n>, -s<n>, -k<bits>@<layers>, -v<bits>@<layers>",
+        help=KV_FORMATS_HELP,
     )
     cap.add_argument(
         "--memory-gib",

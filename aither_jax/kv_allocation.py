@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from aither_jax.eval import FormatScorer
 from models.kv_spec import parse_kv_spec
+from pallas_kernels.turboquant import tq_vector_bytes
 
 Key = tuple[str, int]  # ("k" or "v", layer)
 
@@ -81,9 +82,7 @@ def run_allocate(args) -> dict:
     cfg = scorer.llm.config
     n = cfg.num_layers
     probe = {"k": args.probe_key_bits, "v": args.probe_value_bits}
-    vector_bytes = {
-        side: {b: parse_kv_spec(f"tq{b}").vector_bytes(cfg.head_dim, side) for b in range(2, 9)} for side in "kv"
-    }
+    vector_bytes = {side: {b: tq_vector_bytes(cfg.head_dim, b) for b in range(2, 9)} for side in "kv"}
     floor = 2 * n * cfg.num_kv_heads * vector_bytes["k"][args.min_bits]
     for compression in args.compression:
         if scorer.bf16_bytes / compression < floor:

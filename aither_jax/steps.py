@@ -72,26 +72,11 @@ def model_step(
     tokens: jax.Array,
     batch: StepBatch,
     sampling: SamplingBatch,
-    *,
-    cfg: ModelConfig,
-    num_pages: int,
-    all_logits: bool,
-    greedy_only: bool,
-    attention: str = "reference",
+    **static,
 ) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
-    """One full step: `forward_step` then `write_step`. Returns (next_tokens, logits, cache)."""
-    next_tokens, logits, update = forward_step(
-        weights,
-        cache,
-        tokens,
-        batch,
-        sampling,
-        cfg=cfg,
-        num_pages=num_pages,
-        all_logits=all_logits,
-        greedy_only=greedy_only,
-        attention=attention,
-    )
+    """One full step: `forward_step` (which takes the keyword arguments `static`) then
+    `write_step`. Returns (next_tokens, logits, cache)."""
+    next_tokens, logits, update = forward_step(weights, cache, tokens, batch, sampling, **static)
     return next_tokens, logits, write_step(cache, update)
 
 

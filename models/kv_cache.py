@@ -165,15 +165,6 @@ class PagedKVCache:
             for a in (self.sink_k, self.sink_v)
         )
 
-    def with_sinks(self, k: jax.Array, v: jax.Array, slots: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
-        """Context read from pages [B, S, Hkv, Dh] with its first n positions replaced by the
-        slots' unquantized sinks (no-op without sinks)."""
-        n = min(self.num_sinks, k.shape[1])
-        if n == 0:
-            return k, v
-        sink_k, sink_v = self.sinks(slots, layer)
-        return k.at[:, :n].set(sink_k[:, :n].astype(k.dtype)), v.at[:, :n].set(sink_v[:, :n].astype(v.dtype))
-
     def write_sinks(self, slots: jax.Array, start: jax.Array, num_new: jax.Array, k: jax.Array, v: jax.Array):
         """Stores the sink-position tokens among a step's first n new tokens per row.
 

@@ -78,11 +78,9 @@ class KVSpec:
     def qjl(self, side: str) -> bool:
         return self.key_qjl if side == "k" else self.value_qjl
 
-    def vector_bytes(self, head_dim: int, side: str, bits: LayerBits | str = "base") -> int:
-        """Bytes stored for one key ("k") or value ("v") vector of `head_dim` elements, at the
-        format's base bits or at `bits` (None = unquantized)."""
-        if bits == "base":
-            bits = self.key_bits if side == "k" else self.value_bits
+    def vector_bytes(self, head_dim: int, side: str, bits: LayerBits) -> int:
+        """Bytes stored for one key ("k") or value ("v") vector of `head_dim` elements at
+        `bits` (None = unquantized)."""
         if bits is None:
             return head_dim * (self.unquantized_bytes if not self.quantized else 2)
         return tq_vector_bytes(head_dim, bits, self.qjl(side))

@@ -123,11 +123,17 @@ def forward(
             k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
+            sinks = None
             if cache.num_sinks:
-                k_exact, v_exact = (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
-                sink_k.append(k_exact[:, : min(t, cache.num_sinks)])
-                sink_v.append(v_exact[:, : min(t, cache.num_sinks)])
-            sinks = _sinks(cache, batch, idx, k, v) if cache.num_sinks and cache.quantized(idx) else None
+                # Sink positions are kept in bf16: the bits go to the per-slot buffer, and a
+                # quantized layer attends to the bf16 values instead of the decoded ones.
+                k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+                n = min(t, cache.num_sinks)
+                sink_k.append(jax.lax.bitcast_convert_type(k16[:, :n], jnp.uint16))
+                sink_v.append(jax.lax.bitcast_convert_type(v16[:, :n], jnp.uint16))
+                if cache.quantized(idx):
+                    stored_k, stored_v = cache.sinks(batch.slots, idx)
+                    sinks = Sinks(stored_k, stored_v, k16.astype(jnp.float32), v16.astype(jnp.float32))
             if attention == "pallas" and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
                 attn = tq_paged_attention(
@@ -188,11 +194,3 @@ def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:
     values, no QJL residual)."""
     k_codec, v_codec = cache.k_groups.codec(layer), cache.v_groups.codec(layer)
     return k_codec is not None and v_codec is not None and not (k_codec.qjl or v_codec.qjl)
-
-
-def _sinks(cache: PagedKVCache, batch: StepBatch, layer: int, k: jax.Array, v: jax.Array) -> Sinks:
-    """The unquantized (bf16) sink keys/values of this layer: stored ones for the rows' slots,
-    and the new tokens' own values for those that fall on sink positions."""
-    stored_k, stored_v = cache.sinks(batch.slots, layer)
-    new_k, new_v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (k, v))
-    return Sinks(k=stored_k, v=stored_v, new_k=new_k, new_v=new_v)
