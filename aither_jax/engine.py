@@ -1,31 +1,31 @@
-"""The engine: sequences in cache slots, chunked prefill and batched decode, one step at a time.
+"""The engine: runs the scheduler's plan on the device, one step at a time.
 
-Each `step()` runs at most one prefill call (a chunk of every sequence still reading its
-prompt) and one decode call (every sequence that is generating). Sequences join when a slot
-and enough pages are free and leave as soon as they finish, so the batch changes between
-steps without recompiling: every call is padded to a bucket (powers of two) of rows, tokens
-per row and pages read.
+Each `step()` asks the scheduler (serving/scheduler.py) for a plan, makes the page copies it
+asks for, then runs at most one decode call (every sequence that is generating) and one
+prefill call (a chunk of every sequence still reading its prompt), samples, and hands the
+results back. Sequences join and leave between steps without recompiling: every call is padded
+to a bucket (powers of two) of rows, tokens per row and pages read.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import math
+import time
+from typing import Any
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.page_allocator import PageAllocator
 from aither_jax.sampling import SamplingBatch, SamplingParams
-from aither_jax.steps import CompileCounter, model_step
+from aither_jax.steps import CompileCounter, copy_pages, model_step
 from models.config import ModelConfig
-from models.kv_cache import NULL_PAGE, init_cache
+from models.kv_cache import init_cache
 from models.llama import ATTENTION_IMPLS, StepBatch
 from models.tokenizer import Tokenizer
 from models.weights import ModelWeights
+from serving.scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -38,34 +38,8 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
     return max(minimum, min(maximum, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """One request's state on the host."""
-
-    seq_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    max_tokens: int  # params.max_tokens clipped to the context left
-    stop_ids: frozenset[int]
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0  # tokens whose KV is in the cache
-    text: str = ""
-    finish_reason: str | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_cached < len(self.prompt_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 class Engine:
-    """Owns the device cache and schedules sequences over it."""
+    """Owns the device cache and runs the scheduler's sequences over it."""
 
     def __init__(
         self,
@@ -78,17 +52,23 @@ class Engine:
         num_pages: int,
         page_size: int = 16,
         max_prefill_chunk: int = 256,
+        max_num_batched_tokens: int | None = None,
         kv_cache_dtype: str = "bf16",
         attention: str = "reference",
+        enable_prefix_caching: bool = False,
         cache_fill_value: float = 0.0,
         seed: int = 0,
     ):
+        max_num_batched_tokens = (
+            max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
+        )
         for name, value, low in (
             ("max_num_seqs", max_num_seqs, 1),
             ("max_model_len", max_model_len, 1),
             ("num_pages", num_pages, 2),
             ("page_size", page_size, 1),
             ("max_prefill_chunk", max_prefill_chunk, 1),
+            ("max_num_batched_tokens", max_num_batched_tokens, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -116,119 +96,130 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype,
             fill_value=cache_fill_value,
         )
-        self.allocator = PageAllocator(num_pages)
-        self.block_tables = np.full((max_num_seqs, self.max_pages_per_seq), NULL_PAGE, np.int32)
-        self._tables_dirty = False
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        if enable_prefix_caching and self.cache.num_sinks:
+            # Sink tokens live in per-slot buffers, not in the shared pages.
+            raise ValueError("prefix caching does not support KV formats with sink tokens (-s<n>)")
+        self.scheduler = Scheduler(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_pages_per_seq=self.max_pages_per_seq,
+            max_prefill_chunk=max_prefill_chunk,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+        )
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self._seen_shapes: set[tuple] = set()
         self.warmed_up = False
+        self.num_steps = 0
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queues a tokenized prompt. Raises ValueError if it can never fit."""
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int | None = None) -> None:
+        """Raises ValueError (naming the limit) if a prompt of this length cannot be served."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens and at least one must be left to generate."
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens."
+            )
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        salt: bytes = b"",
+        pin_tokens: int = 0,
+        num_logprobs: int | None = None,
+    ) -> Sequence:
+        """Queues a tokenized prompt. Raises ValueError if it can never fit.
+
+        Args:
+            salt: root of the prefix-cache names (the tenant); only equal salts share pages.
+            pin_tokens: pin the cached pages of this many leading prompt tokens once computed.
+            num_logprobs: None for no log-probabilities, else how many top alternatives to
+                record beside each sampled token's.
+        """
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; the maximum context length is {self.max_model_len} "
-                "tokens and at least one must be left to generate"
-            )
+        self.check_prompt(len(prompt_ids))
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        if self._pages_needed(len(prompt_ids) + max_tokens) > self.allocator.num_pages - 1:
+        usable = self.scheduler.num_usable_pages
+        if self.scheduler.pages_needed(len(prompt_ids) + max_tokens) > usable:
             raise ValueError(
-                f"the request needs {self._pages_needed(len(prompt_ids) + max_tokens)} KV pages but the cache "
-                f"has {self.allocator.num_pages - 1}; lower max_tokens or raise num_pages"
+                f"the request needs {self.scheduler.pages_needed(len(prompt_ids) + max_tokens)} KV pages but the "
+                f"cache has {usable}; lower max_tokens or raise num_pages"
             )
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.stop_token_ids)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
-        seq = Sequence(self._next_id, [int(t) for t in prompt_ids], params, seed, max_tokens, frozenset(stop_ids))
+        seq = Sequence(
+            self._next_id,
+            [int(t) for t in prompt_ids],
+            params,
+            seed,
+            max_tokens,
+            frozenset(stop_ids),
+            salt=salt,
+            pin_tokens=min(int(pin_tokens), len(prompt_ids)),
+            num_logprobs=num_logprobs,
+        )
         self._next_id += 1
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def _admit(self) -> None:
-        while self.waiting and self._free_slots:
-            seq = self.waiting[0]
-            need = self._pages_needed(len(seq.prompt_ids) + seq.max_tokens)
-            if not self.allocator.can_allocate(need):
-                break
-            self.waiting.popleft()
-            self._assign(seq, need)
-            self.running.append(seq)
-
-    def _assign(self, seq: Sequence, num_pages: int) -> None:
-        """Gives a sequence a free slot and `num_pages` pages, recorded in its block-table row."""
-        seq.pages = self.allocator.allocate(num_pages)
-        seq.slot = self._free_slots.pop()
-        self.block_tables[seq.slot] = NULL_PAGE
-        self.block_tables[seq.slot, : len(seq.pages)] = seq.pages
-        self._tables_dirty = True
-
-    def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.pages)
-        seq.pages = []
-        self.block_tables[seq.slot] = NULL_PAGE
-        self._tables_dirty = True
-        self._free_slots.append(seq.slot)
-        seq.slot = -1
+        return self.scheduler.has_unfinished()
 
     def abort(self, seq: Sequence) -> None:
         """Stops a request and returns its slot and pages."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq in self.running:
-            self.running.remove(seq)
-            self._release(seq)
-        seq.finish_reason = seq.finish_reason or "abort"
+        self.scheduler.abort(seq)
 
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Admits, runs one prefill chunk and one decode step; returns sequences that finished."""
-        self._admit()
-        prefill = [s for s in self.running if s.prefilling]
-        decode = [s for s in self.running if not s.prefilling and not s.finished]
-        if prefill:
-            rows = []
-            for s in prefill:
-                n = min(len(s.prompt_ids) - s.num_cached, self.max_prefill_chunk)
-                rows.append((s, s.prompt_ids[s.num_cached : s.num_cached + n]))
-            next_tokens, _ = self._run(rows, all_logits=False)
-            for (s, chunk), tok in zip(rows, next_tokens, strict=True):
-                s.num_cached += len(chunk)
-                if not s.prefilling:
-                    self._append(s, int(tok))
-        if decode:
-            rows = [(s, [s.output_ids[-1]]) for s in decode]
-            next_tokens, _ = self._run(rows, all_logits=False)
-            for s, tok in zip(decode, next_tokens, strict=True):
-                s.num_cached += 1
-                self._append(s, int(tok))
-        finished = [s for s in self.running if s.finished]
-        for s in finished:
-            self.running.remove(s)
-            self._release(s)
-        return finished
+        """Runs one scheduled step; returns the sequences that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.copies:
+            self._copy_pages(plan.copies)
+        for rows in (plan.decode, plan.prefill):
+            if not rows:
+                continue
+            want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
+            next_tokens, logits = self._run(rows, return_logits="last" if want_logprobs else "none")
+            for i, ((s, toks), tok) in enumerate(zip(rows, next_tokens, strict=True)):
+                self.scheduler.computed(s, len(toks))
+                if s.num_pending == 0:
+                    self._append(s, int(tok), None if logits is None else logits[i])
+        self.num_steps += 1
+        return self.scheduler.finish()
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        n = bucket(len(copies), 4, max(4, self.scheduler.num_usable_pages + 1))
+        src = np.zeros(n, np.int32)  # padding copies the null page onto itself
+        dst = np.zeros(n, np.int32)
+        src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
+        self.cache = copy_pages(self.cache, src, dst)
+        self.scheduler.copies_done(copies)
+
+    def _append(self, seq: Sequence, token: int, logits: np.ndarray | None) -> None:
         seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if seq.num_logprobs is not None and logits is not None:
+            seq.logprobs.append(top_logprobs(logits, token, seq.num_logprobs))
         stops = seq.params.stop_strings
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
@@ -244,16 +235,18 @@ class Engine:
         if seq.finished:
             seq.text = self.tokenizer.decode(seq.output_ids)
 
-    def _run(self, rows: list[tuple[Sequence, list[int]]], *, all_logits: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def _run(self, rows: list[tuple[Sequence, list[int]]], *, return_logits: str) -> tuple[np.ndarray, Any]:
         """One padded call of the jitted step over (sequence, new tokens) rows."""
-        if self._tables_dirty:
-            self.cache = self.cache.replace(block_tables=jax.device_put(self.block_tables))
-            self._tables_dirty = False
+        if self.scheduler.tables_dirty:
+            self.cache = self.cache.replace(block_tables=jax.device_put(self.scheduler.block_tables))
+            self.scheduler.tables_dirty = False
         num_rows = bucket(len(rows), 1, self.max_num_seqs)
         longest = max(len(toks) for _, toks in rows)
-        num_tokens = 1 if longest == 1 and not all_logits else bucket(longest, MIN_TOKEN_BUCKET, self.max_prefill_chunk)
+        num_tokens = (
+            1 if longest == 1 and return_logits != "all" else bucket(longest, MIN_TOKEN_BUCKET, self.max_prefill_chunk)
+        )
         end = max(s.num_cached + len(toks) for s, toks in rows)
-        num_pages = bucket(self._pages_needed(end), MIN_PAGE_BUCKET, self.max_pages_per_seq)
+        num_pages = bucket(self.scheduler.pages_needed(end), MIN_PAGE_BUCKET, self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)
@@ -272,14 +265,14 @@ class Engine:
         batch = StepBatch(slots, start, num_new)
         sampling = SamplingBatch(temperature, top_k, top_p, seeds)
         greedy_only = bool(np.all(temperature == 0))
-        next_tokens, logits = self._dispatch(tokens, batch, sampling, num_pages, all_logits, greedy_only)
-        return np.asarray(next_tokens)[: len(rows)], logits
+        next_tokens, logits = self._dispatch(tokens, batch, sampling, num_pages, return_logits, greedy_only)
+        return np.asarray(next_tokens)[: len(rows)], None if logits is None else np.asarray(logits)
 
-    def _dispatch(self, tokens, batch, sampling, num_pages: int, all_logits: bool, greedy_only: bool):
+    def _dispatch(self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool):
         num_rows, num_tokens = tokens.shape
-        key = (num_rows, num_tokens, num_pages, all_logits, greedy_only)
+        key = (num_rows, num_tokens, num_pages, return_logits, greedy_only)
         if key not in self._seen_shapes:
-            if self.warmed_up and num_tokens == 1 and not all_logits:
+            if self.warmed_up and num_tokens == 1 and return_logits == "none":
                 log.warning("decode shape %s was not compiled during warm-up: this step compiles", key)
             self._seen_shapes.add(key)
         next_tokens, logits, self.cache = model_step(
@@ -290,7 +283,7 @@ class Engine:
             sampling,
             cfg=self.cfg,
             num_pages=num_pages,
-            all_logits=all_logits,
+            return_logits=return_logits,
             greedy_only=greedy_only,
             attention=self.attention,
         )
@@ -308,9 +301,8 @@ class Engine:
         if not 1 <= max_len <= self.max_model_len:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
-        pages = sorted(
-            {bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, self._pages_needed(max_len) + 1)}
-        )
+        max_pages = self.scheduler.pages_needed(max_len)
+        pages = sorted({bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
         shapes = [(r, p, g) for r in rows for p in pages for g in ((True, False) if sampling else (True,))]
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             zeros = np.zeros(num_rows, np.int32)
@@ -318,7 +310,7 @@ class Engine:
             temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
             params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
             tokens = np.zeros((num_rows, 1), np.int32)
-            tokens, _ = self._dispatch(tokens, batch, params, num_pages, False, greedy_only)
+            tokens, _ = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only)
         if shapes:
             tokens.block_until_ready()
         self.warmed_up = True
@@ -335,22 +327,33 @@ class Engine:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         if len(ids) > self.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the maximum context length of {self.max_model_len} tokens")
-        if not self._free_slots or not self.allocator.can_allocate(self._pages_needed(len(ids))):
+        num_pages = self.scheduler.pages_needed(len(ids))
+        if not self.scheduler.can_take_slot(num_pages):
             raise RuntimeError("no free cache slot or pages to score with; wait for running requests")
         seq = Sequence(-1, list(ids), SamplingParams(max_tokens=1, temperature=0.0), 0, 1, frozenset())
-        self._assign(seq, self._pages_needed(len(ids)))
+        self.scheduler.take_slot(seq, num_pages)
         chunks = []
         try:
-            while seq.prefilling:
+            while seq.num_cached < len(ids):
                 n = min(len(ids) - seq.num_cached, self.max_prefill_chunk)
-                _, logits = self._run([(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])], all_logits=True)
+                _, logits = self._run([(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])], return_logits="all")
                 chunks.append(np.asarray(logits[0, :n]))
                 seq.num_cached += n
         finally:
-            self._release(seq)
+            self.scheduler.release(seq)
         return np.concatenate(chunks, axis=0)
 
     @property
     def num_compiles(self) -> int:
         """XLA compilations so far in this process."""
         return CompileCounter.count()
+
+
+def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log-probability of `token`, the k most likely (token, log-probability)) from raw logits [V]."""
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    top = np.argpartition(-logp, k)[:k] if 0 < k < logp.size else np.arange(logp.size if k else 0)
+    top = top[np.argsort(-logp[top], kind="stable")]
+    return float(logp[token]), [(int(t), float(logp[t])) for t in top]

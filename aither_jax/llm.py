@@ -81,6 +81,10 @@ class LLM:
             max_num_seqs full-length sequences).
         page_size: tokens per KV page.
         max_prefill_chunk: longest prefill chunk per call.
+        max_num_batched_tokens: tokens per step over all sequences (decode rows count one
+            each, prefill chunks share the rest); default max(max_prefill_chunk, max_num_seqs).
+        enable_prefix_caching: keep computed pages named by their tokens and start later
+            prompts from the longest cached prefix (off by default here; the server turns it on).
         attention: "auto" (Pallas kernels on GPU, the jnp reference on CPU), "pallas" or
             "reference"; the reference decodes quantized pages into a buffer.
         seed: seeds requests that bring no seed of their own.
@@ -98,6 +102,8 @@ class LLM:
         num_pages: int | None = None,
         page_size: int = 16,
         max_prefill_chunk: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = False,
         attention: str = "auto",
         seed: int = 0,
         progress: bool = True,
@@ -133,6 +139,8 @@ class LLM:
             num_pages=num_pages,
             page_size=page_size,
             max_prefill_chunk=max_prefill_chunk,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
             kv_cache_dtype=kv_cache_dtype,
             attention=resolve_attention(attention),
             cache_fill_value=_cache_fill_value,

@@ -24,8 +24,10 @@ from models.kv_cache import PagedKVCache
 from models.llama import KVUpdate, StepBatch, forward
 from models.weights import ModelWeights
 
+RETURN_LOGITS = ("none", "last", "all")
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "all_logits", "greedy_only", "attention"))
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention"))
 def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -35,16 +37,18 @@ def forward_step(
     *,
     cfg: ModelConfig,
     num_pages: int,
-    all_logits: bool,
+    return_logits: str,
     greedy_only: bool,
     attention: str = "reference",
 ) -> tuple[jax.Array, jax.Array | None, KVUpdate]:
     """Samples the token after each row's last new token.
 
     Returns:
-        next_tokens [B] int32, logits [B, T, V] float32 when `all_logits` else None, and the
-        update to apply with `write_step`.
+        next_tokens [B] int32; logits float32 by `return_logits`: None ("none"), each row's
+        last new position [B, V] ("last") or every position [B, T, V] ("all"); and the update
+        to apply with `write_step`.
     """
+    all_logits = return_logits == "all"
     logits, update = forward(
         weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention
     )
@@ -54,7 +58,8 @@ def forward_step(
     else:
         last_logits = logits
     next_tokens = sample_tokens(last_logits, sampling, update.seq_lens, greedy_only=greedy_only)
-    return next_tokens, (logits if all_logits else None), update
+    returned = {"none": None, "last": last_logits, "all": logits}[return_logits]
+    return next_tokens, returned, update
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -64,6 +69,17 @@ def write_step(cache: PagedKVCache, update: KVUpdate) -> PagedKVCache:
     if cache.num_sinks:
         cache = cache.write_sinks(update.slots, update.start, update.num_new, update.sink_k, update.sink_v)
     return cache.replace(seq_lens=cache.seq_lens.at[update.slots].set(update.seq_lens, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    """Copies pages src[i] -> dst[i] ([N] int32 each) in every key and value pool, all layers
+    (prefix caching's copy on write)."""
+
+    def copy(pool: jax.Array) -> jax.Array:
+        return pool.at[dst].set(pool[src])
+
+    return cache.replace(k=jax.tree.map(copy, cache.k), v=jax.tree.map(copy, cache.v))
 
 
 def model_step(

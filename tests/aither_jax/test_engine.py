@@ -59,10 +59,10 @@ def test_long_sequence_spans_many_pages_and_matches_scoring(llm_f32):
 
 def test_pages_and_slots_return_after_requests_and_reuse_gives_same_output(llm_f32):
     engine = llm_f32.engine
-    free_before = engine.allocator.num_free
+    free_before = engine.scheduler.allocator.num_free
     first = llm_f32.generate(PROMPTS, GREEDY)
-    assert engine.allocator.num_free == free_before
-    assert not engine.running and not engine.waiting
+    assert engine.scheduler.allocator.num_free == free_before
+    assert not engine.has_unfinished()
     # The freed pages now hold stale KV of other prompts; outputs must not change.
     second = llm_f32.generate(list(reversed(PROMPTS)), GREEDY)
     assert [o.token_ids for o in first] == [o.token_ids for o in reversed(second)]
@@ -146,7 +146,7 @@ def test_max_tokens_clipped_to_context(llm_f32):
 def test_bad_generate_inputs(llm_f32, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm_f32.generate(prompt, params)
-    assert not llm_f32.engine.running and not llm_f32.engine.waiting
+    assert not llm_f32.engine.has_unfinished()
 
 
 def test_bad_logits_inputs(llm_f32):

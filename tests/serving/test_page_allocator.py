@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aither_jax.page_allocator import OutOfPagesError, PageAllocator
+from serving.page_allocator import OutOfPagesError, PageAllocator
 
 
 def test_allocate_free_roundtrip_never_gives_null_page():

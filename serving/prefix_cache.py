@@ -1,0 +1,187 @@
+"""Prefix caching: KV pages named by a SHA-256 chain over their tokens, salted per tenant.
+
+A full page's name is SHA-256(parent name || its token ids); the first page's parent is the
+tenant's salt, so two tenants sending the same prompt never share (or time) each other's
+pages. The cache keeps one reference of its own on every page it names, so a named page
+outlives the sequence that computed it; a page whose only reference is the cache's is idle and
+may be evicted, least recently used first. A pin is one more reference: pinned pages are never
+idle. A sequence's last, partially filled page can be kept too (named by its parent and its
+tokens); it is never written by anyone else, so whoever adopts it gets a copy (copy on write).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from serving.page_allocator import PageAllocator
+
+
+def tenant_salt(secret: bytes, tenant: str) -> bytes:
+    """The root of a tenant's hash chains, derived on the server from a process secret."""
+    return hashlib.sha256(secret + b"\x00tenant\x00" + tenant.encode("utf-8", "surrogatepass")).digest()
+
+
+def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
+
+
+def hash_chain(salt: bytes, tokens: Sequence[int], page_size: int, parent: bytes | None = None) -> list[bytes]:
+    """Names of the full pages of `tokens` (continuing from `parent` when given)."""
+    names, last = [], salt if parent is None else parent
+    for i in range(len(tokens) // page_size):
+        last = page_hash(last, tokens[i * page_size : (i + 1) * page_size])
+        names.append(last)
+    return names
+
+
+class PrefixCache:
+    """Maps page names to page ids; owns one allocator reference per named page."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, *, max_pinned_pages: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_pinned_pages = max_pinned_pages
+        self._full: dict[bytes, int] = {}
+        self._partial: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent name -> tokens -> page
+        self._key: dict[int, tuple] = {}  # page -> ("full", name) | ("partial", parent, tokens)
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
+        self._pins: dict[int, int] = {}  # page -> pin count
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def match(self, names: Sequence[bytes]) -> list[int]:
+        """Pages of the longest cached run of `names` from the start (not yet referenced)."""
+        pages = []
+        for name in names:
+            page = self._full.get(name)
+            if page is None:
+                break
+            pages.append(page)
+        for page in reversed(pages):  # parents end up more recent than children: evicted later
+            self._lru.move_to_end(page)
+        return pages
+
+    def match_partial(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(page, n): the cached partial page under `parent` holding the longest prefix of
+        `tokens` shorter than all of them (one token must be left to compute), or None."""
+        best = None
+        for stored, page in self._partial.get(parent, {}).items():
+            n = len(stored)
+            if n < len(tokens) and tuple(tokens[:n]) == stored and (best is None or n > best[1]):
+                best = (page, n)
+        if best is not None:
+            self._lru.move_to_end(best[0])
+        return best
+
+    def contains(self, name: bytes) -> bool:
+        return name in self._full
+
+    # -- registration -------------------------------------------------------------------------
+
+    def insert(self, name: bytes, page: int) -> bool:
+        """Names a full page the caller computed; False if that name is already cached (the
+        caller's copy then stays private)."""
+        if name in self._full or page in self._key:
+            return False
+        self.allocator.share([page])
+        self._full[name] = page
+        self._key[page] = ("full", name)
+        self._lru[page] = None
+        return True
+
+    def insert_partial(self, parent: bytes, tokens: Sequence[int], page: int) -> bool:
+        tokens = tuple(int(t) for t in tokens)
+        if not 0 < len(tokens) < self.page_size or page in self._key:
+            return False
+        entries = self._partial.setdefault(parent, {})
+        if tokens in entries:
+            return False
+        self.allocator.share([page])
+        entries[tokens] = page
+        self._key[page] = ("partial", parent, tokens)
+        self._lru[page] = None
+        return True
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def _idle(self, page: int) -> bool:
+        return self.allocator.ref_count(page) == 1 and page not in self._pins
+
+    def num_idle(self, pages: Sequence[int]) -> int:
+        return sum(1 for p in pages if self._idle(p))
+
+    @property
+    def num_evictable(self) -> int:
+        return sum(1 for p in self._key if self._idle(p))
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key)
+
+    def evict(self, n: int) -> int:
+        """Drops up to `n` idle pages, least recently used first; returns how many."""
+        victims = [p for p in self._lru if self._idle(p)][:n]
+        for page in victims:
+            self._forget(page)
+            self.allocator.free([page])
+        return len(victims)
+
+    def clear(self) -> int:
+        """Forgets every unpinned name; returns the pages dropped."""
+        pages = [p for p in self._key if p not in self._pins]
+        for page in pages:
+            self._forget(page)
+            self.allocator.free([page])
+        return len(pages)
+
+    def _forget(self, page: int) -> None:
+        key = self._key.pop(page)
+        del self._lru[page]
+        if key[0] == "full":
+            del self._full[key[1]]
+        else:
+            entries = self._partial[key[1]]
+            del entries[key[2]]
+            if not entries:
+                del self._partial[key[1]]
+
+    # -- pins ---------------------------------------------------------------------------------
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
+    def pin(self, names: Sequence[bytes]) -> int:
+        """Pins the cached pages named `names` (a prefix's chain); stops at the first name not
+        cached or when the pinned share is full. Returns the number of pages pinned by this
+        call (pages already pinned count as pinned without taking more of the share)."""
+        done = 0
+        for name in names:
+            page = self._full.get(name)
+            if page is None:
+                break
+            if page not in self._pins:
+                if len(self._pins) >= self.max_pinned_pages:
+                    break
+                self.allocator.share([page])
+            self._pins[page] = self._pins.get(page, 0) + 1
+            done += 1
+        return done
+
+    def unpin(self, names: Sequence[bytes]) -> int:
+        """Drops one pin from each named page; returns the pages unpinned."""
+        done = 0
+        for name in names:
+            page = self._full.get(name)
+            if page is None or page not in self._pins:
+                continue
+            self._pins[page] -= 1
+            if self._pins[page] == 0:
+                del self._pins[page]
+                self.allocator.free([page])
+            done += 1
+        return done

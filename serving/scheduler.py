@@ -1,0 +1,334 @@
+"""The scheduler: which sequences run in the next step, on which pages.
+
+Sequences wait in arrival order and are admitted while a cache slot is free and the pages for
+their uncomputed prompt fit. Each step runs every decoding sequence (one token each) and then
+prefill chunks of the others within a token budget (chunked prefill interleaved with decode).
+Pages are taken as tokens need them; when none are left the newest running sequence is
+preempted: its pages go back (the full ones stay in the prefix cache) and it waits to be
+recomputed from its prompt and the tokens it already produced.
+
+With prefix caching a sequence starts from the longest run of cached pages of its tokens (and a
+copy of a cached partial page after it), and every page it fills is named and kept for later
+requests. A waiting sequence whose next page is being computed right now by a running one waits
+for it instead of computing it twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from aither_jax.sampling import SamplingParams
+from models.kv_cache import NULL_PAGE
+from serving.page_allocator import PageAllocator
+from serving.prefix_cache import PrefixCache, hash_chain, page_hash
+
+MAX_PINNED_FRACTION = 0.5
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request's state on the host."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int  # params.max_tokens clipped to the context left
+    stop_ids: frozenset[int]
+    salt: bytes = b""  # root of the prefix-cache chain (the tenant)
+    pin_tokens: int = 0  # pin the full pages of this many leading prompt tokens once computed
+    num_logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    names: list[bytes] = dataclasses.field(default_factory=list)  # chain of this sequence's full pages so far
+    num_cached: int = 0  # tokens whose KV is in the cache
+    num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_computed: int = 0  # tokens run through the model (prefill and decode, recomputes too)
+    num_preemptions: int = 0
+    num_pinned_pages: int | None = None  # set once the pin_tokens prefix is computed and pinned
+    text: str = ""
+    finish_reason: str | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to run before the next one can be sampled (1 when decoding)."""
+        return self.num_tokens - self.num_cached
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_pending > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids [start, stop) of prompt + output."""
+        n = len(self.prompt_ids)
+        head = self.prompt_ids[start:stop] if start < n else []
+        return head + self.output_ids[max(0, start - n) : max(0, stop - n)]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one engine step runs: (sequence, new tokens) rows and page copies to make first."""
+
+    prefill: list[tuple[Sequence, list[int]]]
+    decode: list[tuple[Sequence, list[int]]]
+    copies: list[tuple[int, int]]  # (source page, destination page)
+
+
+class Scheduler:
+    """Owns the queues, the slots, the block tables and the pages of every sequence."""
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_pages_per_seq: int,
+        max_prefill_chunk: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = False,
+        max_pinned_fraction: float = MAX_PINNED_FRACTION,
+    ):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs ({max_num_seqs})"
+            )
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_chunk = max_prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = (
+            PrefixCache(self.allocator, page_size, max_pinned_pages=int(max_pinned_fraction * (num_pages - 1)))
+            if enable_prefix_caching
+            else None
+        )
+        self.block_tables = np.full((max_num_seqs, max_pages_per_seq), NULL_PAGE, np.int32)
+        self.tables_dirty = False
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._computing: set[bytes] = set()  # names of pages that running prefills will fill
+        # Counters (tokens unless named otherwise), read by the metrics.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+        self.num_preemptions = 0
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a sequence could get now: free ones plus idle cached ones."""
+        return self.allocator.num_free + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.allocator.num_pages - 1
+
+    def _allocate(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.allocate(n)
+
+    def _set_row(self, seq: Sequence) -> None:
+        self.block_tables[seq.slot] = NULL_PAGE
+        self.block_tables[seq.slot, : len(seq.pages)] = seq.pages
+        self.tables_dirty = True
+
+    def take_slot(self, seq: Sequence, num_pages: int) -> None:
+        """Gives `seq` a slot and `num_pages` fresh pages (for callers outside the queues)."""
+        seq.pages = self._allocate(num_pages)
+        seq.slot = self._free_slots.pop()
+        self._set_row(seq)
+
+    def can_take_slot(self, num_pages: int) -> bool:
+        return bool(self._free_slots) and num_pages <= self.num_free_pages
+
+    def release(self, seq: Sequence) -> None:
+        """Returns a sequence's slot and pages (named pages stay in the prefix cache)."""
+        if seq.slot < 0:
+            return
+        if self.prefix_cache is not None and seq.finished and seq.num_cached % self.page_size:
+            i = seq.num_cached // self.page_size
+            parent = seq.names[i - 1] if i else seq.salt
+            self.prefix_cache.insert_partial(parent, seq.token_slice(i * self.page_size, seq.num_cached), seq.pages[i])
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        self.block_tables[seq.slot] = NULL_PAGE
+        self.tables_dirty = True
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
+
+    # -- queues -------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            seq.finish_reason = seq.finish_reason or "abort"
+            self.release(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> list[tuple[int, int]]:
+        """Moves waiting sequences to running while slots and pages allow; returns page copies."""
+        copies = []
+        budget = self.num_free_pages
+        deferred = []
+        while self.waiting and self._free_slots:
+            seq = self.waiting.popleft()
+            cached, names, partial = self._lookup(seq)
+            if names and len(cached) < len(names) and names[len(cached)] in self._computing:
+                deferred.append(seq)  # a running prefill is filling its next page right now
+                continue
+            num_cached = len(cached) * self.page_size + (partial[1] if partial else 0)
+            # Cached pages that were idle stop counting as free once this sequence holds them.
+            need = self.pages_needed(seq.num_tokens) - len(cached)
+            if cached:
+                need += self.prefix_cache.num_idle(cached)
+            if need > budget:
+                self.waiting.appendleft(seq)
+                break
+            budget -= need
+            if self.prefix_cache is not None:
+                self.allocator.share(cached)
+                if seq.num_preemptions == 0:
+                    self.num_prefix_queries += len(seq.prompt_ids)
+                    self.num_prefix_hits += num_cached
+                    seq.num_cached_prompt = num_cached
+            seq.pages = cached
+            seq.names = names[: len(cached)]
+            seq.num_cached = num_cached
+            if partial:
+                self.allocator.share([partial[0]])  # held until the copy is made (copies_done)
+                (page,) = self._allocate(1)
+                copies.append((partial[0], page))
+                seq.pages = [*cached, page]
+            seq.slot = self._free_slots.pop()
+            self._set_row(seq)
+            self.running.append(seq)
+        self.waiting.extendleft(reversed(deferred))
+        return copies
+
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[bytes], tuple[int, int] | None]:
+        """(cached full pages, names of the full pages of everything but the last token, a
+        cached partial page (page, tokens) to copy after them or None)."""
+        if self.prefix_cache is None:
+            return [], [], None
+        # The last token is never taken from the cache: its logits are needed to sample.
+        tokens = seq.token_slice(0, seq.num_tokens - 1)
+        names = hash_chain(seq.salt, tokens, self.page_size)
+        cached = self.prefix_cache.match(names)
+        start = len(cached) * self.page_size
+        parent = names[len(cached) - 1] if cached else seq.salt
+        partial = self.prefix_cache.match_partial(parent, seq.token_slice(start, seq.num_tokens))
+        return cached, names, partial
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages, seq.names, seq.num_cached = [], [], 0
+        self.block_tables[seq.slot] = NULL_PAGE
+        self.tables_dirty = True
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Gives `seq` pages for `num_tokens` cached tokens, preempting newer sequences if it
+        must; False if `seq` itself was preempted."""
+        need = self.pages_needed(num_tokens) - len(seq.pages)
+        while need > self.num_free_pages:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages.extend(self._allocate(need))
+            self._set_row(seq)
+        return True
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Admits what fits and picks this step's rows: every decode, then prefill chunks."""
+        copies = self._admit()
+        budget = self.max_num_batched_tokens
+        decode, prefill = [], []
+        for seq in [s for s in self.running if not s.prefilling]:
+            if seq in self.running and self._grow(seq, seq.num_cached + 1):
+                decode.append((seq, seq.token_slice(seq.num_cached, seq.num_tokens)))
+                budget -= 1
+        for seq in [s for s in self.running if s.prefilling]:
+            n = min(seq.num_pending, self.max_prefill_chunk, budget)
+            if n <= 0:
+                break
+            if seq in self.running and self._grow(seq, seq.num_cached + n):
+                prefill.append((seq, seq.token_slice(seq.num_cached, seq.num_cached + n)))
+                budget -= n
+        # A preempted sequence may have been picked before a later one preempted it.
+        decode = [(s, t) for s, t in decode if s.slot >= 0]
+        prefill = [(s, t) for s, t in prefill if s.slot >= 0]
+        self._computing = set()
+        if self.prefix_cache is not None:
+            for s, _ in prefill:
+                rest = s.prompt_ids[len(s.names) * self.page_size :]
+                self._computing.update(hash_chain(s.salt, rest, self.page_size, s.names[-1] if s.names else None))
+        return StepPlan(prefill, decode, copies)
+
+    def copies_done(self, copies: list[tuple[int, int]]) -> None:
+        """Drops the references that kept copy sources alive until the copies were made."""
+        self.allocator.free([src for src, _ in copies])
+
+    def computed(self, seq: Sequence, num_new: int) -> None:
+        """Records that `num_new` more tokens of `seq` are in the cache; names its full pages."""
+        seq.num_cached += num_new
+        seq.num_computed += num_new
+        if self.prefix_cache is None:
+            return
+        while (len(seq.names) + 1) * self.page_size <= seq.num_cached:
+            i = len(seq.names)
+            parent = seq.names[-1] if seq.names else seq.salt
+            name = page_hash(parent, seq.token_slice(i * self.page_size, (i + 1) * self.page_size))
+            seq.names.append(name)
+            self.prefix_cache.insert(name, seq.pages[i])
+        if seq.pin_tokens and seq.num_pinned_pages is None and seq.num_cached >= seq.pin_tokens:
+            seq.num_pinned_pages = self.prefix_cache.pin(seq.names[: seq.pin_tokens // self.page_size])
+
+    def finish(self) -> list[Sequence]:
+        """Releases and returns the running sequences that have finished."""
+        done = [s for s in self.running if s.finished]
+        for seq in done:
+            self.running.remove(seq)
+            self.release(seq)
+        return done
