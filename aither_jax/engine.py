@@ -55,7 +55,8 @@ class Engine:
         max_num_batched_tokens: int | None = None,
         kv_cache_dtype: str = "bf16",
         attention: str = "reference",
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool | None = False,
+        max_pinned_fraction: float = 0.5,
         cache_fill_value: float = 0.0,
         seed: int = 0,
     ):
@@ -96,6 +97,8 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype,
             fill_value=cache_fill_value,
         )
+        if enable_prefix_caching is None:  # on where the format allows it
+            enable_prefix_caching = not self.cache.num_sinks
         if enable_prefix_caching and self.cache.num_sinks:
             # Sink tokens live in per-slot buffers, not in the shared pages.
             raise ValueError("prefix caching does not support KV formats with sink tokens (-s<n>)")
@@ -107,6 +110,7 @@ class Engine:
             max_prefill_chunk=max_prefill_chunk,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            max_pinned_fraction=max_pinned_fraction,
         )
         self._rng = np.random.default_rng(seed)
         self._next_id = 0

@@ -84,7 +84,9 @@ class LLM:
         max_num_batched_tokens: tokens per step over all sequences (decode rows count one
             each, prefill chunks share the rest); default max(max_prefill_chunk, max_num_seqs).
         enable_prefix_caching: keep computed pages named by their tokens and start later
-            prompts from the longest cached prefix (off by default here; the server turns it on).
+            prompts from the longest cached prefix (off by default here; None: on unless the
+            KV format has sink tokens, which the server uses).
+        max_pinned_fraction: most of the page pool that pinned prefixes may hold.
         attention: "auto" (Pallas kernels on GPU, the jnp reference on CPU), "pallas" or
             "reference"; the reference decodes quantized pages into a buffer.
         seed: seeds requests that bring no seed of their own.
@@ -103,7 +105,8 @@ class LLM:
         page_size: int = 16,
         max_prefill_chunk: int = 256,
         max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool | None = False,
+        max_pinned_fraction: float = 0.5,
         attention: str = "auto",
         seed: int = 0,
         progress: bool = True,
@@ -141,6 +144,7 @@ class LLM:
             max_prefill_chunk=max_prefill_chunk,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            max_pinned_fraction=max_pinned_fraction,
             kv_cache_dtype=kv_cache_dtype,
             attention=resolve_attention(attention),
             cache_fill_value=_cache_fill_value,

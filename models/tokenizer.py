@@ -158,6 +158,20 @@ class Tokenizer:
         """The vocabulary entry for one id (byte-level spelling)."""
         return self.hf.id_to_token(int(token_id))
 
+    def set_chat_template(self, source: str) -> None:
+        """Replaces the GGUF's chat template (jinja2 source, rendered in the same sandbox).
+
+        Raises:
+            ChatTemplateError: the source does not compile.
+        """
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError("a chat template must be non-empty jinja2 source")
+        try:
+            template = _sandbox().from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from None
+        self.chat_template, self._template = source, template
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """Renders a conversation with the model's template.
 

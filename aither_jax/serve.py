@@ -1,0 +1,228 @@
+"""The OpenAI-compatible server: `python -m aither_jax.serve --model smollm2-135m`.
+
+Loads the model, starts the engine loop and serves HTTP with uvicorn. SIGTERM (or Ctrl-C)
+stops admitting requests (503), lets running streams finish within `--drain-timeout` seconds
+and exits 0. Exit codes: 0 clean shutdown, 2 bad flags, 1 other errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import pathlib
+import signal
+import sys
+
+import uvicorn
+
+from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec
+
+log = logging.getLogger("aither_jax.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m aither_jax.serve", description="Serve a GGUF model over an OpenAI-compatible HTTP API."
+    )
+    add_model_argument(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000, help="0 picks a free port")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    p.add_argument("--max-model-len", type=int_in("--max-model-len", 2), default=None)
+    p.add_argument("--max-num-seqs", type=int_in("--max-num-seqs", 1, 1024), default=16)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int_in("--max-num-batched-tokens", 1),
+        default=None,
+        help="tokens per engine step (decode rows plus prefill chunks); default max(256, max-num-seqs)",
+    )
+    p.add_argument("--max-prefill-chunk", type=int_in("--max-prefill-chunk", 1), default=256)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse cached KV pages of earlier prompts (default: on, except for KV formats with sink tokens)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        type=lambda text: text if text == "auto" else kv_spec(text).name,
+        default="auto",
+        help="KV cache format: auto (the model's measured default), bf16, fp32, tq<bits>, tq-k<bits>v<bits> ...",
+    )
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--gpu-memory-utilization",
+        type=float_in("--gpu-memory-utilization", 0.0, 1.0, low_open=True),
+        default=None,
+        help="fraction of accelerator memory for weights and KV pages (accelerators only)",
+    )
+    budget.add_argument("--num-pages", type=int_in("--num-pages", 2), default=None, help="KV pages in the pool")
+    p.add_argument(
+        "--max-queue",
+        type=int_in("--max-queue", 0),
+        default=None,
+        help="waiting requests accepted beyond the running batch before 503s (default 4 x max-num-seqs)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("AITHER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $AITHER_API_KEY)",
+    )
+    p.add_argument("--chat-template", default=None, help="jinja2 chat template: a file path or the template itself")
+    p.add_argument(
+        "--pin-prompt-file",
+        type=pathlib.Path,
+        default=None,
+        help="text file whose tokens are prefilled at start-up and pinned in the prefix cache",
+    )
+    p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
+    p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
+    p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)
+    p.add_argument("--warmup", action="store_true", help="compile every decode shape before serving")
+    p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0, help="seeds requests that bring none")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return p
+
+
+def _chat_template(value: str) -> str:
+    path = pathlib.Path(value)
+    with contextlib.suppress(OSError):
+        if len(value) < 4096 and path.is_file():
+            return path.read_text(encoding="utf-8")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.api_key is not None and not args.api_key:
+        parser.error("--api-key must not be empty")
+    if args.pin_prompt_file is not None and not args.pin_prompt_file.is_file():
+        parser.error(f"--pin-prompt-file: no such file: {args.pin_prompt_file}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = build_server(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # uvicorn re-raises the signal that stopped it once it has shut down; with a handler of
+    # our own installed first, that re-raise is a no-op and the drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 0
+
+
+def build_server(args: argparse.Namespace):
+    """The uvicorn server for parsed flags. Raises ValueError for flags the model rejects."""
+    import secrets
+
+    from aither_jax.llm import LLM, resolve_dtype
+    from models.gguf_file import GGUFError
+    from models.tokenizer import ChatTemplateError
+    from serving.api import ServerConfig, build_app
+    from serving.async_engine import AsyncEngine
+    from serving.metrics import Metrics
+
+    num_pages = args.num_pages
+    try:
+        llm = LLM(
+            args.model,
+            resolve_dtype(args.dtype),
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            num_pages=num_pages if args.gpu_memory_utilization is None else _pages_for_memory(args),
+            max_prefill_chunk=_power_of_two(args.max_prefill_chunk, "--max-prefill-chunk"),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            max_pinned_fraction=args.max_pinned_fraction,
+            seed=args.seed,
+            progress=True,
+        )
+        if args.chat_template is not None:
+            llm.tokenizer.set_chat_template(_chat_template(args.chat_template))
+    except (GGUFError, ChatTemplateError) as e:
+        raise ValueError(str(e)) from None
+    if args.warmup:
+        llm.warmup()
+    name = args.served_model_name or args.model
+    metrics = Metrics(name)
+    max_queue = 4 * args.max_num_seqs if args.max_queue is None else args.max_queue
+    engine = AsyncEngine(llm.engine, metrics, max_waiting=max_queue)
+    config = ServerConfig(name, llm.engine.max_model_len, args.api_key, args.max_body_bytes, secrets.token_bytes(32))
+    app = build_app(engine, llm.tokenizer, config)
+    pin_text = args.pin_prompt_file.read_text(encoding="utf-8") if args.pin_prompt_file else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        if pin_text:
+            ids = llm.tokenizer.encode(pin_text)
+            pinned = await engine.pin(ids, config.salt(""))
+            log.info("pinned %d pages (%d tokens) of %s", pinned, len(ids), args.pin_prompt_file)
+        yield
+        engine.stop()
+
+    app.router.lifespan_context = lifespan
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.drain_timeout,
+        access_log=False,
+    )
+    return DrainingServer(uv_config, app)
+
+
+def _power_of_two(value: int, flag: str) -> int:
+    if value & (value - 1):
+        raise ValueError(f"{flag} must be a power of two, got {value}")
+    return value
+
+
+def _pages_for_memory(args: argparse.Namespace) -> int:
+    import jax
+
+    from aither_jax.llm import resolve_dtype
+    from models.config import ModelConfig
+    from models.gguf_file import GGUFFile
+    from models.kv_spec import parse_kv_spec
+    from models.registry import default_kv_cache_dtype, resolve_model
+
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        raise ValueError(
+            f"--gpu-memory-utilization needs an accelerator with memory statistics "
+            f"(this is {jax.default_backend()}); pass --num-pages instead"
+        )
+    cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
+    kv = default_kv_cache_dtype(args.model) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    gguf = GGUFFile(resolve_model(args.model))
+    num_params = sum(t.num_elements for t in gguf.tensors.values())
+    weight_bytes = num_params * (4 if resolve_dtype(args.dtype) == "float32" else 2)
+    free = args.gpu_memory_utilization * limit - stats.get("bytes_in_use", 0) - weight_bytes
+    page_bytes = parse_kv_spec(kv).bytes_per_token(cfg) * 16
+    if free < 2 * page_bytes:
+        raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization} leaves no room for KV pages")
+    return int(free // page_bytes)
+
+
+class DrainingServer(uvicorn.Server):
+    """Refuses new requests (503) from the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, app):
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig, frame) -> None:
+        self.app.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+"""The HTTP layer: OpenAI-compatible routes over the engine loop (FastAPI).
+
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE), `/health`,
+`/metrics`. Everything a client sends is validated here: bad parameters and prompts over the
+context limit get 400 with an OpenAI error body, oversized bodies 413, a full queue 503 with
+Retry-After, a wrong or missing API key 401. The tenant (API key and `X-Tenant-Id`) salts the
+prefix cache. A client that goes away aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from aither_jax.sampling import SamplingParams
+from models.tokenizer import ChatTemplateError, Tokenizer
+from serving import protocol
+from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Update
+from serving.prefix_cache import tenant_salt
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_LEN = 128
+MAX_TENANT_LEN = 128
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    secret: bytes = b""  # salts tenants' prefix-cache chains; random per process
+
+    def salt(self, tenant: str) -> bytes:
+        """The prefix-cache root of a tenant (the `X-Tenant-Id` value; "" when absent)."""
+        return tenant_salt(self.secret, tenant)
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, status, param), status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over `limit` bytes (declared or actually sent)."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await _error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise HTTPError(413, f"the request body exceeds {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class RequestGate:
+    """ASGI middleware: checks the API key (every route but /health) and the request id, and
+    echoes the id in `X-Request-Id` (generated when the client sent none)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rid = headers.get("x-request-id")
+        if rid is not None and (not 0 < len(rid) <= MAX_REQUEST_ID_LEN or not rid.isprintable()):
+            message = f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable characters"
+            return await _error(400, message)(scope, receive, send)
+        rid = rid or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        if self.api_key is not None and scope["path"] != "/health":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                response = _error(401, "invalid or missing API key (Authorization: Bearer <key>)")
+                response.headers["X-Request-Id"] = rid
+                return await response(scope, receive, send)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode("latin-1"))]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas that are never taken back: the tail
+    that could still become a stop string, or an incomplete UTF-8 character, is held back."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.sent = ""
+
+    def delta(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids)
+        safe = len(text) - self.holdback
+        while safe > 0 and text[safe - 1] == "\ufffd":
+            safe -= 1
+        return self._advance(text[: max(safe, 0)])
+
+    def finish(self, final_text: str) -> str:
+        return self._advance(final_text)
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        out, self.sent = text[len(self.sent) :], text
+        return out
+
+
+@dataclasses.dataclass
+class _Job:
+    """One choice of a request: a prompt sampled once."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    pin_tokens: int
+
+
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
+    """The FastAPI application serving `engine`."""
+    app = FastAPI(title="aither-jax", version="0.1.0")
+    app.state.draining = False
+    metrics = engine.metrics
+    app.add_middleware(RequestGate, api_key=config.api_key)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = str(first.get("msg", "invalid request"))
+        return _error(400, f"{where}: {message}" if where else message, where or None)
+
+    @app.exception_handler(HTTPError)
+    async def http_error(request: Request, exc: HTTPError):
+        return _error(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return _error(503, f"the engine has stopped: {engine.error!r}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "aither-jax"}
+        card["max_model_len"] = config.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request):
+        _check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        pin = body.pin_prefix
+        jobs = _jobs(ids, body, body.max_tokens, lambda i: len(ids[i]) if pin is True else int(pin))
+        return await _serve(request, body, jobs, "text_completion", body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
+        _check_model(body.model)
+        conversation = body.conversation()
+        try:
+            ids = tokenizer.encode(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+            pin_tokens = 0
+            num_system = next((i for i, m in enumerate(conversation) if m["role"] != "system"), len(conversation))
+            if body.pin_prefix and num_system:
+                head = tokenizer.encode(tokenizer.apply_chat_template(conversation[:num_system], False))
+                pin_tokens = len(head) if ids[: len(head)] == head else 0
+        except ChatTemplateError as e:
+            raise HTTPError(400, str(e), "messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = _jobs([ids], body, max_tokens, lambda i: pin_tokens)
+        return await _serve(request, body, jobs, "chat.completion", top, chat=True)
+
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != config.model_name:
+            message = f"The model `{name}` does not exist; this server serves `{config.model_name}`."
+            raise HTTPError(404, message, "model")
+
+    def _jobs(ids: list[list[int]], body, max_tokens: int | None, pin_of) -> list[_Job]:
+        if len(ids) * body.n > protocol.MAX_CHOICES:
+            raise HTTPError(400, f"prompts x n must be at most {protocol.MAX_CHOICES}", "n")
+        jobs = []
+        for i, prompt_ids in enumerate(ids):
+            if not prompt_ids:
+                raise HTTPError(400, "the prompt is empty", "prompt")
+            if max(prompt_ids) >= tokenizer.vocab_size:
+                raise HTTPError(400, f"prompt token ids must be below the vocabulary size {tokenizer.vocab_size}")
+            remaining = config.max_model_len - len(prompt_ids)
+            try:
+                engine.engine.check_prompt(len(prompt_ids), max_tokens)
+                for j in range(body.n):
+                    seed = None if body.seed is None else (body.seed + j) % 2**32
+                    params = SamplingParams(
+                        max_tokens=remaining if max_tokens is None else max_tokens,
+                        temperature=1.0 if body.temperature is None else float(body.temperature),
+                        top_p=1.0 if body.top_p is None else float(body.top_p),
+                        top_k=body.top_k or 0,
+                        seed=seed,
+                        stop=body.stop,
+                        stop_token_ids=body.stop_token_ids,
+                        ignore_eos=body.ignore_eos,
+                    )
+                    params.validate(tokenizer.vocab_size)
+                    jobs.append(_Job(i * body.n + j, prompt_ids, params, pin_of(i) if j == 0 else 0))
+            except ValueError as e:
+                raise HTTPError(400, str(e)) from None
+        return jobs
+
+    def _salt(request: Request) -> bytes:
+        tenant = request.headers.get("x-tenant-id", "")
+        if len(tenant) > MAX_TENANT_LEN or not tenant.isprintable():
+            raise HTTPError(400, f"X-Tenant-Id must be at most {MAX_TENANT_LEN} printable characters")
+        return config.salt(tenant)
+
+    async def _serve(request: Request, body, jobs: list[_Job], kind: str, num_logprobs: int | None, *, chat: bool):
+        if app.state.draining:
+            raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        try:
+            engine.check_accepting(len(jobs))
+        except QueueFullError as e:
+            raise HTTPError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except EngineDeadError as e:
+            raise HTTPError(503, str(e)) from None
+        salt = _salt(request)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        rid = prefix + request.scope["state"]["request_id"]
+        updates = _merge(engine, jobs, salt, num_logprobs)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunk_kind = kind + (".chunk" if chat else "")
+            stream = _sse(rid, chunk_kind, jobs, updates, body, num_logprobs, chat, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await _complete(request, rid, kind, jobs, updates, body, num_logprobs, chat)
+
+    async def _complete(request, rid, kind, jobs, updates, body, num_logprobs, chat):
+        results: dict[int, list[Update]] = {job.index: [] for job in jobs}
+
+        async def collect() -> None:
+            async with contextlib.aclosing(updates) as it:
+                async for index, update in it:
+                    results[index].append(update)
+
+        # Whichever ends first: the results, or the client going away (which aborts them).
+        collector = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not collector.done():
+                collector.cancel()
+            await asyncio.gather(collector, watcher, return_exceptions=True)
+        if collector.cancelled():
+            return Response(status_code=499)
+        error = collector.exception()
+        if error is not None:
+            raise _as_http(error)
+        choices, completion_tokens, cached = [], 0, 0
+        for job in jobs:
+            ups = results[job.index]
+            seq = ups[-1].seq
+            token_ids = [t for u in ups for t in u.token_ids]
+            logprobs = [lp for u in ups for lp in u.logprobs]
+            completion_tokens += len(token_ids)
+            cached += seq.num_cached_prompt if job.index % body.n == 0 else 0
+            choice = {"index": job.index, "finish_reason": ups[-1].finish_reason}
+            lp = _logprobs(tokenizer, token_ids, logprobs, chat) if num_logprobs is not None else None
+            if chat:
+                choice |= {"message": {"role": "assistant", "content": seq.text}, "logprobs": lp}
+            else:
+                choice |= {"text": seq.text, "logprobs": lp}
+            choices.append(choice)
+        prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
+        block = protocol.usage(prompt_tokens, completion_tokens, cached)
+        return protocol.envelope(rid, kind, config.model_name, choices, block)
+
+    async def _sse(rid, kind, jobs, updates, body, num_logprobs, chat, include_usage) -> AsyncIterator[str]:
+        texts = {j.index: TextStream(tokenizer, j.params.stop_strings) for j in jobs}
+        tokens: dict[int, list[int]] = {j.index: [] for j in jobs}
+        cached = 0
+        if chat:
+            for job in jobs:
+                first = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                yield _event(protocol.envelope(rid, kind, config.model_name, [first | {"finish_reason": None}]))
+        try:
+            async with contextlib.aclosing(updates) as it:
+                async for index, update in it:
+                    tokens[index].extend(update.token_ids)
+                    text = texts[index]
+                    delta = text.finish(update.seq.text) if update.finished else text.delta(tokens[index])
+                    if not delta and not update.finished and num_logprobs is None:
+                        continue
+                    choice = {"index": index, "finish_reason": update.finish_reason if update.finished else None}
+                    lp = (
+                        _logprobs(tokenizer, update.token_ids, update.logprobs, chat)
+                        if num_logprobs is not None
+                        else None
+                    )
+                    if chat:
+                        choice |= {"delta": {"content": delta} if delta else {}, "logprobs": lp}
+                    else:
+                        choice |= {"text": delta, "logprobs": lp}
+                    if update.finished and index % body.n == 0:
+                        cached += update.seq.num_cached_prompt
+                    yield _event(protocol.envelope(rid, kind, config.model_name, [choice]))
+        except (ValueError, EngineDeadError, QueueFullError) as e:
+            error = _as_http(e)
+            yield _event(protocol.error_body(error.message, error.status))
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
+            completion_tokens = sum(len(t) for t in tokens.values())
+            block = protocol.usage(prompt_tokens, completion_tokens, cached)
+            yield _event(protocol.envelope(rid, kind, config.model_name, [], block))
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _as_http(error: BaseException) -> HTTPError:
+    """The HTTP error for a failure of the engine side of a request."""
+    if isinstance(error, QueueFullError):
+        return HTTPError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(error, EngineDeadError):
+        return HTTPError(503, str(error))
+    if isinstance(error, ValueError):
+        return HTTPError(400, str(error))
+    return HTTPError(500, f"internal error: {type(error).__name__}")
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+
+
+async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprobs: int | None):
+    """Runs every job and yields (choice index, update) as they come; closing it aborts all."""
+    out: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(job: _Job) -> None:
+        try:
+            gen = engine.generate(
+                job.prompt_ids, job.params, salt=salt, pin_tokens=job.pin_tokens, num_logprobs=num_logprobs
+            )
+            async with contextlib.aclosing(gen) as it:
+                async for update in it:
+                    await out.put((job.index, update))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await out.put(e)
+        await out.put(done)
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await out.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list, chat: bool) -> dict:
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    if chat:
+        content = []
+        for t, (lp, top) in zip(token_ids, logprobs, strict=True):
+            alts = [{"token": text(a), "logprob": v, "bytes": list(text(a).encode())} for a, v in top]
+            content.append({"token": text(t), "logprob": lp, "bytes": list(text(t).encode()), "top_logprobs": alts})
+        return {"content": content}
+    tokens = [text(t) for t in token_ids]
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in logprobs],
+        "top_logprobs": [{text(a): v for a, v in top} for _, top in logprobs],
+        "text_offset": offsets,
+    }

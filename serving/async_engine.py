@@ -1,0 +1,275 @@
+"""The engine loop: one thread owns the engine; asyncio handlers talk to it through queues.
+
+HTTP handlers never touch the engine. They put commands (add, abort, pin) into an inbox; the
+loop thread applies them between steps, runs steps while there is work, and after each step
+posts every sequence's new tokens to the asyncio queue of its request. If a step raises, the
+loop records the error, fails every open request and stops: `/health` then answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from aither_jax.engine import Engine
+from aither_jax.sampling import SamplingParams
+from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
+from serving.prefix_cache import hash_chain
+from serving.scheduler import Sequence
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_SECONDS = 0.05
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server accepts."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped after an error."""
+
+
+@dataclasses.dataclass
+class Update:
+    """New output of one sequence since the previous update."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]]
+    finished: bool
+    finish_reason: str | None
+    seq: Sequence
+
+
+@dataclasses.dataclass(eq=False)
+class _Stream:
+    seq: Sequence | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    sent: int = 0
+    last_token_time: float = 0.0
+
+
+class AsyncEngine:
+    """Runs `engine` on a background thread and streams results to asyncio callers.
+
+    Args:
+        engine: the engine to own (nothing else may call it once started).
+        metrics: the registry to update.
+        max_waiting: requests accepted beyond the running batch; more are refused.
+    """
+
+    def __init__(self, engine: Engine, metrics: Metrics, *, max_waiting: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[Sequence, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+        self.num_open = 0  # requests accepted and not finished (event-loop thread only)
+        self.num_prefilled_tokens = 0
+        self._declare_metrics()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    # -- requests (called from the event loop) ------------------------------------------------
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        salt: bytes,
+        pin_tokens: int = 0,
+        num_logprobs: int | None = None,
+    ) -> AsyncIterator[Update]:
+        """Yields the request's updates until it finishes; aborts it if the caller stops early.
+
+        Raises:
+            QueueFullError: the waiting queue is full (checked before anything is queued).
+            EngineDeadError: the engine loop has stopped.
+            ValueError: the engine rejected the request.
+        """
+        self.check_accepting(1)
+        stream = _Stream(None, asyncio.get_running_loop(), asyncio.Queue())
+        self.num_open += 1
+
+        def add() -> None:
+            try:
+                seq = self.engine.add_request(
+                    prompt_ids, params, salt=salt, pin_tokens=pin_tokens, num_logprobs=num_logprobs
+                )
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+                return
+            stream.seq = seq
+            self._streams[seq] = stream
+
+        finished = False
+        try:
+            self._inbox.put(add)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.num_open -= 1
+            if not finished:
+                self._inbox.put(lambda: self._abort(stream))
+
+    def check_accepting(self, num_requests: int) -> None:
+        if not self.alive:
+            raise EngineDeadError("the engine has stopped")
+        if self.num_open + num_requests > self.engine.max_num_seqs + self.max_waiting:
+            self.metrics.inc("aither:requests_rejected_total")
+            raise QueueFullError(
+                f"the server is at capacity ({self.engine.max_num_seqs} running, {self.max_waiting} waiting); "
+                "retry later"
+            )
+
+    async def pin(self, prompt_ids: list[int], salt: bytes) -> int:
+        """Computes (if needed) and pins the full pages of `prompt_ids`; returns the pages pinned."""
+        async for update in self.generate(
+            prompt_ids, SamplingParams(max_tokens=1, temperature=0.0), salt=salt, pin_tokens=len(prompt_ids)
+        ):
+            if update.finished:
+                return update.seq.num_pinned_pages or 0
+        return 0
+
+    def pin_names(self, prompt_ids: list[int], salt: bytes) -> list[bytes]:
+        return hash_chain(salt, prompt_ids, self.engine.page_size)
+
+    def _abort(self, stream: _Stream) -> None:
+        if stream.seq is not None:
+            self._streams.pop(stream.seq, None)
+            self.engine.abort(stream.seq)
+            self.metrics.inc("vllm:request_success_total", finished_reason="abort")
+
+    # -- the loop (engine thread) -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    # A row is prefill if it had more than one token to run or no output yet.
+                    before = {s: (s.num_computed, s.prefilling or not s.output_ids) for s in self._streams}
+                    self.engine.step()
+                    self._publish(before)
+        except BaseException as e:  # noqa: BLE001 - the loop must report any failure
+            log.exception("engine loop failed")
+            self.error = e
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(f"engine failed: {e}"))
+            self._streams.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_SECONDS) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self, before: dict[Sequence, tuple[int, bool]]) -> None:
+        now = time.monotonic()
+        for seq, stream in list(self._streams.items()):
+            computed, prefilling = before.get(seq, (seq.num_computed, False))
+            if prefilling:
+                self.num_prefilled_tokens += seq.num_computed - computed
+            new = seq.output_ids[stream.sent :]
+            if not new and not seq.finished:
+                continue
+            if new:
+                if stream.sent == 0:
+                    self.metrics.observe("vllm:time_to_first_token_seconds", now - seq.arrival_time)
+                else:
+                    gap = (now - stream.last_token_time) / len(new)
+                    for _ in new:
+                        self.metrics.observe("vllm:inter_token_latency_seconds", gap)
+                stream.last_token_time = now
+                self.metrics.inc("vllm:generation_tokens_total", len(new))
+            update = Update(new, seq.logprobs[stream.sent : len(seq.output_ids)], seq.finished, seq.finish_reason, seq)
+            stream.sent = len(seq.output_ids)
+            if seq.finished:
+                del self._streams[seq]
+                self.metrics.observe("vllm:e2e_request_latency_seconds", now - seq.arrival_time)
+                self.metrics.inc("vllm:request_success_total", finished_reason=seq.finish_reason)
+                self.metrics.inc("vllm:prompt_tokens_total", len(seq.prompt_ids))
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, update)
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def _declare_metrics(self) -> None:
+        m, sched = self.metrics, self.engine.scheduler
+        cache = sched.prefix_cache
+        read_gauges = (
+            ("vllm:num_requests_running", "Requests in the running batch.", lambda: self.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be admitted.", lambda: self.num_waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "Fraction of KV pages in use (1 = full); idle prefix-cache pages count as free.",
+                lambda: 1.0 - sched.num_free_pages / sched.num_usable_pages,
+            ),
+            ("aither:kv_pages_total", "KV pages in the pool.", lambda: sched.num_usable_pages),
+            ("aither:kv_pages_free", "KV pages free or held only by the prefix cache.", lambda: sched.num_free_pages),
+            ("aither:prefix_cache_pages", "Pages named in the prefix cache.", lambda: cache.num_cached if cache else 0),
+            ("aither:pinned_pages", "Prefix-cache pages pinned.", lambda: cache.num_pinned if cache else 0),
+            ("aither:pinned_pages_capacity", "Pin capacity in pages.", lambda: cache.max_pinned_pages if cache else 0),
+        )
+        read_counters = (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up.", lambda: sched.num_prefix_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda: sched.num_prefix_hits),
+            ("vllm:num_preemptions_total", "Sequences preempted to recompute.", lambda: sched.num_preemptions),
+            (
+                "aither:prefill_tokens_total",
+                "Tokens prefilled for requests: prompt tokens not found in the prefix cache, plus recomputes.",
+                lambda: self.num_prefilled_tokens,
+            ),
+            ("aither:engine_steps_total", "Engine steps run.", lambda: self.engine.num_steps),
+        )
+        for name, help_text, read in read_gauges:
+            m.gauge(name, help_text, read)
+        for name, help_text, read in read_counters:
+            m.counter(name, help_text, read)
+        m.counter("vllm:prompt_tokens_total", "Prompt tokens of finished requests.")
+        m.counter("vllm:generation_tokens_total", "Generated tokens.")
+        m.counter("vllm:request_success_total", "Finished requests by finish reason.")
+        m.counter("aither:requests_rejected_total", "Requests refused because the queue was full.")
+        m.histogram("vllm:time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS)
+        m.histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        m.histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS)

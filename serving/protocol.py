@@ -1,0 +1,158 @@
+"""OpenAI request bodies (validated with pydantic) and the response objects built from results.
+
+Every count a client controls is bounded here (n, max_tokens, logprobs, stop strings, prompt
+list sizes); parameters we do not implement are refused with a 400 that names them rather
+than silently ignored, unless they are set to their no-op default.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+from aither_jax.sampling import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+MAX_N = 8
+MAX_CHOICES = 16  # prompts x n in one request
+MAX_LOGPROBS = 20
+MAX_MESSAGES = 512
+MAX_PROMPT_TOKEN_LIST = 1 << 17
+
+Number = StrictInt | StrictFloat
+StopStr = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=100)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**32)] | None = None
+    ignore_eos: StrictBool = False
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    logit_bias: dict | None = None
+    best_of: StrictInt | None = None
+    user: Annotated[StrictStr, Field(max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ValueError(f"{name} is not supported (only {neutral})")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it may only equal n)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: (
+        StrictStr
+        | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_LIST)]
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_LIST)]],
+            Field(min_length=1, max_length=MAX_CHOICES),
+        ]
+    )
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    # Extension: pin the cached pages of the prompt (true: all of it; an integer: that many
+    # leading tokens) so pressure never evicts them.
+    pin_prefix: StrictBool | Annotated[StrictInt, Field(ge=0)] = False
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | Annotated[list[TextPart], Field(max_length=64)]
+    name: Annotated[StrictStr, Field(max_length=64)] | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+    # Extension: pin the cached pages of the leading system messages.
+    pin_prefix: StrictBool = False
+
+    @model_validator(mode="after")
+    def _chat_only(self):
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format other than text is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def conversation(self) -> list[dict]:
+        """Messages for the chat template (developer messages count as system messages)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError"}
+    kinds |= {429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    return {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def envelope(request_id: str, kind: str, model: str, choices: list[dict], usage_block: dict | None = None) -> dict:
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+    if usage_block is not None:
+        body["usage"] = usage_block
+    return body
