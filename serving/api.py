@@ -18,6 +18,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -117,6 +118,24 @@ class RequestGate:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that stops (and so aborts its requests) as soon as the client
+    disconnects, even while nothing is being sent: requests still waiting for a slot produce
+    no chunks, so a failed send alone would not notice."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
 
 
 class TextStream:
@@ -277,7 +296,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunk_kind = kind + (".chunk" if chat else "")
             stream = _sse(rid, chunk_kind, jobs, updates, body, num_logprobs, chat, include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return SSEResponse(stream, media_type="text/event-stream")
         return await _complete(request, rid, kind, jobs, updates, body, num_logprobs, chat)
 
     async def _complete(request, rid, kind, jobs, updates, body, num_logprobs, chat):

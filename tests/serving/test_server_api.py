@@ -1,0 +1,338 @@
+"""The server against real clients on loopback: the `openai` package, concurrent streams,
+prefix caching, tenants, pins, multi-turn reuse and disconnect storms."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from models.registry import resolve_model
+from models.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Count from one to five.",
+    "What do bees make?",
+    "Say hello in Spanish.",
+    "What is two plus two?",
+    "Name a large animal.",
+    "What color is the sky?",
+    "Give me a word that rhymes with cat.",
+    "What is water made of?",
+    "Name a planet.",
+    "What do cows drink?",
+    "Who wrote Hamlet?",
+    "What is ice?",
+    "Name a fruit that is yellow.",
+    "How many legs does a spider have?",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    from models.gguf_file import GGUFFile
+
+    return Tokenizer.from_gguf(GGUFFile(resolve_model(MODEL)))
+
+
+@pytest.fixture(scope="module")
+def server_default(server_factory):
+    """The default configuration (the model's measured KV format, prefix caching on)."""
+    return server_factory("--max-num-seqs", "4")
+
+
+@pytest.fixture(scope="module")
+def client(server_default) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server_default.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server_no_cache(server_factory):
+    return server_factory("--kv-cache-dtype", "fp32", "--max-num-seqs", "16", "--no-enable-prefix-caching")
+
+
+def chat(
+    url: str, question: str, *, system: str | None = None, max_tokens: int = 12, headers: dict | None = None, **extra
+) -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, question: str, max_tokens: int = 12) -> str:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    parts = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+# -- the openai client ----------------------------------------------------------------------
+
+
+def test_openai_client_models_chat_and_completions(client, tokenizer):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    text = r.choices[0].message.content
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert "Paris" in text
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert c.usage.prompt_tokens == len(tokenizer.encode("The capital of France is"))
+    assert c.usage.completion_tokens == 6 and c.choices[0].finish_reason == "length"
+    assert "Paris" in c.choices[0].text
+
+
+def test_openai_client_streaming_matches_non_streaming_with_usage(client):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+
+    pieces = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0, stream=True)
+    streamed = "".join(ch.choices[0].text for ch in pieces if ch.choices)
+    plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=8, temperature=0)
+    assert streamed == plain.choices[0].text and streamed
+
+
+def test_stop_strings_seed_n_and_logprobs(client):
+    full = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=12, temperature=0).choices[0]
+    stop = full.text.strip().split()[1]  # a word the greedy text contains after its first
+    cut = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert full.text.startswith(cut.choices[0].text)
+
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=10, temperature=1.0, seed=1234, n=3)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert len({c.text for c in a.choices}) > 1  # each choice samples with its own seed
+
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.token == entry.top_logprobs[0].token  # greedy picks the most likely
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "n": 99}, 400, "n"),
+        ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "hi", "max_tokens": 5000}, 400, "maximum context length is 1024 tokens"),
+        ({"prompt": "word " * 1100, "max_tokens": 1}, 400, "maximum context length is 1024 tokens"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+        ({"prompt": [], "max_tokens": 1}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, fragment):
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert fragment in error["message"] + str(error["param"]) and error["code"] == status
+
+
+# -- batching -------------------------------------------------------------------------------
+
+
+def test_sixteen_concurrent_streams_equal_one_at_a_time(server):
+    async def run() -> tuple[list[str], list[str]]:
+        async with httpx.AsyncClient() as c:
+            together = await asyncio.gather(*(stream_chat(c, server.url, q) for q in QUESTIONS))
+            alone = [await stream_chat(c, server.url, q) for q in QUESTIONS]
+        return list(together), alone
+
+    together, alone = asyncio.run(run())
+    assert all(alone) and len(set(alone)) > 8
+    assert together == alone
+
+
+# -- prefix caching -------------------------------------------------------------------------
+
+SYSTEM = "You are a careful assistant for a small library. " * 8 + "Answer in one short sentence."
+
+
+def test_prefix_caching_on_and_off_give_identical_outputs_and_hits_move(server, server_no_cache):
+    before = server.metrics()
+    on = [chat(server.url, q, system=SYSTEM, headers={"X-Tenant-Id": "identical"}) for q in QUESTIONS[:6]]
+    off = [chat(server_no_cache.url, q, system=SYSTEM) for q in QUESTIONS[:6]]
+    after = server.metrics()
+    assert [r["choices"][0]["message"]["content"] for r in on] == [r["choices"][0]["message"]["content"] for r in off]
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in on]
+    assert cached[0] == 0 and min(cached[1:]) >= 64  # the shared system prompt spans > 4 pages
+    assert after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"] == sum(cached)
+    queries = after["vllm:prefix_cache_queries"] - before["vllm:prefix_cache_queries"]
+    assert queries == sum(r["usage"]["prompt_tokens"] for r in on)
+    assert server_no_cache.metrics()["vllm:prefix_cache_hits"] == 0
+
+
+def test_tenants_never_share_cached_pages(server):
+    question = "Tell me about the weather on the moon, please, in detail."
+    a1 = chat(server.url, question, system=SYSTEM + " Tenant test.", headers={"X-Tenant-Id": "alice"})
+    b1 = chat(server.url, question, system=SYSTEM + " Tenant test.", headers={"X-Tenant-Id": "bob"})
+    a2 = chat(server.url, question, system=SYSTEM + " Tenant test.", headers={"X-Tenant-Id": "alice"})
+    assert a1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert b1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert a2["usage"]["prompt_tokens_details"]["cached_tokens"] >= a1["usage"]["prompt_tokens"] - 16
+    assert a1["choices"][0]["message"]["content"] == b1["choices"][0]["message"]["content"]
+
+
+def test_follow_up_turn_prefills_only_its_new_tokens(server, tokenizer):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a famous painter."}]
+    headers = {"X-Tenant-Id": "multi-turn"}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0.0}
+    r1 = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120).json()
+    reply = r1["choices"][0]["message"]["content"]
+    messages2 = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And a sculptor?"}]
+    before = server.metrics()["aither:prefill_tokens_total"]
+    body2 = {"model": MODEL, "messages": messages2, "max_tokens": 8, "temperature": 0.0}
+    r2 = httpx.post(server.url + "/v1/chat/completions", json=body2, headers=headers, timeout=120).json()
+    prefilled = server.metrics()["aither:prefill_tokens_total"] - before
+
+    # Turn 1's prompt and all its output but the last token (never fed back) are in the cache.
+    computed = r1["usage"]["prompt_tokens"] + r1["usage"]["completion_tokens"] - 1
+    turn2 = tokenizer.encode(tokenizer.apply_chat_template(messages2))
+    turn1 = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert turn2[: len(turn1)] == turn1
+    assert r2["usage"]["prompt_tokens"] == len(turn2)
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
+    assert prefilled == len(turn2) - computed
+    assert prefilled < 20  # the new user message and the template's markers
+
+
+def test_pinned_prefix_survives_pressure(server):
+    headers = {"X-Tenant-Id": "pins"}
+    pinned_system = "Pinned instructions for the archive desk. " * 10
+    loose_system = "Unpinned instructions for the front desk. " * 10
+    r = chat(server.url, "Hello.", system=pinned_system, headers=headers, pin_prefix=True, max_tokens=2)
+    chat(server.url, "Hello.", system=loose_system, headers=headers, max_tokens=2)
+    metrics = server.metrics()
+    assert metrics["aither:pinned_pages"] >= r["usage"]["prompt_tokens"] // 16 - 2
+    # Pressure: distinct long prompts that need more pages than the pool has free.
+    filler_pages = 0
+    for i in range(10):
+        rr = httpx.post(
+            server.url + "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": f"Document {i}: " + " ".join(f"item{i}x{j}" for j in range(150)),
+                "max_tokens": 2,
+                "temperature": 0,
+            },
+            headers={"X-Tenant-Id": "pressure"},
+            timeout=120,
+        )
+        assert rr.status_code == 200
+        filler_pages += rr.json()["usage"]["prompt_tokens"] // 16
+    assert filler_pages > metrics["aither:kv_pages_total"]
+    again = chat(server.url, "Hello again.", system=pinned_system, headers=headers, max_tokens=2)
+    loose = chat(server.url, "Hello again.", system=loose_system, headers=headers, max_tokens=2)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (r["usage"]["prompt_tokens"] // 16 - 1)
+    assert loose["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # evicted: the pressure was real
+
+
+# -- disconnects ----------------------------------------------------------------------------
+
+
+async def open_and_hang_up(url: str, num_streams: int) -> None:
+    """Opens sampled streams, waits until the running batch produces tokens, closes them all."""
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as c:
+        streams = []
+        for i in range(num_streams):
+            body = {
+                "model": MODEL,
+                "prompt": f"Story number {i}: once upon a time",
+                "max_tokens": 200,
+                "temperature": 0.7,
+                "seed": i,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            streams.append(c.stream("POST", url + "/v1/completions", json=body))
+        responses = [await s.__aenter__() for s in streams]
+        assert all(r.status_code == 200 for r in responses)
+        lines = responses[0].aiter_lines()
+        while not (await anext(lines)).startswith("data: {"):
+            pass
+        for s in streams:
+            await s.__aexit__(None, None, None)
+
+
+def wait_idle(server, seconds: float) -> float:
+    """Seconds until no request runs or waits (or `seconds` if that never happens)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        m = server.metrics()
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_disconnecting_fifty_streams_returns_requests_and_pages(server):
+    # Compile the sampled decode shapes first: a step that compiles delays the aborts queued behind it.
+    asyncio.run(open_and_hang_up(server.url, 16))
+    wait_idle(server, 60)
+    baseline = server.metrics()
+    assert baseline["vllm:num_requests_running"] == 0 and baseline["vllm:num_requests_waiting"] == 0
+
+    asyncio.run(open_and_hang_up(server.url, 50))
+    assert wait_idle(server, 2.0) < 2.0
+    m = server.metrics()
+    assert m["aither:kv_pages_free"] >= baseline["aither:kv_pages_free"] - 2  # only partial pages stay cached
+    aborted = m['vllm:request_success_total{finished_reason="abort"}'] - baseline.get(
+        'vllm:request_success_total{finished_reason="abort"}', 0
+    )
+    assert aborted == 50
