@@ -1,4 +1,4 @@
-# Entry points: `make run` (generation demo on the default model), `make test` (the test suite).
+# Entry points: `make run` (the OpenAI-compatible server on the default model), `make test` (the test suite).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: install
-	$(PY) -m aither_jax.generate --model smollm2-135m --chat --max-tokens 64 \
-		--prompt "Write a haiku about the ocean."
+	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000
 
 test: install
 	$(PY) -m pytest -q
@@ -30,6 +29,7 @@ lint: install
 
 bench: install
 	$(PY) scripts/bench_decode.py
+	$(PY) scripts/bench_serving.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,352 @@
+"""Serving benchmark: throughput and latency of `python -m aither_jax.serve` under load.
+
+It starts the server itself (twice: prefix caching on, and off for the shared-prefix
+comparison), on loopback, and drives it with streaming `/v1/completions` requests:
+
+* concurrency sweep (`--concurrency 1,4,16`): `--num-requests` requests with distinct prompts,
+  `--max-tokens` tokens each (end of sequence ignored, greedy), at most c in flight.
+  Throughput = generated tokens / wall time of the sweep point.
+* request-rate sweep (`--rates 1,4`): requests arrive as a Poisson process at r per second.
+* shared prefix (`--shared-requests 32 --shared-prefix-tokens 1000`): every request is one long
+  system text (fresh for each server, so both start cold) plus its own question, all sent at
+  once; mean time to first token with caching on against caching off.
+
+TTFT is the time from sending a request to its first streamed token; inter-token latency the
+gaps between later chunks; e2e the time to the end of the stream. Each server first runs one
+untimed pass of every workload (after compiling every decode shape with `--warmup`) so
+compilation is excluded.
+
+Writes a JSON report (`--out`), a plot next to it, prints a table and appends one row to
+docs/BENCHMARKS.md (unless `--no-record`).
+
+    python scripts/bench_serving.py                         # defaults: SmolLM2, default KV format
+    python scripts/bench_serving.py --kv-cache-dtype bf16 --concurrency 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORDS = "river stone light garden paper window silver orchard lantern meadow harbor candle forest".split()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated in-flight limits")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency point (at least 2 x c)")
+    p.add_argument("--rates", default="1,4", help="comma-separated request rates (per second); empty to skip")
+    p.add_argument("--rate-requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=48, help="length of each distinct prompt, in words")
+    p.add_argument("--shared-requests", type=int, default=32)
+    p.add_argument("--shared-prefix-tokens", type=int, default=1000)
+    p.add_argument("--shared-max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_serving.json")
+    p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
+    return p.parse_args(argv)
+
+
+# -- the server -------------------------------------------------------------------------------
+
+
+class Server(contextlib.AbstractContextManager):
+    def __init__(self, args: argparse.Namespace, *flags: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "aither_jax.serve", "--model", args.model, "--port", str(self.port)]
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs", str(args.max_num_seqs)]
+        cmd += ["--max-model-len", str(args.max_model_len), "--max-queue", "256", "--log-level", "warning"]
+        cmd += ["--warmup", *flags]  # compile every decode shape before serving
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError("server did not start in 300 s")
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# -- the load generator -----------------------------------------------------------------------
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    stamps, usage = [], None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    return {
+        "ttft": stamps[0] - sent if stamps else end - sent,
+        "itl": list(np.diff(stamps)),
+        "e2e": end - sent,
+        "tokens": usage["completion_tokens"] if usage else 0,
+        "cached": usage["prompt_tokens_details"]["cached_tokens"] if usage else 0,
+    }
+
+
+async def run_closed_loop(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+
+        async def gated(prompt: str) -> dict:
+            async with gate:
+                return await one_request(client, url, prompt, max_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(gated(p) for p in prompts))
+        return list(results), time.perf_counter() - start
+
+
+async def run_open_loop(
+    url: str, prompts: list[str], max_tokens: int, rate: float, seed: int
+) -> tuple[list[dict], float]:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=len(prompts) + 8)) as client:
+        start = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.ensure_future(one_request(client, url, p, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    def pct(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) if values else float("nan")
+
+    ttft = [r["ttft"] for r in results]
+    itl = [x for r in results for x in r["itl"]]
+    e2e = [r["e2e"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    out = {"requests": len(results), "output_tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall}
+    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
+        out[f"{name}_mean_s"] = statistics.fmean(values) if values else float("nan")
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_s"] = pct(values, q)
+    return out
+
+
+def distinct_prompts(n: int, words: int, rng: random.Random) -> list[str]:
+    return [f"Note {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def shared_prompts(n: int, prefix_tokens: int, tag: str, rng: random.Random) -> list[str]:
+    # About one token per word for these common words (checked by the server's usage block).
+    system = f"Library handbook {tag}. " + " ".join(rng.choice(WORDS) for _ in range(prefix_tokens - 8))
+    return [f"{system}\nQuestion {i}: which word comes first in the handbook?" for i in range(n)]
+
+
+# -- the workloads ----------------------------------------------------------------------------
+
+
+def bench(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    report: dict = {"concurrency": [], "rates": [], "shared_prefix": {}}
+    with Server(args) as server:
+        print("warm-up (compiles every shape the workloads use) ...", flush=True)
+        for c in levels:
+            asyncio.run(run_closed_loop(server.url, distinct_prompts(c, args.prompt_words, rng), args.max_tokens, c))
+        for r in rates:
+            prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
+            asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
+        warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up", rng)
+        asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
+        for c in levels:
+            n = max(args.num_requests, 2 * c)
+            results, wall = asyncio.run(
+                run_closed_loop(server.url, distinct_prompts(n, args.prompt_words, rng), args.max_tokens, c)
+            )
+            row = {"concurrency": c, **summarize(results, wall)}
+            report["concurrency"].append(row)
+            print(f"concurrency {c:3d}: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")
+        for r in rates:
+            prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
+            results, wall = asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
+            row = {"rate": r, **summarize(results, wall)}
+            report["rates"].append(row)
+            print(f"rate {r:5.2f}/s: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")
+        hits0 = server.metric("vllm:prefix_cache_hits")
+        on = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "cold-on", rng)
+        results, wall = asyncio.run(run_closed_loop(server.url, on, args.shared_max_tokens, len(on)))
+        report["shared_prefix"]["on"] = summarize(results, wall) | {
+            "cache_hit_tokens": server.metric("vllm:prefix_cache_hits") - hits0
+        }
+    with Server(args, "--no-enable-prefix-caching") as server:
+        warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up-off", rng)
+        asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
+        off = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "cold-off", rng)
+        results, wall = asyncio.run(run_closed_loop(server.url, off, args.shared_max_tokens, len(off)))
+        report["shared_prefix"]["off"] = summarize(results, wall)
+    sp = report["shared_prefix"]
+    sp["ttft_speedup"] = sp["off"]["ttft_mean_s"] / sp["on"]["ttft_mean_s"]
+    print(
+        f"shared prefix: mean TTFT {sp['on']['ttft_mean_s']:.2f} s cached vs {sp['off']['ttft_mean_s']:.2f} s "
+        f"uncached ({sp['ttft_speedup']:.1f}x)"
+    )
+    return report
+
+
+def environment() -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    name = device.device_kind if device.platform != "cpu" else _cpu_name()
+    return {
+        "device": name,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    return f"{platform.processor() or 'cpu'} ({os.cpu_count()} cores)"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    rows = report["concurrency"]
+    xs = [r["concurrency"] for r in rows]
+    axes[0].plot(xs, [r["throughput_tok_s"] for r in rows], "o-")
+    axes[0].set(xscale="log", xlabel="concurrent requests", ylabel="generated tok/s", title="Throughput")
+    axes[0].set_xticks(xs, [str(x) for x in xs])
+    for q in (50, 90, 99):
+        axes[1].plot(xs, [r[f"ttft_p{q}_s"] for r in rows], "o-", label=f"TTFT p{q}")
+    axes[1].plot(xs, [r["itl_p50_s"] for r in rows], "s--", label="ITL p50")
+    axes[1].set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="seconds", title="Latency")
+    axes[1].set_xticks(xs, [str(x) for x in xs])
+    axes[1].legend()
+    sp = report["shared_prefix"]
+    axes[2].bar(["caching off", "caching on"], [sp["off"]["ttft_mean_s"], sp["on"]["ttft_mean_s"]], color=["C3", "C2"])
+    axes[2].set(
+        ylabel="mean TTFT (s)",
+        title=f"{report['config']['shared_requests']} requests, shared "
+        f"{report['config']['shared_prefix_tokens']}-token prefix ({sp['ttft_speedup']:.1f}x)",
+    )
+    fig.suptitle(
+        f"aither-jax serving, {report['config']['model']} ({report['config']['kv_cache_dtype']} KV), "
+        f"{report['env']['device']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def record(report: dict, command: str) -> None:
+    path = ROOT / "docs" / "BENCHMARKS.md"
+    text = path.read_text()
+    header = "## Serving (scripts/bench_serving.py)"
+    columns = (
+        "| date | device | KV | tok/s by concurrency | max/min concurrency | TTFT p50 by concurrency (s) | "
+        "shared-prefix mean TTFT on / off (s) | TTFT speedup | versions | command |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    if header not in text:
+        text = text.rstrip() + f"\n\n{header}\n\n{columns}"
+    rows = report["concurrency"]
+    tput = ", ".join(f"{r['concurrency']}: {r['throughput_tok_s']:.0f}" for r in rows)
+    ttft = ", ".join(f"{r['concurrency']}: {r['ttft_p50_s']:.2f}" for r in rows)
+    ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
+    sp = report["shared_prefix"]
+    env = report["env"]
+    row = (
+        f"| {env['date']} | {env['device']} | {report['config']['kv_cache_dtype']} | {tput} | {ratio:.1f}x | {ttft} | "
+        f"{sp['on']['ttft_mean_s']:.2f} / {sp['off']['ttft_mean_s']:.2f} | {sp['ttft_speedup']:.1f}x | "
+        f"jax {env['jax']}, Python {env['python']} | `{command}` |\n"
+    )
+    start = text.index(header)
+    table_end = text.find("\n\n", text.index("|---", start))
+    table_end = len(text) if table_end < 0 else table_end
+    text = text[:table_end].rstrip("\n") + "\n" + row.rstrip("\n") + text[table_end:]
+    path.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = bench(args)
+    report["config"] = vars(args) | {"out": str(args.out)}
+    report["env"] = environment()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    plot(report, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}")
+    if not args.no_record:
+        record(report, "python scripts/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
