@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin_prompt_file is not None and not args.pin_prompt_file.is_file():
         parser.error(f"--pin-prompt-file: no such file: {args.pin_prompt_file}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         server = build_server(args)
     except ValueError as e:
