@@ -1,0 +1,65 @@
+"""Host-only pieces of the server: the Prometheus exposition, streamed text deltas, logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aither_jax.engine import top_logprobs
+from models.gguf_file import GGUFFile
+from models.registry import resolve_model
+from models.tokenizer import Tokenizer
+from serving.api import TextStream
+from serving.metrics import Metrics
+
+
+def test_metrics_render_counters_gauges_and_cumulative_histograms():
+    m = Metrics("demo")
+    m.counter("vllm:request_success_total", "done")
+    m.gauge("vllm:num_requests_running", "running", lambda: 3)
+    m.histogram("vllm:time_to_first_token_seconds", "ttft", (0.1, 1.0))
+    m.inc("vllm:request_success_total", finished_reason="stop")
+    m.inc("vllm:request_success_total", 2, finished_reason="stop")
+    for v in (0.05, 0.5, 0.5, 5.0):
+        m.observe("vllm:time_to_first_token_seconds", v)
+    lines = m.render().splitlines()
+    assert "# TYPE vllm:request_success_total counter" in lines
+    assert 'vllm:request_success_total{finished_reason="stop",model_name="demo"} 3.0' in lines
+    assert 'vllm:num_requests_running{model_name="demo"} 3.0' in lines
+    assert 'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="demo"} 1' in lines
+    assert 'vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="demo"} 3' in lines
+    assert 'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="demo"} 4' in lines
+    assert 'vllm:time_to_first_token_seconds_count{model_name="demo"} 4' in lines
+    assert m.value("vllm:request_success_total", finished_reason="stop") == 3
+    with pytest.raises(KeyError):
+        m.inc("vllm:num_requests_running")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile(resolve_model("smollm2-135m")))
+
+
+@pytest.mark.parametrize("text", ["Hello, world! Ünïcödé ✓ and 🚀 emoji", "def f(x):\n    return x * 2  # done"])
+@pytest.mark.parametrize("stops", [(), ("world",), ("never-appears", "x")])
+def test_text_deltas_concatenate_to_the_text_and_never_run_past_a_stop(tokenizer, text, stops):
+    ids = tokenizer.encode(text)
+    stream = TextStream(tokenizer, stops)
+    deltas = [stream.delta(ids[: i + 1]) for i in range(len(ids))]
+    final = tokenizer.decode(ids)
+    cut = min([final.find(s) for s in stops if s in final], default=len(final))
+    assert "\ufffd" not in "".join(deltas)
+    assert final[:cut].startswith("".join(deltas)[:cut])
+    deltas.append(stream.finish(final[:cut]))
+    assert "".join(deltas)[:cut] == final[:cut]
+
+
+def test_top_logprobs_match_a_log_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=1000).astype(np.float32) * 4
+    lp, top = top_logprobs(logits, 7, 5)
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    assert lp == pytest.approx(ref[7])
+    assert [t for t, _ in top] == list(np.argsort(-ref)[:5])
+    assert [v for _, v in top] == pytest.approx(list(np.sort(ref)[::-1][:5]))
+    assert top_logprobs(logits, 7, 0)[1] == []
