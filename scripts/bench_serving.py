@@ -13,8 +13,8 @@ comparison), on loopback, and drives it with streaming `/v1/completions` request
 
 TTFT is the time from sending a request to its first streamed token; inter-token latency the
 gaps between later chunks; e2e the time to the end of the stream. Each server first runs one
-untimed pass of every workload (after compiling every decode shape with `--warmup`) so
-compilation is excluded.
+untimed pass of every workload and of every batch-size bucket (1, 2, 4, ... concurrent
+requests) so compilation is excluded.
 
 Writes a JSON report (`--out`), a plot next to it, prints a table and appends one row to
 docs/BENCHMARKS.md (unless `--no-record`).
@@ -79,8 +79,7 @@ class Server(contextlib.AbstractContextManager):
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "aither_jax.serve", "--model", args.model, "--port", str(self.port)]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs", str(args.max_num_seqs)]
-        cmd += ["--max-model-len", str(args.max_model_len), "--max-queue", "256", "--log-level", "warning"]
-        cmd += ["--warmup", *flags]  # compile every decode shape before serving
+        cmd += ["--max-model-len", str(args.max_model_len), "--max-queue", "256", "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -90,6 +89,7 @@ class Server(contextlib.AbstractContextManager):
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             time.sleep(0.5)
+        self.proc.kill()
         raise RuntimeError("server did not start in 300 s")
 
     def metric(self, name: str) -> float:
@@ -205,12 +205,13 @@ def bench(args: argparse.Namespace) -> dict:
     report: dict = {"concurrency": [], "rates": [], "shared_prefix": {}}
     with Server(args) as server:
         print("warm-up (compiles every shape the workloads use) ...", flush=True)
-        for c in levels:
+        buckets = sorted({1 << i for i in range(max(levels + [args.max_num_seqs]).bit_length())} | set(levels))
+        for c in buckets:
             asyncio.run(run_closed_loop(server.url, distinct_prompts(c, args.prompt_words, rng), args.max_tokens, c))
         for r in rates:
             prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
             asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
-        warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up", rng)
+        warm = shared_prompts(min(args.shared_requests, args.max_num_seqs), args.shared_prefix_tokens, "warm-up", rng)
         asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
         for c in levels:
             n = max(args.num_requests, 2 * c)
@@ -233,7 +234,7 @@ def bench(args: argparse.Namespace) -> dict:
             "cache_hit_tokens": server.metric("vllm:prefix_cache_hits") - hits0
         }
     with Server(args, "--no-enable-prefix-caching") as server:
-        warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up-off", rng)
+        warm = shared_prompts(min(args.shared_requests, args.max_num_seqs), args.shared_prefix_tokens, "warm-off", rng)
         asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
         off = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "cold-off", rng)
         results, wall = asyncio.run(run_closed_loop(server.url, off, args.shared_max_tokens, len(off)))

@@ -235,6 +235,7 @@ class Scheduler:
             seq.slot = self._free_slots.pop()
             self._set_row(seq)
             self.running.append(seq)
+            self._computing.update(names[len(cached) :])  # later arrivals in this pass wait for these
         self.waiting.extendleft(reversed(deferred))
         return copies
 

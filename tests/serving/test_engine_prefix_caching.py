@@ -1,0 +1,147 @@
+"""Prefix caching on the real model: the same tokens with caching on and off, on a float32 cache
+whose unused pages hold NaN (a read of a freed, evicted or uncopied page poisons the output)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import aither_jax as aj
+from serving.scheduler import Sequence
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+PAGE = 16
+EXACT = dict(
+    dtype="float32",
+    kv_cache_dtype="fp32",
+    max_model_len=256,
+    max_num_seqs=4,
+    page_size=PAGE,
+    max_prefill_chunk=64,
+    progress=False,
+    _cache_fill_value=float("nan"),
+)
+GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SAMPLED = aj.SamplingParams(max_tokens=12, temperature=0.8, seed=1234, ignore_eos=True)
+
+# Six prompts over a ~85-token common prefix (5 pages), more than the 4 slots: the last two are
+# admitted while the prefix is already cached.
+PREFIX = "Here is a list of facts about the planets of the solar system. " * 6
+SHARED = [
+    PREFIX + tail
+    for tail in (
+        "The largest planet is",
+        "The smallest planet is",
+        "The hottest planet is",
+        "The planet with rings is",
+        "Counting from the Sun, the third planet is",
+        "Nobody lives on",
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def cached() -> aj.LLM:
+    return aj.LLM(MODEL, num_pages=64, enable_prefix_caching=True, **EXACT)
+
+
+@pytest.fixture(scope="module")
+def plain() -> aj.LLM:
+    """The reference: no prefix caching, ample pages."""
+    return aj.LLM(MODEL, num_pages=64, enable_prefix_caching=False, **EXACT)
+
+
+@pytest.fixture(scope="module")
+def tight() -> aj.LLM:
+    """13 usable pages for 4 slots: four short prompts fit, their decodes do not."""
+    return aj.LLM(MODEL, num_pages=14, enable_prefix_caching=True, **EXACT)
+
+
+def generate(llm: aj.LLM, prompts: list[list[int]], params: aj.SamplingParams) -> list[Sequence]:
+    """Runs token-id prompts to completion on the engine; returns their sequences."""
+    seqs = [llm.engine.add_request(p, params) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return seqs
+
+
+def token_ids(llm: aj.LLM, texts: list[str]) -> list[list[int]]:
+    return [llm.tokenizer.encode(t) for t in texts]
+
+
+def test_shared_prefix_outputs_match_without_caching_and_second_pass_hits(cached, plain):
+    prompts = token_ids(plain, SHARED)
+    common = len(os.path.commonprefix(prompts))
+    assert common > 3 * PAGE
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert len({tuple(e) for e in expected}) == len(prompts)  # the tails matter
+    sched = cached.engine.scheduler
+    hits = [sched.num_prefix_hits]
+    for _ in range(2):
+        seqs = generate(cached, prompts, GREEDY)
+        assert [s.output_ids for s in seqs] == expected
+        hits.append(sched.num_prefix_hits)
+    # First pass: the two prompts admitted after the first four find at least the common prefix.
+    assert hits[1] - hits[0] >= 2 * (common // PAGE * PAGE)
+    # Second pass: every full page of each prompt but its last token is found.
+    assert hits[2] - hits[1] == sum((len(p) - 1) // PAGE * PAGE for p in prompts) >= len(prompts) * 3 * PAGE
+    assert all(s.num_cached_prompt == (len(s.prompt_ids) - 1) // PAGE * PAGE for s in seqs)
+    assert not cached.engine.has_unfinished() and sched.num_preemptions == 0
+
+
+def test_follow_up_adopts_the_finished_partial_page_by_copy(cached, plain, monkeypatch):
+    prompt = cached.tokenizer.encode("In a small village at the edge of a dark forest lived an old clockmaker who")
+    num_out = next(m for m in (10, 11) if (len(prompt) + m - 1) % PAGE)  # end inside a page
+    params = aj.SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True)
+    (first,) = generate(cached, [prompt], params)
+    assert first.output_ids == plain.generate([prompt], params)[0].token_ids
+    follow_up = prompt + first.output_ids[:-1] + cached.tokenizer.encode(" One morning, a stranger")
+    copies = []
+    copy_pages = cached.engine._copy_pages
+    monkeypatch.setattr(cached.engine, "_copy_pages", lambda c: (copies.append(list(c)), copy_pages(c)))
+    (second,) = generate(cached, [follow_up], GREEDY)
+    assert second.num_cached_prompt == len(prompt) + num_out - 1
+    assert len(copies) == 1 and len(copies[0]) == 1  # the partial page, copied once
+    expected = plain.generate([follow_up], GREEDY)[0].token_ids
+    assert second.output_ids == expected and len(set(expected)) > 1
+
+
+def test_preemption_on_a_tight_pool_gives_the_ample_pool_outputs(tight, plain):
+    texts = [
+        "Write a long story about a robot who learns to paint the sky over the harbor every evening.",
+        "Describe, step by step and in detail, how bread is baked in a wood-fired oven at dawn.",
+        "Explain to a child why the moon changes its shape over the course of a month in the sky.",
+        "List the rules of chess for a beginner, starting with how each of the pieces can move.",
+    ]
+    prompts = token_ids(plain, texts)
+    params = aj.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    sched = tight.engine.scheduler
+    pages = [sched.pages_needed(len(p)) for p in prompts]
+    assert sum(pages) <= sched.num_usable_pages < sum(sched.pages_needed(len(p) + 40) for p in prompts)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    seqs = generate(tight, prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [s.output_ids for s in seqs] == expected
+    assert all(len(set(e)) > 1 for e in expected)
+    sched.prefix_cache.clear()
+    assert sched.allocator.num_free == sched.num_usable_pages
+
+
+def test_seeded_sampling_is_the_same_with_caching_on_and_off(cached, plain):
+    prompts = token_ids(plain, SHARED[:4])
+    expected = [o.token_ids for o in plain.generate(prompts, SAMPLED)]
+    assert expected != [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    hits = cached.engine.scheduler.num_prefix_hits
+    for _ in range(2):
+        assert [s.output_ids for s in generate(cached, prompts, SAMPLED)] == expected
+    assert cached.engine.scheduler.num_prefix_hits - hits >= 4 * 3 * PAGE
+
+
+def test_kv_formats_with_sink_tokens_refuse_prefix_caching():
+    small = dict(dtype="float32", kv_cache_dtype="tq4-s4", max_model_len=64, num_pages=8, progress=False)
+    with pytest.raises(ValueError, match="sink tokens"):
+        aj.LLM(MODEL, enable_prefix_caching=True, **small)
+    assert aj.LLM(MODEL, enable_prefix_caching=None, **small).engine.scheduler.prefix_cache is None
