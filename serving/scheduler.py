@@ -18,13 +18,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aither_jax.sampling import SamplingParams
 from models.kv_cache import NULL_PAGE
 from serving.page_allocator import PageAllocator
 from serving.prefix_cache import PrefixCache, hash_chain, page_hash
+
+if TYPE_CHECKING:  # aither_jax's engine imports this module
+    from aither_jax.sampling import SamplingParams
 
 MAX_PINNED_FRACTION = 0.5
 
