@@ -50,6 +50,7 @@ class PrefixCache:
         self._key: dict[int, tuple] = {}  # page -> ("full", name) | ("partial", parent, tokens)
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
         self._pins: dict[int, int] = {}  # page -> pin count
+        self._up: dict[int, bytes | None] = {}  # full page -> its parent's name
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -82,15 +83,22 @@ class PrefixCache:
 
     # -- registration -------------------------------------------------------------------------
 
-    def insert(self, name: bytes, page: int) -> bool:
-        """Names a full page the caller computed; False if that name is already cached (the
-        caller's copy then stays private)."""
+    def insert(self, name: bytes, page: int, parent: bytes | None = None) -> bool:
+        """Names a full page the caller computed (`parent`: the previous page's name, None for
+        a first page); False if that name is already cached (the caller's copy then stays
+        private). The page and its cached ancestors become the most recently used, parents
+        last, so eviction takes a chain from its end and leaves a usable prefix."""
         if name in self._full or page in self._key:
             return False
         self.allocator.share([page])
         self._full[name] = page
         self._key[page] = ("full", name)
+        self._up[page] = parent
         self._lru[page] = None
+        while parent is not None and parent in self._full:
+            ancestor = self._full[parent]
+            self._lru.move_to_end(ancestor)
+            parent = self._up.get(ancestor)
         return True
 
     def insert_partial(self, parent: bytes, tokens: Sequence[int], page: int) -> bool:
@@ -143,6 +151,7 @@ class PrefixCache:
         del self._lru[page]
         if key[0] == "full":
             del self._full[key[1]]
+            del self._up[page]
         else:
             entries = self._partial[key[1]]
             del entries[key[2]]

@@ -215,8 +215,8 @@ class Scheduler:
             num_cached = len(cached) * self.page_size + (partial[1] if partial else 0)
             # Cached pages that were idle stop counting as free once this sequence holds them.
             need = self.pages_needed(seq.num_tokens) - len(cached)
-            if cached:
-                need += self.prefix_cache.num_idle(cached)
+            if self.prefix_cache is not None:  # idle pages it will hold (shared, or a copy source)
+                need += self.prefix_cache.num_idle(cached + ([partial[0]] if partial else []))
             if need > budget:
                 self.waiting.appendleft(seq)
                 break
@@ -325,7 +325,7 @@ class Scheduler:
             parent = seq.names[-1] if seq.names else seq.salt
             name = page_hash(parent, seq.token_slice(i * self.page_size, (i + 1) * self.page_size))
             seq.names.append(name)
-            self.prefix_cache.insert(name, seq.pages[i])
+            self.prefix_cache.insert(name, seq.pages[i], parent if i else None)
         if seq.pin_tokens and seq.num_pinned_pages is None and seq.num_cached >= seq.pin_tokens:
             seq.num_pinned_pages = self.prefix_cache.pin(seq.names[: seq.pin_tokens // self.page_size])
 

@@ -15,7 +15,7 @@ import pytest
 
 from aither_jax.sampling import SamplingParams
 from models.kv_cache import NULL_PAGE
-from serving.page_allocator import OutOfPagesError, PageAllocator
+from serving.page_allocator import PageAllocator
 from serving.prefix_cache import PrefixCache, hash_chain, page_hash, tenant_salt
 from serving.scheduler import Scheduler, Sequence, StepPlan
 
@@ -81,8 +81,8 @@ def computed_pages(cache: PrefixCache, tokens: list[int], salt: bytes = SALT_A) 
     """Names and pages of a sequence that computed `tokens`, cached, then let go of its pages."""
     names = hash_chain(salt, tokens, PAGE)
     pages = cache.allocator.allocate(len(names))
-    for name, page in zip(names, pages, strict=True):
-        assert cache.insert(name, page)
+    for i, (name, page) in enumerate(zip(names, pages, strict=True)):
+        assert cache.insert(name, page, names[i - 1] if i else None)
     cache.allocator.free(pages)
     return names, pages
 
@@ -140,7 +140,6 @@ def test_eviction_is_least_recently_used_first_and_children_before_parents():
     assert cache.allocator.num_free == 8 - 2
 
 
-@pytest.mark.xfail(strict=True, reason="insertion leaves a chain's root least recently used")
 def test_a_chain_never_matched_also_loses_children_before_parents():
     """A finished sequence's pages were inserted parent first; evicting one of them should keep
     a usable prefix, as it does once the chain has been matched."""
@@ -412,6 +411,21 @@ def test_a_page_being_computed_is_waited_for_while_others_are_admitted():
     check_drained(sched, [first, same, other])
 
 
+def test_arrivals_in_one_pass_wait_for_the_first_to_compute_their_prefix():
+    sched = make_scheduler()
+    device = FakeDevice(sched)
+    prompt = list(range(1, 9))  # 2 pages, computed in one step
+    first, same, other = make_seq(prompt), make_seq(prompt + [50, 51]), make_seq([40, 41, 42, 43, 44])
+    for s in (first, same, other):
+        sched.add(s)
+    plan = device.step()
+    assert [s for s, _ in plan.prefill] == [first, other] and list(sched.waiting) == [same]
+    plan = device.step()
+    assert same.num_cached_prompt == 8 and dict(plan.prefill)[same] == [50, 51]
+    device.run_until_done()
+    check_drained(sched, [first, same, other])
+
+
 @pytest.mark.parametrize("length, max_tokens", [(5, 1), (6, 2), (9, 2), (3, 4), (2, 2)])
 def test_a_finished_partial_page_is_adopted_by_copy(length, max_tokens):
     """Prompt + output of a finished sequence continued by a follow-up (a chat turn)."""
@@ -546,7 +560,6 @@ def test_random_workloads_on_a_tight_pool_preempt_and_still_agree(seed, caching)
     check_drained(sched, seqs)
 
 
-@pytest.mark.xfail(raises=OutOfPagesError, strict=True, reason="admission counts an idle copy source as free")
 def test_adopting_the_last_idle_page_by_copy_does_not_run_out_of_pages():
     """Two usable pages: one held by a running sequence, the other an idle cached partial page.
     Admission counts the idle page as free, then holds it as the copy's source and has no page
