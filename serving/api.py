@@ -22,6 +22,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aither_jax.sampling import SamplingParams
@@ -192,6 +193,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError):
         return _error(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(request: Request, exc: StarletteHTTPException):
+        # Unknown routes, wrong methods, bodies the framework cannot parse: same error shape.
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     async def health():
