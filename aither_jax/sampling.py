@@ -48,8 +48,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32
         ):

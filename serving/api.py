@@ -63,7 +63,8 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over `limit` bytes (declared or actually sent)."""
+    """ASGI middleware: 413 for bodies over `limit` bytes, declared or sent in chunks. The body
+    is read (at most `limit` bytes of it) before the app runs, then replayed to it."""
 
     def __init__(self, app: ASGIApp, limit: int):
         self.app, self.limit = app, limit
@@ -71,21 +72,32 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        too_big = _error(413, f"the request body exceeds {self.limit} bytes")
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+            return await too_big(scope, receive, send)
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise HTTPError(413, f"the request body exceeds {self.limit} bytes")
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await too_big(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
 
-        await self.app(scope, limited, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class RequestGate:
@@ -288,16 +300,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
     async def _serve(request: Request, body, jobs: list[_Job], kind: str, num_logprobs: int | None, *, chat: bool):
         if app.state.draining:
             raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        try:
-            engine.check_accepting(len(jobs))
-        except QueueFullError as e:
-            raise HTTPError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except EngineDeadError as e:
-            raise HTTPError(503, str(e)) from None
         salt = _salt(request)
+        try:
+            reservation = engine.reserve(len(jobs))
+        except (QueueFullError, EngineDeadError) as e:
+            raise _as_http(e) from None
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + request.scope["state"]["request_id"]
-        updates = _merge(engine, jobs, salt, num_logprobs)
+        updates = _merge(engine, jobs, salt, num_logprobs, reservation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunk_kind = kind + (".chunk" if chat else "")
@@ -411,7 +421,7 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_SECONDS)
 
 
-async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprobs: int | None):
+async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprobs: int | None, reservation):
     """Runs every job and yields (choice index, update) as they come; closing it aborts all."""
     out: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -419,7 +429,12 @@ async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprob
     async def pump(job: _Job) -> None:
         try:
             gen = engine.generate(
-                job.prompt_ids, job.params, salt=salt, pin_tokens=job.pin_tokens, num_logprobs=num_logprobs
+                job.prompt_ids,
+                job.params,
+                salt=salt,
+                reservation=reservation,
+                pin_tokens=job.pin_tokens,
+                num_logprobs=num_logprobs,
             )
             async with contextlib.aclosing(gen) as it:
                 async for update in it:

@@ -46,6 +46,23 @@ class Update:
     seq: Sequence
 
 
+class Reservation:
+    """Places taken in the engine's capacity by one HTTP request; each of its sequences gives
+    one back when it ends, and whatever was never used is given back when this is dropped
+    (a response that never started)."""
+
+    def __init__(self, engine: AsyncEngine, num: int):
+        self.engine, self.left = engine, num
+
+    def release(self, num: int) -> None:
+        num = min(num, self.left)
+        self.left -= num
+        self.engine.num_open -= num
+
+    def __del__(self) -> None:
+        self.release(self.left)
+
+
 @dataclasses.dataclass(eq=False)
 class _Stream:
     seq: Sequence | None
@@ -106,19 +123,18 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         salt: bytes,
+        reservation: Reservation,
         pin_tokens: int = 0,
         num_logprobs: int | None = None,
     ) -> AsyncIterator[Update]:
         """Yields the request's updates until it finishes; aborts it if the caller stops early.
+        Gives back one place of `reservation` when it ends.
 
         Raises:
-            QueueFullError: the waiting queue is full (checked before anything is queued).
             EngineDeadError: the engine loop has stopped.
             ValueError: the engine rejected the request.
         """
-        self.check_accepting(1)
         stream = _Stream(None, asyncio.get_running_loop(), asyncio.Queue())
-        self.num_open += 1
 
         def add() -> None:
             try:
@@ -143,11 +159,18 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self.num_open -= 1
+            reservation.release(1)
             if not finished:
                 self._inbox.put(lambda: self._abort(stream))
 
-    def check_accepting(self, num_requests: int) -> None:
+    def reserve(self, num_requests: int) -> Reservation:
+        """Takes places for `num_requests` sequences now, before any of them is queued, so a
+        burst of requests cannot all pass the capacity check before the first one counts.
+
+        Raises:
+            QueueFullError: more would be open than max_num_seqs + max_waiting.
+            EngineDeadError: the engine loop has stopped.
+        """
         if not self.alive:
             raise EngineDeadError("the engine has stopped")
         if self.num_open + num_requests > self.engine.max_num_seqs + self.max_waiting:
@@ -156,12 +179,15 @@ class AsyncEngine:
                 f"the server is at capacity ({self.engine.max_num_seqs} running, {self.max_waiting} waiting); "
                 "retry later"
             )
+        self.num_open += num_requests
+        return Reservation(self, num_requests)
 
     async def pin(self, prompt_ids: list[int], salt: bytes) -> int:
         """Computes (if needed) and pins the full pages of `prompt_ids`; returns the pages pinned."""
-        async for update in self.generate(
-            prompt_ids, SamplingParams(max_tokens=1, temperature=0.0), salt=salt, pin_tokens=len(prompt_ids)
-        ):
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        reservation = self.reserve(1)
+        updates = self.generate(prompt_ids, params, salt=salt, reservation=reservation, pin_tokens=len(prompt_ids))
+        async for update in updates:
             if update.finished:
                 return update.seq.num_pinned_pages or 0
         return 0

@@ -36,10 +36,10 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, lt=2**31)] | None = None
     temperature: Annotated[Number, Field(ge=0, le=100)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, lt=2**31)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -113,7 +113,7 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, lt=2**31)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list | None = None

@@ -100,6 +100,8 @@ def test_fuzzed_requests_never_get_server_errors(server, endpoint, body, prompt,
 
 
 def test_server_still_answers_after_the_fuzz(server):
+    huge_top_k = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "top_k": 2**31})
+    assert huge_top_k.status_code == 400  # an int32 overflow in the step would kill the engine loop
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     r = httpx.post(
         server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=60
@@ -141,6 +143,23 @@ def test_overload_is_refused_fast_and_admitted_requests_complete(server_factory)
         rejected_total += len(refused)
         rss.append(rss_kib(s.proc.pid))
     assert rss[-1] - rss[0] < 50 * 1024  # flat after the first burst
+
+    async def streaming_burst() -> list[tuple[int, dict, str]]:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as c:
+
+            async def one(i: int):
+                body = {"prompt": f"Stream {i} says", "max_tokens": 4, "temperature": 0, "stream": True}
+                async with c.stream("POST", s.url + "/v1/completions", json=body) as r:
+                    return r.status_code, dict(r.headers), (await r.aread()).decode()
+
+            return await asyncio.gather(*(one(i) for i in range(12)))
+
+    # Capacity is taken when a request is accepted, not when its stream starts.
+    streamed = asyncio.run(streaming_burst())
+    ok = [r for r in streamed if r[0] == 200]
+    assert 1 <= len(ok) <= 4 and all("data: [DONE]" in r[2] and '"error"' not in r[2] for r in ok)
+    assert all(r[0] == 503 and r[1].get("retry-after") for r in streamed if r[0] != 200)
+    rejected_total += len(streamed) - len(ok)
     assert httpx.get(s.url + "/health").status_code == 200
     assert s.metrics()["aither:requests_rejected_total"] == rejected_total
 
@@ -173,6 +192,16 @@ def test_api_key_request_id_and_body_limit(server, server_factory):
     assert httpx.get(s.url + "/health").status_code == 200
     big = httpx.post(s.url + "/v1/completions", headers=good, json={"prompt": "word " * 2000, "max_tokens": 1})
     assert big.status_code == 413 and big.json()["error"]["code"] == 413
+
+    def chunks():  # no Content-Length: the limit must hold on the bytes actually sent
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"word " * 20
+        yield b'", "max_tokens": 1}'
+
+    headers = good | {"Content-Type": "application/json"}
+    chunked = httpx.post(s.url + "/v1/completions", headers=headers, content=chunks())
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413
 
 
 # -- shutdown -------------------------------------------------------------------------------
