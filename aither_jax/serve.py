@@ -174,6 +174,7 @@ def build_server(args: argparse.Namespace):
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout,
+        timeout_keep_alive=30,  # clients reuse idle connections; 5 s raced with their next request
         access_log=False,
     )
     return DrainingServer(uv_config, app)

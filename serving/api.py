@@ -192,8 +192,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
     app = FastAPI(title="aither-jax", version="0.1.0")
     app.state.draining = False
     metrics = engine.metrics
-    app.add_middleware(RequestGate, api_key=config.api_key)
+    # The last added is the outermost: the gate (auth, request id) sees every response, 413s included.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(RequestGate, api_key=config.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -190,8 +190,10 @@ def test_api_key_request_id_and_body_limit(server, server_factory):
         r = httpx.request(method, s.url + path, headers=good, json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
         assert r.status_code == 200
     assert httpx.get(s.url + "/health").status_code == 200
-    big = httpx.post(s.url + "/v1/completions", headers=good, json={"prompt": "word " * 2000, "max_tokens": 1})
-    assert big.status_code == 413 and big.json()["error"]["code"] == 413
+    big = httpx.post(
+        s.url + "/v1/completions", headers=good | {"X-Request-Id": "big-1"}, json={"prompt": "word " * 2000}
+    )
+    assert big.status_code == 413 and big.json()["error"]["code"] == 413 and big.headers["x-request-id"] == "big-1"
 
     def chunks():  # no Content-Length: the limit must hold on the bytes actually sent
         yield b'{"prompt": "'
