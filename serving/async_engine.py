@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from aither_jax.engine import Engine
 from aither_jax.sampling import SamplingParams
 from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
-from serving.prefix_cache import hash_chain
 from serving.scheduler import Sequence
 
 log = logging.getLogger(__name__)
@@ -191,9 +190,6 @@ class AsyncEngine:
             if update.finished:
                 return update.seq.num_pinned_pages or 0
         return 0
-
-    def pin_names(self, prompt_ids: list[int], salt: bytes) -> list[bytes]:
-        return hash_chain(salt, prompt_ids, self.engine.page_size)
 
     def _abort(self, stream: _Stream) -> None:
         if stream.seq is not None:

@@ -190,13 +190,12 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
+        seq.finish_reason = seq.finish_reason or "abort"
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
-            seq.finish_reason = seq.finish_reason or "abort"
             self.release(seq)
-        seq.finish_reason = seq.finish_reason or "abort"
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -258,12 +257,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages, seq.names, seq.num_cached = [], [], 0
-        self.block_tables[seq.slot] = NULL_PAGE
-        self.tables_dirty = True
-        self._free_slots.append(seq.slot)
-        seq.slot = -1
+        self.release(seq)  # not finished: its partial page is not kept
+        seq.names, seq.num_cached = [], 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
