@@ -19,7 +19,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.sampling import SamplingBatch, SamplingParams
-from aither_jax.steps import CompileCounter, copy_pages, model_step
+from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
+from aither_jax.steps import CompileCounter, copy_pages, model_step, verify_step, write_step
 from models.config import ModelConfig
 from models.kv_cache import init_cache
 from models.llama import ATTENTION_IMPLS, StepBatch
@@ -59,6 +60,8 @@ class Engine:
         max_pinned_fraction: float = 0.5,
         cache_fill_value: float = 0.0,
         seed: int = 0,
+        speculative: SpeculativeConfig | str | dict | None = None,
+        model_name: str = "",
     ):
         max_num_batched_tokens = (
             max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
@@ -112,6 +115,32 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
             max_pinned_fraction=max_pinned_fraction,
         )
+        self.speculative = SpeculativeConfig.parse(speculative)
+        self.drafter: DFlashProposer | None = None
+        if self.speculative is not None and self.speculative.method == "dflash":
+            self.drafter = DFlashProposer(
+                self.speculative,
+                cfg,
+                model_name=model_name,
+                embed=weights.embed,
+                lm_head=weights.lm_head,
+                num_pages=num_pages,
+                page_size=page_size,
+                kernels=attention == "pallas",
+            )
+            self.num_speculative_tokens = self.drafter.num_speculative_tokens
+        elif self.speculative is not None:
+            self.num_speculative_tokens = self.speculative.num_speculative_tokens or 8
+        else:
+            self.num_speculative_tokens = 0
+        self.scheduler.lookahead = self.num_speculative_tokens
+        self._taps = self.drafter.taps if self.drafter else ()
+        # Speculative decoding counters (vLLM's names): verify passes that carried drafts,
+        # draft tokens proposed, draft tokens accepted, accepted per draft position.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = np.zeros(self.num_speculative_tokens, np.int64)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self._seen_shapes: set[tuple] = set()
@@ -198,11 +227,17 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.copies:
             self._copy_pages(plan.copies)
-        for rows in (plan.decode, plan.prefill):
+        if plan.decode and self.speculative is not None:
+            self._speculate(plan.decode)
+        for rows in ([] if self.speculative is not None else plan.decode, plan.prefill):
             if not rows:
                 continue
             want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
-            next_tokens, logits = self._run(rows, return_logits="last" if want_logprobs else "none")
+            next_tokens, logits, hidden, batch = self._run(
+                rows, return_logits="last" if want_logprobs else "none", taps=self._taps
+            )
+            if self.drafter is not None:
+                self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
             for i, ((s, toks), tok) in enumerate(zip(rows, next_tokens, strict=True)):
                 self.scheduler.computed(s, len(toks))
                 if s.num_pending == 0:
@@ -210,12 +245,83 @@ class Engine:
         self.num_steps += 1
         return self.scheduler.finish()
 
+    def _propose(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[int]]:
+        """Drafts for each decoding row, at most the row's lookahead."""
+        limits = [self.scheduler.num_lookahead(s) for s, _ in rows]
+        if self.drafter is None:
+            spec = self.speculative
+            return [
+                ngram_propose(
+                    s.token_slice(0, s.num_tokens), k, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max
+                )
+                if k
+                else []
+                for (s, _), k in zip(rows, limits, strict=True)
+            ]
+        self._sync_tables()
+        n = bucket(len(rows), 1, self.max_num_seqs)
+        ctx = np.zeros(n, np.int32)
+        last = np.zeros(n, np.int32)
+        slots = np.zeros(n, np.int32)
+        for i, (s, toks) in enumerate(rows):
+            ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
+        num_pages = bucket(self.scheduler.pages_needed(int(ctx.max()) + 1), MIN_PAGE_BUCKET, self.max_pages_per_seq)
+        table = self.scheduler.block_tables[slots, :num_pages]
+        drafts = self.drafter.propose(table, ctx, last)
+        return [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
+
+    def _speculate(self, rows: list[tuple[Sequence, list[int]]]) -> None:
+        """One draft-and-verify step over every decoding row."""
+        drafts = self._propose(rows)
+        verify_rows = [(s, toks + d) for (s, toks), d in zip(rows, drafts, strict=True)]
+        want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
+        tokens, batch, sampling, num_pages, greedy_only = self._pack(verify_rows, all_logits=True)
+        accepted, next_tokens, logits, update, hidden = verify_step(
+            self.weights,
+            self.cache,
+            tokens,
+            batch,
+            sampling,
+            cfg=self.cfg,
+            num_pages=num_pages,
+            greedy_only=greedy_only,
+            attention=self.attention,
+            taps=self._taps,
+            return_logits=want_logprobs,
+        )
+        self.cache = write_step(self.cache, update)
+        if self.drafter is not None:
+            self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
+        accepted, next_tokens = np.asarray(accepted), np.asarray(next_tokens)
+        logits = None if logits is None else np.asarray(logits)
+        for i, ((s, _), d) in enumerate(zip(rows, drafts, strict=True)):
+            n = int(accepted[i])
+            if d:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(d)
+                self.num_accepted_tokens += n
+                self.accepted_per_pos[:n] += 1
+                s.num_spec_steps += 1
+                s.num_draft_tokens += len(d)
+                s.num_accepted_tokens += n
+            committed = [*d[:n], int(next_tokens[i])]
+            appended = 0
+            for j, tok in enumerate(committed):
+                self._append(s, tok, None if logits is None else logits[i, j])
+                appended += 1
+                if s.finished:
+                    break
+            # The cache holds the last token and the accepted drafts that were kept.
+            self.scheduler.computed(s, 1 + min(n, appended))
+
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         n = bucket(len(copies), 4, max(4, self.scheduler.num_usable_pages + 1))
         src = np.zeros(n, np.int32)  # padding copies the null page onto itself
         dst = np.zeros(n, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
         self.cache = copy_pages(self.cache, src, dst)
+        if self.drafter is not None:
+            self.drafter.copy_pages(src, dst)
         self.scheduler.copies_done(copies)
 
     def _append(self, seq: Sequence, token: int, logits: np.ndarray | None) -> None:
@@ -239,16 +345,18 @@ class Engine:
         if seq.finished:
             seq.text = self.tokenizer.decode(seq.output_ids)
 
-    def _run(self, rows: list[tuple[Sequence, list[int]]], *, return_logits: str) -> tuple[np.ndarray, Any]:
-        """One padded call of the jitted step over (sequence, new tokens) rows."""
+    def _sync_tables(self) -> None:
         if self.scheduler.tables_dirty:
             self.cache = self.cache.replace(block_tables=jax.device_put(self.scheduler.block_tables))
             self.scheduler.tables_dirty = False
+
+    def _pack(self, rows: list[tuple[Sequence, list[int]]], *, all_logits: bool):
+        """Pads (sequence, new tokens) rows to a bucketed batch: (tokens, StepBatch,
+        SamplingBatch, pages to read, whether every row is greedy)."""
+        self._sync_tables()
         num_rows = bucket(len(rows), 1, self.max_num_seqs)
         longest = max(len(toks) for _, toks in rows)
-        num_tokens = (
-            1 if longest == 1 and return_logits != "all" else bucket(longest, MIN_TOKEN_BUCKET, self.max_prefill_chunk)
-        )
+        num_tokens = 1 if longest == 1 and not all_logits else bucket(longest, MIN_TOKEN_BUCKET, self.max_prefill_chunk)
         end = max(s.num_cached + len(toks) for s, toks in rows)
         num_pages = bucket(self.scheduler.pages_needed(end), MIN_PAGE_BUCKET, self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
@@ -268,18 +376,29 @@ class Engine:
         # (a Python device_put per array cost ~0.25 ms each, several per decode step).
         batch = StepBatch(slots, start, num_new)
         sampling = SamplingBatch(temperature, top_k, top_p, seeds)
-        greedy_only = bool(np.all(temperature == 0))
-        next_tokens, logits = self._dispatch(tokens, batch, sampling, num_pages, return_logits, greedy_only)
-        return np.asarray(next_tokens)[: len(rows)], None if logits is None else np.asarray(logits)
+        return tokens, batch, sampling, num_pages, bool(np.all(temperature == 0))
 
-    def _dispatch(self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool):
+    def _run(
+        self, rows: list[tuple[Sequence, list[int]]], *, return_logits: str, taps: tuple[int, ...] = ()
+    ) -> tuple[np.ndarray, Any, Any, StepBatch]:
+        """One padded call of the jitted step over (sequence, new tokens) rows: (next tokens,
+        logits by `return_logits`, tapped hidden states or None, the padded batch)."""
+        tokens, batch, sampling, num_pages, greedy_only = self._pack(rows, all_logits=return_logits == "all")
+        next_tokens, logits, hidden = self._dispatch(
+            tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps
+        )
+        return np.asarray(next_tokens)[: len(rows)], None if logits is None else np.asarray(logits), hidden, batch
+
+    def _dispatch(
+        self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=()
+    ):
         num_rows, num_tokens = tokens.shape
-        key = (num_rows, num_tokens, num_pages, return_logits, greedy_only)
+        key = (num_rows, num_tokens, num_pages, return_logits, greedy_only, taps)
         if key not in self._seen_shapes:
             if self.warmed_up and num_tokens == 1 and return_logits == "none":
                 log.warning("decode shape %s was not compiled during warm-up: this step compiles", key)
             self._seen_shapes.add(key)
-        next_tokens, logits, self.cache = model_step(
+        next_tokens, logits, self.cache, hidden = model_step(
             self.weights,
             self.cache,
             tokens,
@@ -290,8 +409,9 @@ class Engine:
             return_logits=return_logits,
             greedy_only=greedy_only,
             attention=self.attention,
+            taps=taps,
         )
-        return next_tokens, logits
+        return next_tokens, logits, hidden
 
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False) -> int:
         """Compiles every decode shape for sequences up to `max_len` tokens.
@@ -314,7 +434,7 @@ class Engine:
             temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
             params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
             tokens = np.zeros((num_rows, 1), np.int32)
-            tokens, _ = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only)
+            tokens, _, _ = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only)
         if shapes:
             tokens.block_until_ready()
         self.warmed_up = True
@@ -324,6 +444,17 @@ class Engine:
 
     def score(self, ids: list[int]) -> np.ndarray:
         """Logits [len(ids), V] float32 for every position, computed through the paged cache."""
+        return self._forward_all(ids, taps=())[0]
+
+    def hidden_states(self, ids: list[int], taps: tuple[int, ...]) -> np.ndarray:
+        """The hidden states after each layer in `taps`, concatenated: [len(ids), len(taps) * D]."""
+        if not taps or any(not 0 <= i < self.cfg.num_layers for i in taps):
+            raise ValueError(f"taps must be non-empty layer indices in [0, {self.cfg.num_layers}), got {taps!r}")
+        return self._forward_all(ids, taps=tuple(taps))[1]
+
+    def _forward_all(self, ids: list[int], *, taps: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Runs `ids` through a temporary slot: every position's logits (without taps) or tapped
+        hidden states (with them)."""
         if not ids:
             raise ValueError("ids is empty")
         bad = [t for t in ids if not 0 <= int(t) < self.cfg.vocab_size]
@@ -336,16 +467,20 @@ class Engine:
             raise RuntimeError("no free cache slot or pages to score with; wait for running requests")
         seq = Sequence(-1, list(ids), SamplingParams(max_tokens=1, temperature=0.0), 0, 1, frozenset())
         self.scheduler.take_slot(seq, num_pages)
-        chunks = []
+        chunks, hidden = [], []
         try:
             while seq.num_cached < len(ids):
                 n = min(len(ids) - seq.num_cached, self.max_prefill_chunk)
-                _, logits = self._run([(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])], return_logits="all")
-                chunks.append(np.asarray(logits[0, :n]))
+                rows = [(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])]
+                _, logits, h, _ = self._run(rows, return_logits="none" if taps else "all", taps=taps)
+                if taps:
+                    hidden.append(np.asarray(h[0, :n], np.float32))
+                else:
+                    chunks.append(np.asarray(logits[0, :n]))
                 seq.num_cached += n
         finally:
             self.scheduler.release(seq)
-        return np.concatenate(chunks, axis=0)
+        return (None, np.concatenate(hidden)) if taps else (np.concatenate(chunks), None)
 
     @property
     def num_compiles(self) -> int:

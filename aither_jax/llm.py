@@ -90,6 +90,11 @@ class LLM:
         attention: "auto" (Pallas kernels on GPU, the jnp reference on CPU), "pallas" or
             "reference"; the reference decodes quantized pages into a buffer.
         seed: seeds requests that bring no seed of their own.
+        speculative: speculative decoding: None (off), "dflash" (the draft shipped for the
+            model), "ngram" (prompt lookup), or a dict / JSON string of
+            `aither_jax.speculative.SpeculativeConfig` fields, such as
+            {"method": "dflash", "num_speculative_tokens": 7, "steps": 2}. Output is lossless:
+            the target's own greedy tokens, or its own sampling distribution.
         progress: show progress bars while loading and generating.
     """
 
@@ -109,6 +114,7 @@ class LLM:
         max_pinned_fraction: float = 0.5,
         attention: str = "auto",
         seed: int = 0,
+        speculative: str | dict | None = None,
         progress: bool = True,
         _cache_fill_value: float = 0.0,
     ):
@@ -149,6 +155,8 @@ class LLM:
             attention=resolve_attention(attention),
             cache_fill_value=_cache_fill_value,
             seed=seed,
+            speculative=speculative,
+            model_name=model,
         )
 
     def generate(

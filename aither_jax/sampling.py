@@ -88,6 +88,30 @@ class SamplingBatch:
     seeds: jax.Array  # [B] uint32
 
 
+def _filtered_sorted(logits: jax.Array, sampling: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """(order [N, V] token ids by descending logit, the tempered logits in that order with the
+    tokens top-k and top-p drop set to -inf)."""
+    vocab = logits.shape[-1]
+    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    order = jnp.argsort(-logits, axis=-1)  # [N, V] descending
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temp[:, None]
+    rank = jnp.arange(vocab)[None, :]
+    top_k = jnp.where(sampling.top_k > 0, sampling.top_k, vocab)
+    keep = rank < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Keep a token while the mass strictly before it is below top_p; the first always stays.
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p[:, None]
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def filtered_logits(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
+    """The logits [N, V] a sampled row draws from (tempered, top-k/top-p dropped to -inf), in
+    vocabulary order; softmax of them is the distribution `sample_tokens` samples."""
+    order, masked = _filtered_sorted(logits, sampling)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return jnp.zeros_like(masked).at[rows, order].set(masked)
+
+
 def sample_tokens(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array, *, greedy_only: bool) -> jax.Array:
     """Picks one token per row from logits [B, V] (float32); returns [B] int32.
 
@@ -97,17 +121,7 @@ def sample_tokens(logits: jax.Array, sampling: SamplingBatch, positions: jax.Arr
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy_only:
         return greedy
-    vocab = logits.shape[-1]
-    temp = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-    order = jnp.argsort(-logits, axis=-1)  # [B, V] descending
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temp[:, None]
-    rank = jnp.arange(vocab)[None, :]
-    top_k = jnp.where(sampling.top_k > 0, sampling.top_k, vocab)
-    keep = rank < top_k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # Keep a token while the mass strictly before it is below top_p; the first always stays.
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p[:, None]
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    order, masked = _filtered_sorted(logits, sampling)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(sampling.seeds, positions)
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import monitoring
 
 from aither_jax.sampling import SamplingBatch, sample_tokens
+from aither_jax.speculative import verify
 from models.config import ModelConfig
 from models.kv_cache import PagedKVCache
 from models.llama import KVUpdate, StepBatch, forward
@@ -27,7 +28,7 @@ from models.weights import ModelWeights
 RETURN_LOGITS = ("none", "last", "all")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention"))
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention", "taps"))
 def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -40,17 +41,18 @@ def forward_step(
     return_logits: str,
     greedy_only: bool,
     attention: str = "reference",
-) -> tuple[jax.Array, jax.Array | None, KVUpdate]:
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array | None, KVUpdate, jax.Array | None]:
     """Samples the token after each row's last new token.
 
     Returns:
         next_tokens [B] int32; logits float32 by `return_logits`: None ("none"), each row's
-        last new position [B, V] ("last") or every position [B, T, V] ("all"); and the update
-        to apply with `write_step`.
+        last new position [B, V] ("last") or every position [B, T, V] ("all"); the update
+        to apply with `write_step`; the hidden states of the layers in `taps` (or None).
     """
     all_logits = return_logits == "all"
-    logits, update = forward(
-        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention
+    logits, update, hidden = forward(
+        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps
     )
     if all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
@@ -59,7 +61,35 @@ def forward_step(
         last_logits = logits
     next_tokens = sample_tokens(last_logits, sampling, update.seq_lens, greedy_only=greedy_only)
     returned = {"none": None, "last": last_logits, "all": logits}[return_logits]
-    return next_tokens, returned, update
+    return next_tokens, returned, update, hidden
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "greedy_only", "attention", "taps", "return_logits"))
+def verify_step(
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: jax.Array,  # [B, T] int32: each row's last committed token, then its drafts
+    batch: StepBatch,  # num_new = 1 + the row's drafts
+    sampling: SamplingBatch,
+    *,
+    cfg: ModelConfig,
+    num_pages: int,
+    greedy_only: bool,
+    attention: str = "reference",
+    taps: tuple[int, ...] = (),
+    return_logits: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, KVUpdate, jax.Array | None]:
+    """Runs the target over every row's [last token, drafts] and verifies the drafts.
+
+    Returns (accepted drafts [B], the token after them [B], logits [B, T, V] or None, the
+    update (lengths count only the last token and the accepted drafts), tapped hidden states).
+    """
+    logits, update, hidden = forward(
+        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps
+    )
+    accepted, next_tokens = verify(logits, tokens[:, 1:], batch.num_new - 1, sampling, batch.start, greedy_only=greedy_only)
+    update = update.replace(seq_lens=jnp.minimum(batch.start + 1 + accepted, update.seq_lens))
+    return accepted, next_tokens, logits if return_logits else None, update, hidden
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -89,11 +119,11 @@ def model_step(
     batch: StepBatch,
     sampling: SamplingBatch,
     **static,
-) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
+) -> tuple[jax.Array, jax.Array | None, PagedKVCache, jax.Array | None]:
     """One full step: `forward_step` (which takes the keyword arguments `static`) then
-    `write_step`. Returns (next_tokens, logits, cache)."""
-    next_tokens, logits, update = forward_step(weights, cache, tokens, batch, sampling, **static)
-    return next_tokens, logits, write_step(cache, update)
+    `write_step`. Returns (next_tokens, logits, cache, tapped hidden states or None)."""
+    next_tokens, logits, update, hidden = forward_step(weights, cache, tokens, batch, sampling, **static)
+    return next_tokens, logits, write_step(cache, update), hidden
 
 
 class CompileCounter:

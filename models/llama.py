@@ -87,7 +87,8 @@ def forward(
     num_pages: int,
     all_logits: bool,
     attention: str = "reference",
-) -> tuple[jax.Array, KVUpdate]:
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, KVUpdate, jax.Array | None]:
     """Runs T new tokens per row through the model; reads the cache, returns what to write.
 
     Args:
@@ -113,7 +114,7 @@ def forward(
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
 
     x = weights.embed[tokens]  # [B, T, D]
-    new_k, new_v, sink_k, sink_v = [], [], [], []
+    new_k, new_v, sink_k, sink_v, tapped = [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
             h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
@@ -167,6 +168,8 @@ def forward(
             x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
             new_k.append(k_store)
             new_v.append(v_store)
+            if idx in taps:
+                tapped.append(x)
 
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     if not all_logits:
@@ -186,7 +189,7 @@ def forward(
         sink_k=jnp.stack(sink_k) if sink_k else None,
         sink_v=jnp.stack(sink_v) if sink_v else None,
     )
-    return logits, update
+    return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 
 def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:

@@ -55,6 +55,9 @@ class Sequence:
     num_computed: int = 0  # tokens run through the model (prefill and decode, recomputes too)
     num_preemptions: int = 0
     num_pinned_pages: int | None = None  # set once the pin_tokens prefix is computed and pinned
+    num_spec_steps: int = 0  # speculative verify passes that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     text: str = ""
     finish_reason: str | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
@@ -130,6 +133,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._computing: set[bytes] = set()  # names of pages that running prefills will fill
+        self.lookahead = 0  # draft tokens a decoding row may carry (speculative decoding)
         # Counters (tokens unless named otherwise), read by the metrics.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -279,15 +283,21 @@ class Scheduler:
 
     # -- steps --------------------------------------------------------------------------------
 
+    def num_lookahead(self, seq: Sequence) -> int:
+        """Draft tokens `seq` may carry this step: never more than it may still generate."""
+        return max(0, min(self.lookahead, seq.max_tokens - len(seq.output_ids) - 1))
+
     def schedule(self) -> StepPlan:
         """Admits what fits and picks this step's rows: every decode, then prefill chunks."""
         copies = self._admit()
         budget = self.max_num_batched_tokens
         decode, prefill = [], []
         for seq in [s for s in self.running if not s.prefilling]:
-            if seq in self.running and self._grow(seq, seq.num_cached + 1):
+            # Pages for the pending token and its drafts (rejected ones are overwritten later).
+            extra = self.num_lookahead(seq)
+            if seq in self.running and self._grow(seq, seq.num_cached + 1 + extra):
                 decode.append((seq, seq.token_slice(seq.num_cached, seq.num_tokens)))
-                budget -= 1
+                budget -= 1 + extra
         for seq in [s for s in self.running if s.prefilling]:
             n = min(seq.num_pending, self.max_prefill_chunk, budget)
             if n <= 0:

@@ -1,0 +1,335 @@
+"""Speculative decoding: proposers (DFlash block drafts, prompt lookup) and lossless verification.
+
+A decoding step runs the target once over [last token, d_1 .. d_k] for every row and keeps
+the longest accepted prefix of the drafts plus one token of the target's own (the bonus
+token). Rejected positions are rolled back by the length pointer: the sequence's cached
+length (`Sequence.num_cached`) only counts accepted tokens, so whatever the verify pass wrote
+past it is overwritten by the next step and never read (attention masks by that length). The
+draft's context cache follows the same pointer.
+
+Verification (`verify`):
+- greedy rows accept d_j while it equals the target's argmax after d_1 .. d_{j-1}; the bonus
+  token is the argmax at the first mismatch (or after the last draft);
+- sampled rows use the rule for a deterministic proposal (every proposer here is a
+  deterministic function of the context, a DFlash draft that unmasks out of order included):
+  accept d_j with probability p_j(d_j), where p_j is the distribution the target samples from
+  (temperature, top-k, top-p applied); on rejection sample from p_j with d_j removed and
+  renormalized; after the last accepted draft sample from p. Each emitted token is then
+  distributed exactly as p_j: p(x) [accepted] + (1 - p(x)) p(y)/(1 - p(x)) [y != x].
+  Min(1, p/q) with the draft's per-position marginals q is not exact for out-of-order drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aither_jax.sampling import SamplingBatch, filtered_logits
+from models.config import ModelConfig
+from models.draft import MASK, DraftConfig, DraftParams, block_forward, cast_params, context_features, context_kv
+from models.draft_io import load_draft
+from models.kv_cache import NULL_PAGE
+from pallas_kernels.draft_attention import draft_attention, draft_attention_reference
+from pallas_kernels.unmask import confidence_unmask, confidence_unmask_reference
+
+METHODS = ("dflash", "ngram")
+DRAFTS_DIR = pathlib.Path(__file__).parent / "drafts"
+SHIPPED_DRAFTS = {"smollm2-135m": DRAFTS_DIR / "smollm2-135m-dflash.npz"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to speculate, in vLLM's `--speculative-config` vocabulary.
+
+    Args:
+        method: "dflash" (block-diffusion draft) or "ngram" (prompt lookup).
+        num_speculative_tokens: drafts per step (dflash: at most block_size - 1, the default;
+            ngram: default 8).
+        model: the dflash draft file (.npz); default: the draft shipped for the target.
+        steps: dflash denoising steps (1 = one forward pass; more unmask the most confident
+            positions first on a cosine schedule).
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths to match (longest first).
+    """
+
+    method: str
+    num_speculative_tokens: int | None = None
+    model: str | None = None
+    steps: int = 1
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        n = self.num_speculative_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 63):
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 63], got {n!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 16):
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got {lo}, {hi}")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """Accepts None, a method name, a dict or a JSON object string."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = value.strip()
+            if value.startswith("{"):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"speculative config is not valid JSON: {e}") from e
+            else:
+                value = {"method": value}
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a method name or an object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError(f"speculative config needs a method, one of {METHODS}")
+        return cls(**value)
+
+
+# -- verification ---------------------------------------------------------------------------
+
+
+def _keys(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
+    """One key per (row, position): [B, T] from seeds [B] and positions [B, T]."""
+
+    def one(seed, pos):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), pos), stream)
+
+    return jax.vmap(lambda s, ps: jax.vmap(lambda p: one(s, p))(ps))(seeds, positions)
+
+
+def verify(
+    logits: jax.Array,  # [B, T, V] float32, the target at [last, d_1 .. d_{T-1}]
+    drafts: jax.Array,  # [B, T-1] int32
+    num_drafts: jax.Array,  # [B] int32 valid drafts per row
+    sampling: SamplingBatch,
+    start: jax.Array,  # [B] int32 position of each row's last committed token
+    *,
+    greedy_only: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (accepted drafts [B] int32, the token after them [B] int32)."""
+    b, t, v = logits.shape
+    j = jnp.arange(t - 1)[None, :]
+    valid = j < num_drafts[:, None]
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    greedy_ok = (drafts == target[:, :-1]) & valid
+    greedy_acc = jnp.cumprod(greedy_ok, axis=1).sum(axis=1).astype(jnp.int32)
+    greedy_next = jnp.take_along_axis(target, greedy_acc[:, None], axis=1)[:, 0]
+    if greedy_only:
+        return greedy_acc, greedy_next
+
+    rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  per-row settings for every position
+    flat = SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.seeds))
+    filt = filtered_logits(logits.reshape(b * t, v), flat).reshape(b, t, v)
+    logp = jax.nn.log_softmax(filt, axis=-1)
+    safe = jnp.where(valid, drafts, 0)
+    p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], safe[..., None], axis=-1)[..., 0])  # [B, T-1]
+    positions = start[:, None] + 1 + jnp.arange(t)[None, :]  # position of the token being chosen
+    u = jax.vmap(jax.vmap(jax.random.uniform))(_keys(sampling.seeds, positions[:, :-1], 1))
+    ok = (u < p_draft) & valid
+    acc = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
+    # At the stop position: drop the rejected draft (if any) and sample from what is left.
+    row_logits = jnp.take_along_axis(filt, acc[:, None, None], axis=1)[:, 0]  # [B, V]
+    if t > 1:
+        rejected = acc < num_drafts
+        bad = jnp.take_along_axis(safe, jnp.minimum(acc, t - 2)[:, None], axis=1)[:, 0]
+        row_logits = jnp.where(rejected[:, None] & (jnp.arange(v)[None, :] == bad[:, None]), -jnp.inf, row_logits)
+    key = jnp.take_along_axis(_keys(sampling.seeds, positions, 2), acc[:, None, None], axis=1)[:, 0]
+    sampled_next = jax.vmap(jax.random.categorical)(key, row_logits).astype(jnp.int32)
+    is_sampled = sampling.temperature > 0
+    return jnp.where(is_sampled, acc, greedy_acc), jnp.where(is_sampled, sampled_next, greedy_next)
+
+
+verify_jit = jax.jit(verify, static_argnames=("greedy_only",))
+
+
+# -- proposers ------------------------------------------------------------------------------
+
+
+def ngram_propose(tokens: Seq[int], k: int, *, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """Prompt lookup: the up to k tokens that followed the latest earlier occurrence of the
+    longest suffix n-gram (n from max_n down to min_n); [] when nothing matches."""
+    arr = np.asarray(tokens, np.int64)
+    size = len(arr)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = arr[size - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)  # starts 0 .. size-1-n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = hits[hits + n < size]  # a match must be followed by at least one token
+        if hits.size:
+            begin = int(hits[-1]) + n
+            return [int(x) for x in arr[begin : begin + k]]
+    return []
+
+
+@dataclasses.dataclass
+class DraftPools:
+    """The draft's context keys/values, paged like the target cache (same page ids)."""
+
+    k: jax.Array  # [L, P, page_size, Hkv, Dh]
+    v: jax.Array
+
+
+jax.tree_util.register_dataclass(DraftPools, data_fields=["k", "v"], meta_fields=[])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pools",))
+def write_context(
+    params: DraftParams,
+    pools: DraftPools,
+    hidden: jax.Array,  # [B, T, taps * D] tapped target hidden states of the new tokens
+    block_tables: jax.Array,  # [max_seqs, MP] int32 the target cache's block tables
+    slots: jax.Array,  # [B] int32 each row's slot (padding rows: any, with num_new 0)
+    start: jax.Array,  # [B] int32
+    num_new: jax.Array,  # [B] int32
+    *,
+    cfg: DraftConfig,
+) -> DraftPools:
+    """Projects new tokens' target hidden states into every draft layer's context keys/values
+    and stores them at their positions (padding goes to the null page)."""
+    b, t, _ = hidden.shape
+    page_size = pools.k.shape[2]
+    table = block_tables[jnp.minimum(slots, block_tables.shape[0] - 1)]
+    positions = start[:, None] + jnp.arange(t)[None, :]
+    feats = context_features(params, cfg, hidden.astype(pools.k.dtype))
+    k, v = context_kv(params, cfg, feats, positions)  # [L, B, T, Hkv, Dh]
+    col = jnp.minimum(positions // page_size, table.shape[1] - 1)
+    page = jnp.where(jnp.arange(t)[None, :] < num_new[:, None], jnp.take_along_axis(table, col, axis=1), NULL_PAGE)
+    off = positions % page_size
+    layers = jnp.arange(cfg.num_layers)[:, None, None]
+    return DraftPools(
+        pools.k.at[layers, page[None], off[None]].set(k.astype(pools.k.dtype)),
+        pools.v.at[layers, page[None], off[None]].set(v.astype(pools.v.dtype)),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "schedule", "kernels"))
+def propose_block(
+    params: DraftParams,
+    embed: jax.Array,  # [V, D]
+    lm_head: jax.Array,  # [D, V]
+    pools: DraftPools,
+    table: jax.Array,  # [B, NP] int32 pages to read
+    ctx_lens: jax.Array,  # [B] int32 context tokens in the draft cache (= the target's cached length)
+    last: jax.Array,  # [B] int32 the last committed token (block position 0)
+    *,
+    cfg: DraftConfig,
+    schedule: tuple[int, ...],  # masked positions revealed per denoising step
+    kernels: bool,
+) -> jax.Array:
+    """Fills a block [last, MASK ..] in len(schedule) denoising steps; returns the drafts
+    [B, block_size - 1] (the argmax at each position, most confident revealed first)."""
+    b = last.shape[0]
+    size = cfg.block_size
+    tokens = jnp.concatenate([last[:, None], jnp.full((b, size - 1), MASK, jnp.int32)], axis=1)
+    positions = ctx_lens[:, None] + jnp.arange(size)[None, :]
+    attn_fn = functools.partial(draft_attention, interpret=jax.default_backend() == "cpu") if kernels else None
+    unmask = (
+        functools.partial(confidence_unmask, interpret=jax.default_backend() == "cpu")
+        if kernels
+        else confidence_unmask_reference
+    )
+
+    def attend(i, q, k, v):
+        fn = attn_fn or draft_attention_reference
+        return fn(q, k, v, pools.k[i], pools.v[i], table, ctx_lens)
+
+    for count in schedule:
+        h = block_forward(params, cfg, embed, tokens, positions, attend)
+        logits = jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)  # [B, size, V]
+        conf = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = unmask(tokens, pred, conf, count)
+    return tokens[:, 1:]
+
+
+class DFlashProposer:
+    """Owns the draft's parameters and its paged context cache beside the target's."""
+
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        target: ModelConfig,
+        *,
+        model_name: str,
+        embed: jax.Array,
+        lm_head: jax.Array,
+        num_pages: int,
+        page_size: int,
+        kernels: bool,
+    ):
+        path = spec.model or SHIPPED_DRAFTS.get(model_name)
+        if path is None:
+            raise ValueError(
+                f"no DFlash draft ships for {model_name!r}; train one (python -m aither_jax.train_draft) "
+                "and pass its file as the speculative config's model"
+            )
+        if not pathlib.Path(path).is_file():
+            raise ValueError(f"DFlash draft file not found: {path}")
+        self.cfg, params, self.meta = load_draft(path)
+        self.cfg.check_target(target)
+        k = spec.num_speculative_tokens or self.cfg.block_size - 1
+        if k > self.cfg.block_size - 1:
+            raise ValueError(f"num_speculative_tokens {k} exceeds the draft's block of {self.cfg.block_size} - 1")
+        self.num_speculative_tokens = k
+        self.schedule = self._schedule(spec.steps)
+        self.params = cast_params(params, embed.dtype)
+        self.embed, self.lm_head = embed, lm_head
+        self.kernels = kernels
+        shape = (self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.pools = DraftPools(jnp.zeros(shape, embed.dtype), jnp.zeros(shape, embed.dtype))
+
+    def _schedule(self, steps: int) -> tuple[int, ...]:
+        from models.draft import unmask_schedule
+
+        masked = self.cfg.block_size - 1
+        if steps > masked:
+            raise ValueError(f"steps {steps} exceeds the {masked} masked positions of the draft's block")
+        return unmask_schedule(masked, steps)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.cfg.target_layers
+
+    def write(self, hidden, block_tables, slots, start, num_new) -> None:
+        """Stores the draft context of a target call's new tokens (rows as in its StepBatch)."""
+        self.pools = write_context(self.params, self.pools, hidden, block_tables, slots, start, num_new, cfg=self.cfg)
+
+    def propose(self, table: np.ndarray, ctx_lens: np.ndarray, last: np.ndarray) -> np.ndarray:
+        drafts = propose_block(
+            self.params,
+            self.embed,
+            self.lm_head,
+            self.pools,
+            table,
+            ctx_lens,
+            last,
+            cfg=self.cfg,
+            schedule=self.schedule,
+            kernels=self.kernels,
+        )
+        return np.asarray(drafts)[:, : self.num_speculative_tokens]
+
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.pools = _copy_draft_pages(self.pools, src, dst)
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def _copy_draft_pages(pools: DraftPools, src: jax.Array, dst: jax.Array) -> DraftPools:
+    return DraftPools(pools.k.at[:, dst].set(pools.k[:, src]), pools.v.at[:, dst].set(pools.v[:, src]))

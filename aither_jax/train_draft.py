@@ -1,0 +1,378 @@
+"""Trains a DFlash draft for a target model: `python -m aither_jax.train_draft`.
+
+Three resumable stages, each skipped when its output exists:
+
+1. Prompts: chat requests built from the docstrings of Python's standard library, read with
+   `ast` from the interpreter's own source files (no import, nothing downloaded). Modules
+   whose name hashes into the held-out tenth are never used (`--split eval` lists those).
+2. Data: the frozen target's own greedy continuations of those prompts, then the hidden states
+   of the draft's tapped target layers over prompt + continuation, stored as .npz shards.
+3. Training: random anchors in the continuations; the block is [anchor token, masks...]; the
+   loss is cross-entropy at every masked position with weights decaying along the block; some
+   blocks reveal a random subset of positions so multi-step denoising sees partly filled
+   blocks. AdamW (optax) with warm-up and cosine decay; orbax checkpoints every
+   `--save-every` steps and at the end; a run restarts from its latest checkpoint.
+
+`--export F.npz` writes the shipped draft (float16 parameters + config) for `models/draft_io`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from models.draft import MASK, DraftConfig, DraftParams, block_forward, context_features, context_kv, init_params
+from pallas_kernels.draft_attention import draft_attention_dense
+
+log = logging.getLogger("aither_jax.train_draft")
+
+TEMPLATES = (
+    "Explain in simple terms what `{name}` in Python's `{module}` module does. Its documentation says:\n\n{doc}",
+    "Summarize the following documentation in a few sentences:\n\n{doc}",
+    "Write a short Python example that uses `{module}.{name}` and explain it step by step.",
+    "What is `{name}` for, and when would I use it? Here is its documentation:\n\n{doc}",
+    "Rewrite this technical text so that a beginner can follow it:\n\n{doc}",
+    "List three key points a programmer should know about this:\n\n{doc}",
+)
+
+
+# -- stage 1: prompts -----------------------------------------------------------------------
+
+
+def held_out(module: str) -> bool:
+    """Whether a module belongs to the held-out tenth (never used for training)."""
+    return hashlib.sha256(module.encode()).digest()[0] % 10 == 0
+
+
+def stdlib_docs() -> list[tuple[str, str, str]]:
+    """(module, name, first paragraph) for documented modules, classes and functions of the
+    standard library, read from source with `ast`, in a fixed order."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo") for p in rel.parts):
+            continue
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        nodes = [(module.rsplit(".", 1)[-1], tree)] + [
+            (n.name, n)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef) and not n.name.startswith("_")
+        ]
+        for name, node in nodes:
+            doc = ast.get_docstring(node)
+            if not doc:
+                continue
+            para = doc.strip().split("\n\n")[0].strip()
+            if 60 <= len(para) <= 700:
+                out.append((module, name, para))
+    return out
+
+
+def build_prompts(num: int, *, seed: int, split: str = "train") -> list[list[dict]]:
+    """`num` single-turn conversations from the standard library's docstrings (train split:
+    modules outside the held-out tenth; eval split: only those)."""
+    docs = [d for d in stdlib_docs() if held_out(d[0]) == (split == "eval")]
+    if not docs:
+        raise RuntimeError("no documented standard-library modules found")
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(docs), size=min(num, len(docs)), replace=False)
+    convs = []
+    for i in picks:
+        module, name, doc = docs[i]
+        template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+        convs.append([{"role": "user", "content": template.format(module=module, name=name, doc=doc)}])
+    return convs
+
+
+# -- stage 2: data --------------------------------------------------------------------------
+
+
+def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Writes shards of (tokens, prompt lengths, tapped hidden states); returns their paths."""
+    from aither_jax.llm import LLM
+    from aither_jax.sampling import SamplingParams
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    convs = build_prompts(args.num_prompts, seed=args.seed)
+    shards = []
+    llm = None
+    per_shard = args.shard_size
+    for s in range(math.ceil(len(convs) / per_shard)):
+        path = data_dir / f"shard{s:04d}.npz"
+        shards.append(path)
+        if path.exists():
+            continue
+        if llm is None:
+            llm = LLM(
+                args.model,
+                dtype="float32",
+                kv_cache_dtype="fp32",
+                max_model_len=args.max_len,
+                max_num_seqs=args.gen_batch,
+                progress=False,
+            )
+            cfg.check_target(llm.config)
+        part = convs[s * per_shard : (s + 1) * per_shard]
+        prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in part]
+        keep = [p[: args.max_len - args.max_new_tokens] for p in prompts]
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
+        outs = llm.generate(keep, params, use_tqdm=False)
+        seqs, plens, hidden = [], [], []
+        for p, o in tqdm(list(zip(keep, outs, strict=True)), desc=f"shard {s}: hidden states", leave=False):
+            ids = p + o.token_ids
+            seqs.append(np.asarray(ids, np.int32))
+            plens.append(len(p))
+            hidden.append(llm.engine.hidden_states(ids, cfg.target_layers).astype(np.float16))
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(
+            tmp,
+            tokens=np.concatenate(seqs),
+            lengths=np.asarray([len(x) for x in seqs], np.int32),
+            prompt_lengths=np.asarray(plens, np.int32),
+            hidden=np.concatenate(hidden),
+        )
+        os.replace(tmp, path)  # a crash never leaves a half-written shard
+        log.info("wrote %s (%d sequences, %d tokens)", path, len(seqs), sum(len(x) for x in seqs))
+    return shards
+
+
+class Dataset:
+    """All shards in memory as padded [N, L] arrays; samples batches of blocks."""
+
+    def __init__(self, shards: list[pathlib.Path], max_len: int, block_size: int):
+        toks, hid, plens = [], [], []
+        for path in shards:
+            with np.load(path) as z:
+                ends = np.cumsum(z["lengths"])
+                for i, (a, b) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends, strict=True)):
+                    if b - a - z["prompt_lengths"][i] >= block_size:
+                        toks.append(z["tokens"][a:b])
+                        hid.append(z["hidden"][a:b])
+                        plens.append(int(z["prompt_lengths"][i]))
+        if not toks:
+            raise RuntimeError("no sequence has a continuation as long as a block")
+        self.num = len(toks)
+        self.max_len = max_len
+        self.tokens = np.zeros((self.num, max_len), np.int32)
+        self.hidden = np.zeros((self.num, max_len, hid[0].shape[1]), np.float16)
+        self.lengths = np.asarray([len(t) for t in toks], np.int32)
+        self.prompt_lengths = np.asarray(plens, np.int32)
+        for i, (t, h) in enumerate(zip(toks, hid, strict=True)):
+            self.tokens[i, : len(t)] = t
+            self.hidden[i, : len(t)] = h
+        self.block_size = block_size
+        self.num_tokens = int(self.lengths.sum())
+
+    def batch(self, rng: np.random.Generator, num_seqs: int, num_anchors: int, reveal_prob: float):
+        idx = rng.integers(0, self.num, num_seqs)
+        low = np.maximum(self.prompt_lengths[idx] - 1, 1)
+        high = self.lengths[idx] - self.block_size  # the block must end inside the sequence
+        anchors = low[:, None] + (rng.random((num_seqs, num_anchors)) * (high - low + 1)[:, None]).astype(np.int32)
+        b = self.block_size
+        partial = rng.random((num_seqs, num_anchors, 1)) < reveal_prob
+        reveal = partial & (rng.random((num_seqs, num_anchors, b)) < rng.random((num_seqs, num_anchors, 1)))
+        reveal[..., 0] = True  # the anchor token is always given
+        return {
+            "tokens": self.tokens[idx],
+            "hidden": self.hidden[idx].astype(np.float32),
+            "anchors": anchors.astype(np.int32),
+            "reveal": reveal,
+        }
+
+
+# -- stage 3: training ----------------------------------------------------------------------
+
+
+def position_weights(block_size: int, gamma: float) -> np.ndarray:
+    """Loss weight of block positions 1..B-1: exp(-(i-1)/gamma) (early positions gate the rest)."""
+    return np.exp(-np.arange(block_size - 1) / gamma).astype(np.float32)
+
+
+def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, weights):
+    """Weighted cross-entropy at masked positions, plus metrics (accuracy, expected tau)."""
+    tokens, hidden, anchors, reveal = batch["tokens"], batch["hidden"], batch["anchors"], batch["reveal"]
+    n, length = tokens.shape
+    a, b = anchors.shape[1], cfg.block_size
+    feats = context_features(params, cfg, hidden)
+    k_ctx, v_ctx = context_kv(params, cfg, feats, jnp.broadcast_to(jnp.arange(length), (n, length)))
+    pos = anchors[..., None] + jnp.arange(b)  # [N, A, B]
+    labels = jnp.take_along_axis(tokens[:, None, :], pos, axis=2)  # [N, A, B]
+    inputs = jnp.where(reveal, labels, MASK).reshape(n * a, b)
+    seq_of_row = jnp.repeat(jnp.arange(n), a)
+    ctx_lens = anchors.reshape(n * a)
+
+    def attend(i, q, k, v):
+        return draft_attention_dense(q, k, v, k_ctx[i][seq_of_row], v_ctx[i][seq_of_row], ctx_lens)
+
+    h = block_forward(params, cfg, embed, inputs, pos.reshape(n * a, b), attend)[:, 1:]
+    logits = jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)  # [R, B-1, V]
+    target = labels.reshape(n * a, b)[:, 1:]
+    ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+    masked = ~reveal.reshape(n * a, b)[:, 1:]
+    w = weights[None, :] * masked
+    loss = (ce * w).sum() / jnp.maximum(w.sum(), 1e-6)
+    correct = jnp.argmax(logits, axis=-1) == target
+    full = masked.all(axis=1)  # blocks with every position masked: what greedy drafting sees
+    tau = 1.0 + jnp.cumprod(correct, axis=1).sum(axis=1)
+    metrics = {
+        "loss": loss,
+        "accuracy": (correct * masked).sum() / jnp.maximum(masked.sum(), 1),
+        "tau": (tau * full).sum() / jnp.maximum(full.sum(), 1),
+    }
+    return loss, metrics
+
+
+def make_optimizer(args):
+    import optax
+
+    warmup = min(args.warmup, args.steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.05)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+def train(args, cfg: DraftConfig, dataset: Dataset, embed, lm_head, final_norm, out: pathlib.Path) -> DraftParams:
+    import optax
+    import orbax.checkpoint as ocp
+
+    optimizer = make_optimizer(args)
+    params = init_params(cfg, jax.random.PRNGKey(args.seed), final_norm=final_norm)
+    state = {"params": params, "opt": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    manager = ocp.CheckpointManager(
+        (out / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    )
+    if manager.latest_step() is not None:
+        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+        log.info("resumed from step %d", int(state["step"]))
+    weights = jnp.asarray(position_weights(cfg.block_size, args.gamma))
+
+    @jax.jit
+    def update(state, batch):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, metrics), grads = grad_fn(state["params"], batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights)
+        updates, opt = optimizer.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}, metrics
+
+    start = int(state["step"])
+    stop = min(args.steps, args.stop_after or args.steps)
+    log_path = out / "train_log.jsonl"
+    ema = None
+    with tqdm(total=args.steps, initial=start, desc="training draft", unit="step") as bar, log_path.open("a") as logf:
+        for step in range(start, stop):
+            rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
+            batch = dataset.batch(rng, args.batch_seqs, args.anchors, args.reveal_prob)
+            state, metrics = update(state, batch)
+            if (step + 1) % args.log_every == 0 or step + 1 == stop:
+                m = {k: float(v) for k, v in metrics.items()}
+                ema = m if ema is None else {k: 0.9 * ema[k] + 0.1 * m[k] for k in m}
+                bar.set_postfix(loss=f"{ema['loss']:.3f}", acc=f"{ema['accuracy']:.3f}", tau=f"{ema['tau']:.2f}")
+                logf.write(json.dumps({"step": step + 1, "time": time.time(), **m}) + "\n")
+                logf.flush()
+            if (step + 1) % args.save_every == 0 or step + 1 == stop:
+                manager.save(step + 1, args=ocp.args.StandardSave(state))
+            bar.update(1)
+    manager.wait_until_finished()
+    return state["params"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m aither_jax.train_draft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default="runs/dflash-smollm2", help="run directory: data, checkpoints, log")
+    p.add_argument("--export", help="write the trained draft here (.npz) for shipping")
+    p.add_argument("--split", choices=("train", "eval"), default="train", help=argparse.SUPPRESS)
+    p.add_argument("--print-prompts", type=int, default=0, help="print N prompts of --split as JSON lines and exit")
+    p.add_argument("--num-prompts", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=640, help="longest prompt + continuation")
+    p.add_argument("--gen-batch", type=int, default=32, help="sequences generated together")
+    p.add_argument("--shard-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=1024)
+    p.add_argument("--num-taps", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument(
+        "--stop-after", type=int, default=0, help="stop at this step (the schedule still spans --steps); 0: --steps"
+    )
+    p.add_argument("--batch-seqs", type=int, default=8)
+    p.add_argument("--anchors", type=int, default=8, help="blocks per sequence per step")
+    p.add_argument("--reveal-prob", type=float, default=0.25, help="share of blocks with positions revealed")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--gamma", type=float, default=7.0, help="decay length of the per-position loss weights")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("num_prompts", "max_new_tokens", "steps", "batch_seqs", "anchors", "log_every", "save_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_new_tokens + 16 > args.max_len:
+        p.error("--max-len must leave room for a prompt beside --max-new-tokens")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
+    if args.print_prompts:
+        for conv in build_prompts(args.print_prompts, seed=args.seed, split=args.split):
+            print(json.dumps({"messages": conv}))
+        return 0
+    from models.config import ModelConfig
+    from models.draft_io import save_draft
+    from models.gguf_file import GGUFFile
+    from models.registry import resolve_model
+    from models.weights import load_weights
+
+    gguf = GGUFFile(resolve_model(args.model))
+    target_cfg = ModelConfig.from_gguf(gguf)
+    cfg = DraftConfig.for_target(
+        target_cfg,
+        num_layers=args.num_layers,
+        intermediate_size=args.intermediate_size,
+        num_taps=args.num_taps,
+        block_size=args.block_size,
+    )
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    saved = out / "draft_config.json"
+    if saved.exists() and DraftConfig.from_json(saved.read_text()) != cfg:
+        sys.exit(f"{saved} holds a different draft configuration; use a new --out")
+    saved.write_text(cfg.to_json())
+    log.info("draft: %s, %.1fM trained parameters", cfg, cfg.num_params() / 1e6)
+    t0 = time.time()
+    shards = generate_data(args, cfg, out / "data")
+    dataset = Dataset(shards, args.max_len, cfg.block_size)
+    log.info("data: %d sequences, %d tokens (%.0f s)", dataset.num, dataset.num_tokens, time.time() - t0)
+    weights = load_weights(gguf, target_cfg, "float32", progress=False)
+    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out)
+    if args.export:
+        meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
+        save_draft(args.export, cfg, params, meta)
+        log.info("exported %s (%.1f MB)", args.export, os.path.getsize(args.export) / 1e6)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
