@@ -389,9 +389,7 @@ class Engine:
         )
         return np.asarray(next_tokens)[: len(rows)], None if logits is None else np.asarray(logits), hidden, batch
 
-    def _dispatch(
-        self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=()
-    ):
+    def _dispatch(self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=()):
         num_rows, num_tokens = tokens.shape
         key = (num_rows, num_tokens, num_pages, return_logits, greedy_only, taps)
         if key not in self._seen_shapes:

@@ -51,9 +51,8 @@ def forward_step(
         to apply with `write_step`; the hidden states of the layers in `taps` (or None).
     """
     all_logits = return_logits == "all"
-    logits, update, hidden = forward(
-        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps
-    )
+    static = dict(cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps)
+    logits, update, hidden = forward(weights, cache, tokens, batch, **static)
     if all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -87,7 +86,8 @@ def verify_step(
     logits, update, hidden = forward(
         weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps
     )
-    accepted, next_tokens = verify(logits, tokens[:, 1:], batch.num_new - 1, sampling, batch.start, greedy_only=greedy_only)
+    drafts, num_drafts = tokens[:, 1:], batch.num_new - 1
+    accepted, next_tokens = verify(logits, drafts, num_drafts, sampling, batch.start, greedy_only=greedy_only)
     update = update.replace(seq_lens=jnp.minimum(batch.start + 1 + accepted, update.seq_lens))
     return accepted, next_tokens, logits if return_logits else None, update, hidden
 

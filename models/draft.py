@@ -182,9 +182,8 @@ def cast_params(params: DraftParams, dtype) -> DraftParams:
 
 
 def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.matmul(x, w.astype(x.dtype), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32).astype(
-        x.dtype
-    )
+    out = jnp.matmul(x, w.astype(x.dtype), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
 
 
 def context_features(params: DraftParams, cfg: DraftConfig, taps: jax.Array) -> jax.Array:
