@@ -58,3 +58,13 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path"
     )
+
+
+def speculative_config(text: str):
+    """--speculative-config: a JSON object of SpeculativeConfig fields, checked at parse time."""
+    from aither_jax.speculative import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -141,6 +141,8 @@ class Engine:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = np.zeros(self.num_speculative_tokens, np.int64)
+        # Per verify pass of a row (drafts or not): how many tokens it committed, 1 .. k + 1.
+        self.committed_hist = np.zeros(self.num_speculative_tokens + 2, np.int64)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self._seen_shapes: set[tuple] = set()
@@ -313,6 +315,22 @@ class Engine:
                     break
             # The cache holds the last token and the accepted drafts that were kept.
             self.scheduler.computed(s, 1 + min(n, appended))
+            self.committed_hist[appended] += 1
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding so far: vLLM's counters, tau (tokens committed per verify pass
+        of a row, bonus included) and its histogram."""
+        passes = int(self.committed_hist.sum())
+        committed = int((self.committed_hist * np.arange(self.committed_hist.size)).sum())
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": self.accepted_per_pos.tolist(),
+            "num_verify_passes": passes,
+            "tau_mean": committed / passes if passes else 0.0,
+            "tau_histogram": self.committed_hist.tolist(),
+        }
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         n = bucket(len(copies), 4, max(4, self.scheduler.num_usable_pages + 1))

@@ -9,6 +9,9 @@
                 sensitivity, allocates bits greedily, scores the result.
     capacity    KV bytes per token for each --kv-cache-dtype of a model, and how many tokens fit
                 in a memory budget.
+    acceptance  speculative decoding on chat prompts: mean tau (tokens committed per target
+                verify pass, bonus included), its histogram, draft and accepted counts, and the
+                wall-clock speedup over plain decoding of the same prompts in the same run.
 
 Exit codes: 0 success, 2 bad usage.
 """
@@ -230,6 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--qjl", action="store_true", help="add the 1-bit QJL residual")
     codec.add_argument("--num-vectors", type=int_in("--num-vectors", 100, 1_000_000), default=10_000)
     codec.add_argument("--json", action="store_true", help="print one JSON object per bit width")
+    acc = sub.add_parser("acceptance", help="speculative decoding: tau and speedup over plain decoding")
+    add_model_argument(acc)
+    acc.add_argument("--speculative", choices=("dflash", "ngram"), required=True)
+    acc.add_argument("--prompts", required=True, help='JSON lines, each {"messages": [...]} or {"prompt": "..."}')
+    acc.add_argument("--block-size", type=int_in("--block-size", 2, 64), default=None, help="drafts + 1 per step")
+    acc.add_argument("--steps", type=int_in("--steps", 1, 63), default=1, help="dflash denoising steps")
+    acc.add_argument("--draft", default=None, help="dflash draft file (default: the one shipped for the model)")
+    acc.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)
+    acc.add_argument("--max-prompts", type=int_in("--max-prompts", 1), default=None)
+    acc.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
+    acc.add_argument("--batch-size", type=int_in("--batch-size", 1, 256), default=1, help="sequences decoded together")
+    acc.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    acc.add_argument("--kv-cache-dtype", type=kv_spec_or_auto, default="auto")
+    acc.add_argument("--json", action="store_true", help="print one JSON object")
     cap = sub.add_parser("capacity", help="KV bytes per token and tokens per memory budget")
     add_model_argument(cap)
     cap.add_argument(
@@ -258,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         return codec_main(parser, args)
     if args.command == "allocate":
         return allocate_main(parser, args)
+    if args.command == "acceptance":
+        return acceptance_main(parser, args)
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
@@ -360,6 +379,126 @@ def perplexity_main(parser: argparse.ArgumentParser, args) -> int:
         )
     if args.plot:
         print(f"plot: {args.plot}")
+    return 0
+
+
+def read_prompts(path: str) -> list[tuple[str, object]]:
+    """("messages", conversation) or ("prompt", text) per line of a JSON-lines file."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+            if isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
+                out.append(("messages", item["messages"]))
+            elif isinstance(item, dict) and isinstance(item.get("prompt"), str) and item["prompt"]:
+                out.append(("prompt", item["prompt"]))
+            else:
+                raise ValueError(f'{path}:{n}: expected {{"messages": [...]}} or {{"prompt": "..."}}')
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def run_acceptance(args) -> dict:
+    import aither_jax as aj
+    from aither_jax.llm import resolve_dtype
+
+    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    spec = {"method": args.speculative}
+    if args.block_size is not None:
+        spec["num_speculative_tokens"] = args.block_size - 1
+    if args.speculative == "dflash":
+        spec["steps"] = args.steps
+        if args.draft:
+            spec["model"] = args.draft
+    dtype = resolve_dtype(args.dtype)
+    common = dict(dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.batch_size, progress=False)
+    plain = aj.LLM(args.model, **common)
+    fast = aj.LLM(args.model, speculative=spec, **common)
+    params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    ids = []
+    for kind, value in prompts:
+        text = plain.tokenizer.apply_chat_template(value, add_generation_prompt=True) if kind == "messages" else value
+        ids.append(plain.tokenizer.encode(text))
+
+    def timed(llm):
+        llm.generate(ids[: args.batch_size], params, use_tqdm=False)  # compiles outside the timing
+        outs, t0 = [], time.perf_counter()
+        for i in tqdm(range(0, len(ids), args.batch_size), desc="decoding", leave=False):
+            outs += llm.generate(ids[i : i + args.batch_size], params, use_tqdm=False)
+        return outs, time.perf_counter() - t0
+
+    base_outs, base_s = timed(plain)
+    before = fast.engine.spec_stats()  # the warm-up's passes do not count
+    spec_outs, spec_s = timed(fast)
+    stats = fast.engine.spec_stats()
+    hist = np.asarray(stats["tau_histogram"]) - np.asarray(before["tau_histogram"])
+    passes = int(hist.sum())
+    drafts = stats["num_drafts"] - before["num_drafts"]
+    draft_tokens = stats["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+    base_tokens = sum(len(o.token_ids) for o in base_outs)
+    spec_tokens = sum(len(o.token_ids) for o in spec_outs)
+    return {
+        "model": args.model,
+        "speculative": args.speculative,
+        "block_size": fast.engine.num_speculative_tokens + 1,
+        "steps": args.steps if args.speculative == "dflash" else None,
+        "dtype": dtype,
+        "kv_cache_dtype": fast.kv_spec.name,
+        "temperature": args.temperature,
+        "batch_size": args.batch_size,
+        "num_prompts": len(ids),
+        "max_tokens": args.max_tokens,
+        "tau_mean": float((hist * np.arange(hist.size)).sum() / max(passes, 1)),
+        "tau_histogram": {str(i): int(c) for i, c in enumerate(hist) if i and c},
+        "num_verify_passes": passes,
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "identical_outputs": sum(a.token_ids == b.token_ids for a, b in zip(base_outs, spec_outs, strict=True)),
+        "spec_tokens": spec_tokens,
+        "baseline_tokens": base_tokens,
+        "spec_seconds": round(spec_s, 3),
+        "baseline_seconds": round(base_s, 3),
+        "spec_tokens_per_second": spec_tokens / spec_s,
+        "baseline_tokens_per_second": base_tokens / base_s,
+        "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
+    }
+
+
+def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
+    if not os.path.isfile(args.prompts):
+        parser.error(f"--prompts {args.prompts!r} does not exist")
+    if args.draft and args.speculative != "dflash":
+        parser.error("--draft is for --speculative dflash")
+    try:
+        r = run_acceptance(args)
+    except (ValueError, GGUFError, UnicodeDecodeError) as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(
+        f"{r['model']} {r['speculative']} block {r['block_size']}"
+        + (f" steps {r['steps']}" if r["steps"] else "")
+        + f", {r['num_prompts']} prompts, temperature {r['temperature']:g}, batch {r['batch_size']}"
+    )
+    print(f"tau mean {r['tau_mean']:.2f} over {r['num_verify_passes']} verify passes; histogram {r['tau_histogram']}")
+    print(
+        f"drafts {r['num_drafts']}, draft tokens {r['num_draft_tokens']}, accepted {r['num_accepted_tokens']} "
+        f"({100 * r['acceptance_rate']:.1f}%); identical outputs {r['identical_outputs']}/{r['num_prompts']}"
+    )
+    print(
+        f"speculative {r['spec_tokens_per_second']:.1f} tok/s vs plain {r['baseline_tokens_per_second']:.1f} tok/s: "
+        f"{r['speedup']:.2f}x"
+    )
     return 0
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec
+from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec, speculative_config
 from models.gguf_file import GGUFError
 
 
@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache format: auto (the model's measured default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
         "with modifiers (README)",
     )
+    p.add_argument("--speculative", choices=("dflash", "ngram"), default=None, help="speculative decoding method")
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='JSON speculative settings, e.g. \'{"method": "dflash", "num_speculative_tokens": 7, "steps": 2}\'',
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p
 
@@ -52,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--system needs --chat")
     if not args.prompt:
         parser.error("--prompt must not be empty")
+    if args.speculative and args.speculative_config:
+        parser.error("give --speculative or --speculative-config, not both")
     import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
     from aither_jax.llm import resolve_dtype
 
@@ -64,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=1,
             progress=True,
+            speculative=args.speculative_config or args.speculative,
         )
     except (ValueError, GGUFError) as e:
         parser.error(str(e))
@@ -109,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
             "warmup_seconds": round(compile_seconds, 4),
             "tokens_per_second": round(len(out.token_ids) / elapsed, 2),
         }
+        if llm.engine.speculative is not None:
+            result["speculative"] = {
+                "method": llm.engine.speculative.method,
+                "draft_tokens": out.num_draft_tokens,
+                "accepted_tokens": out.num_accepted_tokens,
+                "verify_passes_with_drafts": out.num_spec_steps,
+            }
         print(json.dumps(result, ensure_ascii=False))
     else:
         print(out.text)

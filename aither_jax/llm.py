@@ -60,6 +60,9 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (stop token or string) or "length"
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed and accepted for this request
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0  # verify passes that carried drafts
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -226,6 +229,15 @@ class LLM:
                 self.engine.abort(s)
             raise
         return [
-            RequestOutput(t, s.prompt_ids, s.text, s.output_ids, s.finish_reason)
+            RequestOutput(
+                t,
+                s.prompt_ids,
+                s.text,
+                s.output_ids,
+                s.finish_reason,
+                s.num_draft_tokens,
+                s.num_accepted_tokens,
+                s.num_spec_steps,
+            )
             for t, s in zip(texts, seqs, strict=True)
         ]

@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec
+from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec, speculative_config
 
 log = logging.getLogger("aither_jax.serve")
 
@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
     p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "dflash"}\' (the draft shipped for the model), '
+        '\'{"method": "dflash", "num_speculative_tokens": 7, "steps": 2, "model": "draft.npz"}\' or '
+        '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}\'',
+    )
     p.add_argument("--warmup", action="store_true", help="compile every decode shape before serving")
     p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0, help="seeds requests that bring none")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -141,6 +149,7 @@ def build_server(args: argparse.Namespace):
             enable_prefix_caching=args.enable_prefix_caching,
             max_pinned_fraction=args.max_pinned_fraction,
             seed=args.seed,
+            speculative=args.speculative_config,
             progress=True,
         )
         if args.chat_template is not None:

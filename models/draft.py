@@ -257,4 +257,4 @@ def unmask_schedule(num_masked: int, steps: int) -> tuple[int, ...]:
     counts = np.maximum(counts, 1)  # every step reveals something
     while counts.sum() > num_masked:  # only when many steps share few masks
         counts[np.argmax(counts)] -= 1
-    return tuple(int(c) for c in counts)
+    return tuple(sorted((int(c) for c in counts), reverse=True))

@@ -192,6 +192,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
     app = FastAPI(title="aither-jax", version="0.1.0")
     app.state.draining = False
     metrics = engine.metrics
+    speculative = engine.engine.speculative is not None
     # The last added is the outermost: the gate (auth, request id) sees every response, 413s included.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(RequestGate, api_key=config.api_key)
@@ -355,13 +356,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                 choice |= {"text": seq.text, "logprobs": lp}
             choices.append(choice)
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
-        block = protocol.usage(prompt_tokens, completion_tokens, cached)
+        seqs = [results[j.index][-1].seq for j in jobs] if speculative else None
+        block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs)
         return protocol.envelope(rid, kind, config.model_name, choices, block)
 
     async def _sse(rid, kind, jobs, updates, body, num_logprobs, chat, include_usage) -> AsyncIterator[str]:
         texts = {j.index: TextStream(tokenizer, j.params.stop_strings) for j in jobs}
         tokens: dict[int, list[int]] = {j.index: [] for j in jobs}
         cached = 0
+        seqs = []
         if chat:
             for job in jobs:
                 first = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
@@ -386,6 +389,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                         choice |= {"text": delta, "logprobs": lp}
                     if update.finished and index % body.n == 0:
                         cached += update.seq.num_cached_prompt
+                    if update.finished:
+                        seqs.append(update.seq)
                     yield _event(protocol.envelope(rid, kind, config.model_name, [choice]))
         except (ValueError, EngineDeadError, QueueFullError) as e:
             error = _as_http(e)
@@ -395,7 +400,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         if include_usage:
             prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
             completion_tokens = sum(len(t) for t in tokens.values())
-            block = protocol.usage(prompt_tokens, completion_tokens, cached)
+            block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs if speculative else None)
             yield _event(protocol.envelope(rid, kind, config.model_name, [], block))
         yield "data: [DONE]\n\n"
 

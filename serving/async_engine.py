@@ -257,7 +257,7 @@ class AsyncEngine:
     # -- metrics ------------------------------------------------------------------------------
 
     def _declare_metrics(self) -> None:
-        m, sched = self.metrics, self.engine.scheduler
+        m, sched, eng = self.metrics, self.engine.scheduler, self.engine
         cache = sched.prefix_cache
         read_gauges = (
             ("vllm:num_requests_running", "Requests in the running batch.", lambda: self.num_running),
@@ -283,6 +283,9 @@ class AsyncEngine:
                 lambda: self.num_prefilled_tokens,
             ),
             ("aither:engine_steps_total", "Engine steps run.", lambda: self.engine.num_steps),
+            ("vllm:spec_decode_num_drafts", "Speculative verify passes that carried drafts.", lambda: eng.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", lambda: eng.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda: eng.num_accepted_tokens),
         )
         for name, help_text, read in read_gauges:
             m.gauge(name, help_text, read)

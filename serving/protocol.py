@@ -142,13 +142,27 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, spec: list | None = None) -> dict:
+    """The usage block; with speculative decoding, `spec` holds the request's sequences and the
+    block reports their drafts and acceptance."""
+    block = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if spec is not None:
+        drafts = sum(s.num_spec_steps for s in spec)
+        draft_tokens = sum(s.num_draft_tokens for s in spec)
+        accepted = sum(s.num_accepted_tokens for s in spec)
+        block["speculative_decoding"] = {
+            "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
+            "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else 1.0,
+        }
+    return block
 
 
 def envelope(request_id: str, kind: str, model: str, choices: list[dict], usage_block: dict | None = None) -> dict:

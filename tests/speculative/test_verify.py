@@ -1,0 +1,136 @@
+"""Verification rules on a distribution small enough to count.
+
+The target's distributions over a 6-token vocabulary at each block position are fixed; the
+draft proposes deterministically (the argmax of its own, different, marginals). Over many
+seeds the first emitted token must follow the target's p_0 and, when the first draft was
+accepted, the second must follow p_1. The same statistics catch two broken verifiers.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aither_jax.sampling import SamplingBatch
+from aither_jax.speculative import SpeculativeConfig, ngram_propose, verify
+
+V, T, N = 6, 3, 40_000
+P_VALUE = 1e-3  # the correct rule must pass at this level; the broken ones must fail far below it
+
+rng = np.random.default_rng(0)
+TARGET_LOGITS = rng.standard_normal((T, V)).astype(np.float32) * 1.5
+DRAFT_MARGINALS = jax.nn.softmax(jnp.asarray(rng.standard_normal((T - 1, V)) * 1.5), axis=-1)
+DRAFTS = np.asarray(jnp.argmax(DRAFT_MARGINALS, axis=-1), np.int32)  # deterministic proposal
+
+
+def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    from scipy.stats import chisquare
+
+    keep = probs * counts.sum() >= 5  # pool rare categories
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp / exp.sum() * obs.sum()
+    return float(chisquare(obs, exp).pvalue)
+
+
+def _sampling(n):
+    return SamplingBatch(
+        jnp.ones(n, jnp.float32), jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.float32), jnp.arange(n, dtype=jnp.uint32)
+    )
+
+
+def _emitted(verifier):
+    logits = jnp.broadcast_to(jnp.asarray(TARGET_LOGITS), (N, T, V))
+    drafts = jnp.broadcast_to(jnp.asarray(DRAFTS), (N, T - 1))
+    acc, nxt = verifier(logits, drafts, jnp.full(N, T - 1, jnp.int32), _sampling(N), jnp.zeros(N, jnp.int32))
+    acc, nxt = np.asarray(acc), np.asarray(nxt)
+    first = np.where(acc >= 1, DRAFTS[0], nxt)
+    second = np.where(acc >= 2, DRAFTS[1], nxt)[acc >= 1]  # the token after an accepted d_1
+    return first, second
+
+
+def _pvalues(verifier):
+    p = np.asarray(jax.nn.softmax(jnp.asarray(TARGET_LOGITS), axis=-1), np.float64)
+    first, second = _emitted(verifier)
+    return _chi2_pvalue(np.bincount(first, minlength=V), p[0]), _chi2_pvalue(np.bincount(second, minlength=V), p[1])
+
+
+def _correct(logits, drafts, num_drafts, sampling, start):
+    return verify(logits, drafts, num_drafts, sampling, start, greedy_only=False)
+
+
+def _ratio_rule(logits, drafts, num_drafts, sampling, start):
+    """Broken on purpose: Leviathan's min(1, p/q) with the draft's marginals q, though the
+    tokens were not sampled from q."""
+    p = jax.nn.softmax(logits, axis=-1)
+    n, t, v = logits.shape
+    q = jnp.broadcast_to(DRAFT_MARGINALS, (n, t - 1, v))
+    pd = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    keys = jax.vmap(jax.random.PRNGKey)(sampling.seeds)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (t - 1,)))(keys)
+    acc = jnp.cumprod(u < jnp.minimum(1.0, pd / qd), axis=1).sum(axis=1)
+    resid = jnp.maximum(p[:, :-1] - q, 0)
+    resid = jnp.concatenate([resid, p[:, -1:]], axis=1)
+    row = jnp.take_along_axis(resid, acc[:, None, None], axis=1)[:, 0]
+    keys2 = jax.vmap(lambda k: jax.random.fold_in(k, 9))(keys)
+    nxt = jax.vmap(jax.random.categorical)(keys2, jnp.log(row))
+    return acc, nxt
+
+
+def _first_unchecked(logits, drafts, num_drafts, sampling, start):
+    """Broken on purpose: the first draft token is committed without a check."""
+    acc, nxt = verify(logits[:, 1:], drafts[:, 1:], num_drafts - 1, sampling, start + 1, greedy_only=False)
+    return acc + 1, nxt
+
+
+def test_deterministic_proposal_rule_is_lossless():
+    p0, p1 = _pvalues(_correct)
+    assert p0 > P_VALUE and p1 > P_VALUE, (p0, p1)
+
+
+@pytest.mark.parametrize("broken", [_ratio_rule, _first_unchecked], ids=["ratio-with-marginals", "first-unchecked"])
+def test_broken_verifiers_fail_the_same_test(broken):
+    assert min(_pvalues(broken)) < 1e-6
+
+
+def test_greedy_accepts_matching_prefix_and_adds_bonus():
+    logits = np.full((3, 5, 10), -5.0, np.float32)
+    best = np.array([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])
+    np.put_along_axis(logits, best[..., None], 5.0, axis=-1)
+    drafts = np.array([[1, 2, 3, 4], [1, 9, 3, 4], [1, 2, 3, 4]], np.int32)
+    num = np.array([4, 4, 2], np.int32)
+    zeros = jnp.zeros(3, jnp.int32)
+    greedy = SamplingBatch(jnp.zeros(3), zeros, jnp.ones(3), zeros.astype(jnp.uint32))
+    acc, nxt = verify(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num), greedy, zeros, greedy_only=True)
+    np.testing.assert_array_equal(np.asarray(acc), [4, 1, 2])  # all; first only; capped by num_drafts
+    np.testing.assert_array_equal(np.asarray(nxt), [5, 2, 3])  # the target's token after the accepted prefix
+    acc2, nxt2 = verify(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num), greedy, zeros, greedy_only=False)
+    np.testing.assert_array_equal(np.asarray(acc2), np.asarray(acc))  # temperature 0 rows stay greedy
+    np.testing.assert_array_equal(np.asarray(nxt2), np.asarray(nxt))
+
+
+def test_ngram_propose():
+    assert ngram_propose([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]
+    assert ngram_propose([1, 2, 3, 4, 1, 2, 3], 3, min_n=2, max_n=2) == [4, 1, 2]
+    assert ngram_propose([5, 6, 7, 8], 4) == []
+    assert ngram_propose([1, 2, 9, 1, 2, 8, 1, 2], 2) == [8, 1]  # the latest match wins
+    assert ngram_propose([3], 4) == []
+
+
+def test_speculative_config_parsing():
+    assert SpeculativeConfig.parse("ngram").method == "ngram"
+    cfg = SpeculativeConfig.parse('{"method": "dflash", "num_speculative_tokens": 7, "steps": 2}')
+    assert (cfg.num_speculative_tokens, cfg.steps) == (7, 2)
+    for bad, match in [
+        ('{"method": "eagle"}', "method must be one of"),
+        ('{"method": "ngram", "foo": 1}', "unknown speculative config keys"),
+        ("{not json", "not valid JSON"),
+        ('{"method": "dflash", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "dflash", "steps": 0}', "steps"),
+        ('{"num_speculative_tokens": 3}', "needs a method"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.parse(bad)
