@@ -417,7 +417,8 @@ def run_acceptance(args) -> dict:
         if args.draft:
             spec["model"] = args.draft
     dtype = resolve_dtype(args.dtype)
-    common = dict(dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.batch_size, progress=False)
+    kv = getattr(args.kv_cache_dtype, "name", args.kv_cache_dtype)
+    common = dict(dtype=dtype, kv_cache_dtype=kv, max_num_seqs=args.batch_size, progress=False)
     plain = aj.LLM(args.model, **common)
     fast = aj.LLM(args.model, speculative=spec, **common)
     params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)

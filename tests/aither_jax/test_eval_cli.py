@@ -134,3 +134,36 @@ def test_auto_is_the_models_measured_default(capsys):
     assert row["kv_cache_dtype"] == SMOLLM2_KV == default_kv_cache_dtype("smollm2-135m")
     assert row["bytes_per_token"] == 8856 and row["compression_vs_bf16"] == pytest.approx(2.602, abs=1e-3)
     assert default_kv_cache_dtype("/some/other/model.gguf") == "bf16"
+
+
+def test_acceptance_json_against_plain_decoding(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]},
+        {"prompt": "The three primary colors are"},
+    ]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    argv = ["acceptance", "--speculative", "ngram", "--prompts", str(prompts), "--max-tokens", "24"]
+    argv += ["--dtype", "float32", "--kv-cache-dtype", "bf16", "--block-size", "5", "--json"]
+    assert aj_eval.main(argv) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("tau_mean", "num_prompts", "spec_tokens_per_second", "baseline_tokens_per_second", "speedup"):
+        assert key in r
+    assert r["num_prompts"] == 2 and r["identical_outputs"] == 2 and r["block_size"] == 5
+    hist = {int(k): v for k, v in r["tau_histogram"].items()}
+    assert sum(hist.values()) == r["num_verify_passes"] and max(hist) <= 5
+    assert abs(r["tau_mean"] - sum(k * v for k, v in hist.items()) / r["num_verify_passes"]) < 1e-9
+    assert r["spec_tokens"] == r["baseline_tokens"]
+    assert r["speedup"] == pytest.approx(r["spec_tokens_per_second"] / r["baseline_tokens_per_second"])
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("not json\n", "not JSON"), ('{"text": "x"}\n', "expected"), ("\n", "no prompts")],
+)
+def test_acceptance_rejects_bad_prompt_files(tmp_path, content, message, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(content, encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        aj_eval.main(["acceptance", "--speculative", "ngram", "--prompts", str(prompts)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

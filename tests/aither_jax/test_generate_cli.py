@@ -73,3 +73,14 @@ def test_json_output_in_a_subprocess():
     assert result["completion_tokens"] == len(result["token_ids"]) <= 6
     assert result["prompt_tokens"] == 3 and result["tokens_per_second"] > 0
     assert result["kv_cache_dtype"] == "tq-k6v4"
+
+
+def test_speculative_json_reports_drafts():
+    cmd = [sys.executable, "-m", "aither_jax.generate", "--prompt", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "--json"]
+    cmd += ["--max-tokens", "12", "--dtype", "float32", "--kv-cache-dtype", "bf16", "--speculative", "ngram"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = result["speculative"]
+    assert spec["method"] == "ngram" and spec["verify_passes_with_drafts"] > 0
+    assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]  # the repeating prompt is easy to look up
