@@ -126,7 +126,7 @@ class Engine:
                 lm_head=weights.lm_head,
                 num_pages=num_pages,
                 page_size=page_size,
-                kernels=attention == "pallas",
+                kernels=self.speculative.draft_kernels,
             )
             self.num_speculative_tokens = self.drafter.num_speculative_tokens
         elif self.speculative is not None:

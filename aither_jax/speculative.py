@@ -56,6 +56,9 @@ class SpeculativeConfig:
         steps: dflash denoising steps (1 = one forward pass; more unmask the most confident
             positions first on a cosine schedule).
         prompt_lookup_min, prompt_lookup_max: n-gram lengths to match (longest first).
+        draft_kernels: run the draft's attention and unmasking with the Pallas kernels
+            (pallas_kernels/draft_attention.py, unmask.py) instead of their jnp twins. Off by
+            default until the kernels have been checked on a GPU.
     """
 
     method: str
@@ -64,8 +67,11 @@ class SpeculativeConfig:
     steps: int = 1
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_kernels: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.draft_kernels, bool):
+            raise ValueError(f"draft_kernels must be true or false, got {self.draft_kernels!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         n = self.num_speculative_tokens

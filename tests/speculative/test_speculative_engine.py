@@ -55,19 +55,20 @@ def test_shipped_draft_is_present_and_small():
 
 
 @pytest.mark.parametrize(
-    ("method", "kv", "batch", "block", "steps"),
+    ("method", "kv", "batch", "block", "steps", "kernels"),
     [
-        ("dflash", "bf16", 8, 16, 1),
-        ("dflash", "auto", 8, 4, 4),
-        ("dflash", "bf16", 1, 16, 4),
-        ("dflash", "auto", 1, 4, 1),
-        ("ngram", "bf16", 8, 8, 1),
+        ("dflash", "bf16", 8, 16, 1, False),
+        ("dflash", "auto", 8, 4, 4, False),
+        ("dflash", "bf16", 1, 16, 4, False),
+        ("dflash", "auto", 1, 4, 1, False),
+        ("dflash", "bf16", 8, 16, 2, True),  # the Pallas drafting kernels (interpreted on CPU)
+        ("ngram", "bf16", 8, 8, 1, False),
     ],
 )
-def test_greedy_speculative_equals_plain_greedy(baselines, method, kv, batch, block, steps):
+def test_greedy_speculative_equals_plain_greedy(baselines, method, kv, batch, block, steps, kernels):
     spec = {"method": method, "num_speculative_tokens": block - 1}
     if method == "dflash":
-        spec["steps"] = steps
+        spec |= {"steps": steps, "draft_kernels": kernels}
     llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative=spec, **COMMON)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
     if kv == "bf16":
