@@ -231,21 +231,26 @@ class Engine:
             self._copy_pages(plan.copies)
         if plan.decode and self.speculative is not None:
             self._speculate(plan.decode)
-        for rows in ([] if self.speculative is not None else plan.decode, plan.prefill):
-            if not rows:
-                continue
-            want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
-            next_tokens, logits, hidden, batch = self._run(
-                rows, return_logits="last" if want_logprobs else "none", taps=self._taps
-            )
-            if self.drafter is not None:
-                self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
-            for i, ((s, toks), tok) in enumerate(zip(rows, next_tokens, strict=True)):
-                self.scheduler.computed(s, len(toks))
-                if s.num_pending == 0:
-                    self._append(s, int(tok), None if logits is None else logits[i])
+        elif plan.decode:
+            self._decode(plan.decode)
+        if plan.prefill:
+            self._decode(plan.prefill)
         self.num_steps += 1
         return self.scheduler.finish()
+
+    def _decode(self, rows: list[tuple[Sequence, list[int]]]) -> None:
+        """One call over (sequence, new tokens) rows (decode or prefill chunks); samples the
+        next token of every row that has run all its pending tokens."""
+        want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
+        next_tokens, logits, hidden, batch = self._run(
+            rows, return_logits="last" if want_logprobs else "none", taps=self._taps
+        )
+        if self.drafter is not None:
+            self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
+        for i, ((s, toks), tok) in enumerate(zip(rows, next_tokens, strict=True)):
+            self.scheduler.computed(s, len(toks))
+            if s.num_pending == 0:
+                self._append(s, int(tok), None if logits is None else logits[i])
 
     def _propose(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[int]]:
         """Drafts for each decoding row, at most the row's lookahead."""
@@ -275,9 +280,13 @@ class Engine:
     def _speculate(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         """One draft-and-verify step over every decoding row."""
         drafts = self._propose(rows)
+        if not any(drafts):  # nothing to verify: a plain decode step (one token per row)
+            self._decode(rows)
+            self.committed_hist[1] += len(rows)
+            return
         verify_rows = [(s, toks + d) for (s, toks), d in zip(rows, drafts, strict=True)]
         want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
-        tokens, batch, sampling, num_pages, greedy_only = self._pack(verify_rows, all_logits=True)
+        tokens, batch, sampling, num_pages, greedy_only = self._pack(verify_rows, all_logits=True, min_tokens=2)
         accepted, next_tokens, logits, update, hidden = verify_step(
             self.weights,
             self.cache,
@@ -368,13 +377,13 @@ class Engine:
             self.cache = self.cache.replace(block_tables=jax.device_put(self.scheduler.block_tables))
             self.scheduler.tables_dirty = False
 
-    def _pack(self, rows: list[tuple[Sequence, list[int]]], *, all_logits: bool):
+    def _pack(self, rows: list[tuple[Sequence, list[int]]], *, all_logits: bool, min_tokens: int = MIN_TOKEN_BUCKET):
         """Pads (sequence, new tokens) rows to a bucketed batch: (tokens, StepBatch,
         SamplingBatch, pages to read, whether every row is greedy)."""
         self._sync_tables()
         num_rows = bucket(len(rows), 1, self.max_num_seqs)
         longest = max(len(toks) for _, toks in rows)
-        num_tokens = 1 if longest == 1 and not all_logits else bucket(longest, MIN_TOKEN_BUCKET, self.max_prefill_chunk)
+        num_tokens = 1 if longest == 1 and not all_logits else bucket(longest, min_tokens, self.max_prefill_chunk)
         end = max(s.num_cached + len(toks) for s, toks in rows)
         num_pages = bucket(self.scheduler.pages_needed(end), MIN_PAGE_BUCKET, self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)

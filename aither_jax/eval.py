@@ -404,58 +404,44 @@ def read_prompts(path: str) -> list[tuple[str, object]]:
     return out
 
 
-def run_acceptance(args) -> dict:
-    import aither_jax as aj
-    from aither_jax.llm import resolve_dtype
-
-    prompts = read_prompts(args.prompts)[: args.max_prompts]
-    spec = {"method": args.speculative}
-    if args.block_size is not None:
-        spec["num_speculative_tokens"] = args.block_size - 1
-    if args.speculative == "dflash":
-        spec["steps"] = args.steps
-        if args.draft:
-            spec["model"] = args.draft
-    dtype = resolve_dtype(args.dtype)
-    kv = getattr(args.kv_cache_dtype, "name", args.kv_cache_dtype)
-    common = dict(dtype=dtype, kv_cache_dtype=kv, max_num_seqs=args.batch_size, progress=False)
-    plain = aj.LLM(args.model, **common)
-    fast = aj.LLM(args.model, speculative=spec, **common)
-    params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
-    ids = []
+def prompt_ids(tokenizer, prompts: list[tuple[str, object]]) -> list[list[int]]:
+    """Token ids of read_prompts() items (conversations through the chat template)."""
+    out = []
     for kind, value in prompts:
-        text = plain.tokenizer.apply_chat_template(value, add_generation_prompt=True) if kind == "messages" else value
-        ids.append(plain.tokenizer.encode(text))
+        text = tokenizer.apply_chat_template(value, add_generation_prompt=True) if kind == "messages" else value
+        out.append(tokenizer.encode(text))
+    return out
 
-    def timed(llm):
-        llm.generate(ids[: args.batch_size], params, use_tqdm=False)  # compiles outside the timing
-        outs, t0 = [], time.perf_counter()
-        for i in tqdm(range(0, len(ids), args.batch_size), desc="decoding", leave=False):
-            outs += llm.generate(ids[i : i + args.batch_size], params, use_tqdm=False)
-        return outs, time.perf_counter() - t0
 
-    base_outs, base_s = timed(plain)
-    before = fast.engine.spec_stats()  # the warm-up's passes do not count
-    spec_outs, spec_s = timed(fast)
-    stats = fast.engine.spec_stats()
+def timed_decode(llm, ids: list[list[int]], params, batch_size: int) -> tuple[list, float]:
+    """Decodes `ids` in groups of batch_size after an untimed compile run; (outputs, seconds)."""
+    llm.generate(ids[:batch_size], params, use_tqdm=False)
+    outs, t0 = [], time.perf_counter()
+    for i in tqdm(range(0, len(ids), batch_size), desc="decoding", leave=False):
+        outs += llm.generate(ids[i : i + batch_size], params, use_tqdm=False)
+    return outs, time.perf_counter() - t0
+
+
+def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, float]) -> dict:
+    """Decodes `ids` speculatively and compares with the plain `baseline` (outputs, seconds)."""
+    llm.generate(ids[:batch_size], params, use_tqdm=False)  # compiles; its passes do not count
+    before = llm.engine.spec_stats()
+    spec_outs, spec_s = timed_decode(llm, ids, params, batch_size)
+    stats = llm.engine.spec_stats()
     hist = np.asarray(stats["tau_histogram"]) - np.asarray(before["tau_histogram"])
     passes = int(hist.sum())
-    drafts = stats["num_drafts"] - before["num_drafts"]
-    draft_tokens = stats["num_draft_tokens"] - before["num_draft_tokens"]
-    accepted = stats["num_accepted_tokens"] - before["num_accepted_tokens"]
+    drafts, draft_tokens, accepted = (
+        stats[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    )
+    base_outs, base_s = baseline
     base_tokens = sum(len(o.token_ids) for o in base_outs)
     spec_tokens = sum(len(o.token_ids) for o in spec_outs)
+    spec = llm.engine.speculative
     return {
-        "model": args.model,
-        "speculative": args.speculative,
-        "block_size": fast.engine.num_speculative_tokens + 1,
-        "steps": args.steps if args.speculative == "dflash" else None,
-        "dtype": dtype,
-        "kv_cache_dtype": fast.kv_spec.name,
-        "temperature": args.temperature,
-        "batch_size": args.batch_size,
+        "speculative": spec.method,
+        "block_size": llm.engine.num_speculative_tokens + 1,
+        "steps": spec.steps if spec.method == "dflash" else None,
         "num_prompts": len(ids),
-        "max_tokens": args.max_tokens,
         "tau_mean": float((hist * np.arange(hist.size)).sum() / max(passes, 1)),
         "tau_histogram": {str(i): int(c) for i, c in enumerate(hist) if i and c},
         "num_verify_passes": passes,
@@ -471,6 +457,38 @@ def run_acceptance(args) -> dict:
         "spec_tokens_per_second": spec_tokens / spec_s,
         "baseline_tokens_per_second": base_tokens / base_s,
         "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
+    }
+
+
+def run_acceptance(args) -> dict:
+    import aither_jax as aj
+    from aither_jax.llm import resolve_dtype
+
+    prompts = read_prompts(args.prompts)[: args.max_prompts]
+    spec = {"method": args.speculative}
+    if args.block_size is not None:
+        spec["num_speculative_tokens"] = args.block_size - 1
+    if args.speculative == "dflash":
+        spec["steps"] = args.steps
+        if args.draft:
+            spec["model"] = args.draft
+    dtype = resolve_dtype(args.dtype)
+    kv = getattr(args.kv_cache_dtype, "name", args.kv_cache_dtype)
+    common = dict(dtype=dtype, kv_cache_dtype=kv, max_num_seqs=args.batch_size, progress=False)
+    fast = aj.LLM(args.model, speculative=spec, **common)  # first, so a bad draft fails before any decoding
+    plain = aj.LLM(args.model, **common)
+    params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    ids = prompt_ids(plain.tokenizer, prompts)
+    baseline = timed_decode(plain, ids, params, args.batch_size)
+    row = speculative_row(fast, ids, params, args.batch_size, baseline)
+    return {
+        "model": args.model,
+        "dtype": dtype,
+        "kv_cache_dtype": fast.kv_spec.name,
+        "temperature": args.temperature,
+        "batch_size": args.batch_size,
+        "max_tokens": args.max_tokens,
+        **row,
     }
 
 

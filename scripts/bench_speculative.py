@@ -1,0 +1,156 @@
+"""Speculative decoding benchmark: tau and speedup of DFlash (S = 1, 2, 4) and prompt lookup
+against plain decoding of the same chat prompts, in one run.
+
+Plain decoding runs once; every speculative configuration is compared with it. Writes JSON
+(one row per configuration, `python -m aither_jax.eval acceptance` fields), a plot (tau
+histograms and speedups) and a row in docs/BENCHMARKS.md (unless `--no-record`).
+
+    .venv/bin/python scripts/bench_speculative.py [--prompts scripts/data/chat_eval.jsonl] \
+        [--max-tokens 128] [--batch-size 1] [--steps 1 2 4] [--out out/bench_speculative.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from bench_serving import environment
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompts", default=str(ROOT / "scripts" / "data" / "chat_eval.jsonl"))
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4], help="dflash denoising steps to try")
+    p.add_argument("--ngram-tokens", type=int, default=8, help="drafts per step for prompt lookup")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
+    p.add_argument("--plot", type=pathlib.Path, default=None, help="default: --out with .png")
+    p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
+    return p.parse_args(argv)
+
+
+def bench(args) -> dict:
+    import aither_jax as aj
+    from aither_jax.eval import prompt_ids, read_prompts, speculative_row, timed_decode
+    from aither_jax.llm import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype)
+    common = dict(dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.batch_size, progress=False)
+    plain = aj.LLM(args.model, **common)
+    ids = prompt_ids(plain.tokenizer, read_prompts(args.prompts)[: args.max_prompts])
+    params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    print(f"plain decoding of {len(ids)} prompts ...", file=sys.stderr)
+    baseline = timed_decode(plain, ids, params, args.batch_size)
+    kv = plain.kv_spec.name
+    del plain
+    configs = [{"method": "dflash", "num_speculative_tokens": args.block_size - 1, "steps": s} for s in args.steps]
+    configs.append({"method": "ngram", "num_speculative_tokens": args.ngram_tokens})
+    rows = []
+    for spec in configs:
+        print(f"speculative {spec} ...", file=sys.stderr)
+        llm = aj.LLM(args.model, speculative=spec, **common)
+        row = speculative_row(llm, ids, params, args.batch_size, baseline)
+        rows.append(row)
+        print(
+            f"  tau {row['tau_mean']:.2f}, {row['spec_tokens_per_second']:.1f} vs "
+            f"{row['baseline_tokens_per_second']:.1f} tok/s ({row['speedup']:.2f}x), identical outputs "
+            f"{row['identical_outputs']}/{row['num_prompts']}",
+            file=sys.stderr,
+        )
+        del llm
+    return {"config": {**vars(args), "dtype": dtype, "kv_cache_dtype": kv}, "rows": rows}
+
+
+def label(row: dict) -> str:
+    if row["speculative"] == "dflash":
+        return f"dflash S={row['steps']}"
+    return f"ngram k={row['block_size'] - 1}"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        hist = {int(k): v for k, v in row["tau_histogram"].items()}
+        total = sum(hist.values())
+        xs = sorted(hist)
+        axes[0].bar([x + (i - len(rows) / 2 + 0.5) * width for x in xs], [hist[x] / total for x in xs], width,
+                    label=f"{label(row)} (mean {row['tau_mean']:.2f})")  # fmt: skip
+    axes[0].set(xlabel="tokens committed per target pass (tau)", ylabel="share of passes", title="tau histogram")
+    axes[0].legend()
+    names = [label(r) for r in rows]
+    axes[1].bar(names, [r["speedup"] for r in rows], color=["C0"] * (len(rows) - 1) + ["C3"])
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[1].set(ylabel="speedup over plain decoding", title="single-stream wall clock")
+    env = report["env"]
+    cfg = report["config"]
+    fig.suptitle(
+        f"aither-jax speculative decoding, {cfg['model']} ({cfg['dtype']}, {cfg['kv_cache_dtype']} KV), "
+        f"{len(report['rows'][0:1]) and report['rows'][0]['num_prompts']} held-out chat prompts, {env['device']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def record(report: dict, command: str) -> None:
+    path = ROOT / "docs" / "BENCHMARKS.md"
+    text = path.read_text()
+    header = "## Speculative decoding (scripts/bench_speculative.py)"
+    columns = (
+        "| date | device | dtype / KV | prompts x max tokens | plain tok/s | tau mean by method | "
+        "speedup by method | identical outputs | versions | command |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    if header not in text:
+        text = text.rstrip() + f"\n\n{header}\n\n{columns}"
+    rows, env, cfg = report["rows"], report["env"], report["config"]
+    taus = ", ".join(f"{label(r)}: {r['tau_mean']:.2f}" for r in rows)
+    speed = ", ".join(f"{label(r)}: {r['speedup']:.2f}x" for r in rows)
+    same = ", ".join(f"{r['identical_outputs']}/{r['num_prompts']}" for r in rows)
+    row = (
+        f"| {env['date']} | {env['device']} | {cfg['dtype']} / {cfg['kv_cache_dtype']} | "
+        f"{rows[0]['num_prompts']} x {cfg['max_tokens']} | {rows[0]['baseline_tokens_per_second']:.1f} | {taus} | "
+        f"{speed} | {same} | jax {env['jax']}, Python {env['python']} | `{command}` |\n"
+    )
+    start = text.index(header)
+    table_end = text.find("\n\n", text.index("|---", start))
+    table_end = len(text) if table_end < 0 else table_end
+    text = text[:table_end].rstrip("\n") + "\n" + row.rstrip("\n") + text[table_end:]
+    path.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    report = bench(args)
+    report["config"] |= {"out": str(args.out), "plot": str(args.plot) if args.plot else None}
+    report["env"] = environment()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    plot(report, args.plot or args.out.with_suffix(".png"))
+    if not args.no_record:
+        record(report, "python scripts/bench_speculative.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(json.dumps(report["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
