@@ -234,6 +234,7 @@ def propose_block(
     table: jax.Array,  # [B, NP] int32 pages to read
     ctx_lens: jax.Array,  # [B] int32 context tokens in the draft cache (= the target's cached length)
     last: jax.Array,  # [B] int32 the last committed token (block position 0)
+    vocab: jax.Array | None,  # [Vd] int32 token ids of lm_head's columns; None: all, in order
     *,
     cfg: DraftConfig,
     schedule: tuple[int, ...],  # masked positions revealed per denoising step
@@ -261,6 +262,8 @@ def propose_block(
         logits = jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)  # [B, size, V]
         conf = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if vocab is not None:
+            pred = vocab[pred]
         tokens = unmask(tokens, pred, conf, count)
     return tokens[:, 1:]
 
@@ -275,7 +278,7 @@ class DFlashProposer:
         *,
         model_name: str,
         embed: jax.Array,
-        lm_head: jax.Array,
+        lm_head: jax.Array,  # [D, V] the target's
         num_pages: int,
         page_size: int,
         kernels: bool,
@@ -288,7 +291,7 @@ class DFlashProposer:
             )
         if not pathlib.Path(path).is_file():
             raise ValueError(f"DFlash draft file not found: {path}")
-        self.cfg, params, self.meta = load_draft(path)
+        self.cfg, params, self.meta, vocab = load_draft(path)
         self.cfg.check_target(target)
         k = spec.num_speculative_tokens or self.cfg.block_size - 1
         if k > self.cfg.block_size - 1:
@@ -296,7 +299,10 @@ class DFlashProposer:
         self.num_speculative_tokens = k
         self.schedule = self._schedule(spec.steps)
         self.params = cast_params(params, embed.dtype)
-        self.embed, self.lm_head = embed, lm_head
+        self.embed = embed
+        # The draft's head: the target's LM head restricted to the draft's token list.
+        self.vocab = None if vocab is None else jnp.asarray(vocab)
+        self.lm_head = lm_head if vocab is None else jnp.asarray(lm_head[:, vocab])
         self.kernels = kernels
         shape = (self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.pools = DraftPools(jnp.zeros(shape, embed.dtype), jnp.zeros(shape, embed.dtype))
@@ -326,6 +332,7 @@ class DFlashProposer:
             table,
             ctx_lens,
             last,
+            self.vocab,
             cfg=self.cfg,
             schedule=self.schedule,
             kernels=self.kernels,

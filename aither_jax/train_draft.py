@@ -182,6 +182,17 @@ class Dataset:
         self.block_size = block_size
         self.num_tokens = int(self.lengths.sum())
 
+    def vocab(self, size: int, vocab_size: int) -> np.ndarray:
+        """`size` token ids for the draft's head: those of the continuations by frequency, then
+        the prompts', then the lowest unused ids; returned sorted."""
+        rows = list(zip(self.tokens, self.prompt_lengths, self.lengths, strict=True))
+        answers = np.concatenate([t[p:n] for t, p, n in rows])
+        prompts = np.concatenate([t[:p] for t, p, _ in rows])
+        score = np.bincount(answers, minlength=vocab_size) * float(len(prompts) + 1)
+        score += np.bincount(prompts, minlength=vocab_size)
+        order = np.lexsort((np.arange(vocab_size), -score))  # most frequent first, then by id
+        return np.sort(order[:size]).astype(np.int32)
+
     def batch(self, rng: np.random.Generator, num_seqs: int, num_anchors: int, reveal_prob: float):
         idx = rng.integers(0, self.num, num_seqs)
         low = np.maximum(self.prompt_lengths[idx] - 1, 1)
@@ -207,8 +218,11 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
     return np.exp(-np.arange(block_size - 1) / gamma).astype(np.float32)
 
 
-def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, weights):
-    """Weighted cross-entropy at masked positions, plus metrics (accuracy, expected tau)."""
+def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, weights, inverse=None):
+    """Weighted cross-entropy at masked positions, plus metrics (accuracy, expected tau).
+
+    `lm_head` holds the draft's columns; `inverse` [V] maps a token id to its column (-1 when
+    the draft cannot produce it: such labels count as wrong and carry no loss)."""
     tokens, hidden, anchors, reveal = batch["tokens"], batch["hidden"], batch["anchors"], batch["reveal"]
     n, length = tokens.shape
     a, b = anchors.shape[1], cfg.block_size
@@ -226,11 +240,15 @@ def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, wei
     h = block_forward(params, cfg, embed, inputs, pos.reshape(n * a, b), attend)[:, 1:]
     logits = jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)  # [R, B-1, V]
     target = labels.reshape(n * a, b)[:, 1:]
+    if inverse is not None:
+        target = inverse[target]
+    known = target >= 0
+    target = jnp.maximum(target, 0)
     ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
     masked = ~reveal.reshape(n * a, b)[:, 1:]
-    w = weights[None, :] * masked
+    w = weights[None, :] * masked * known
     loss = (ce * w).sum() / jnp.maximum(w.sum(), 1e-6)
-    correct = jnp.argmax(logits, axis=-1) == target
+    correct = (jnp.argmax(logits, axis=-1) == target) & known
     full = masked.all(axis=1)  # blocks with every position masked: what greedy drafting sees
     tau = 1.0 + jnp.cumprod(correct, axis=1).sum(axis=1)
     metrics = {
@@ -249,7 +267,10 @@ def make_optimizer(args):
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 
-def train(args, cfg: DraftConfig, dataset: Dataset, embed, lm_head, final_norm, out: pathlib.Path) -> DraftParams:
+def train(
+    args, cfg: DraftConfig, dataset: Dataset, embed, lm_head, final_norm, out: pathlib.Path, vocab=None
+) -> DraftParams:
+    """Trains (or resumes) and returns the parameters; `vocab` restricts the head to those ids."""
     import optax
     import orbax.checkpoint as ocp
 
@@ -263,11 +284,17 @@ def train(args, cfg: DraftConfig, dataset: Dataset, embed, lm_head, final_norm, 
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
         log.info("resumed from step %d", int(state["step"]))
     weights = jnp.asarray(position_weights(cfg.block_size, args.gamma))
+    inverse = None
+    if vocab is not None:
+        lm_head = jnp.asarray(lm_head)[:, vocab]
+        inverse = jnp.full(cfg.vocab_size, -1, jnp.int32).at[vocab].set(jnp.arange(len(vocab), dtype=jnp.int32))
 
     @jax.jit
     def update(state, batch):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, metrics), grads = grad_fn(state["params"], batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights)
+        (_, metrics), grads = grad_fn(
+            state["params"], batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights, inverse=inverse
+        )
         updates, opt = optimizer.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}, metrics
 
@@ -309,6 +336,9 @@ def parse_args(argv=None):
     p.add_argument("--intermediate-size", type=int, default=1024)
     p.add_argument("--num-taps", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--draft-vocab-size", type=int, default=8192, help="token ids the draft proposes from (0: the whole vocabulary)"
+    )
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument(
         "--stop-after", type=int, default=0, help="stop at this step (the schedule still spans --steps); 0: --steps"
@@ -353,6 +383,7 @@ def main(argv=None) -> int:
         intermediate_size=args.intermediate_size,
         num_taps=args.num_taps,
         block_size=args.block_size,
+        draft_vocab_size=args.draft_vocab_size,
     )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -365,11 +396,13 @@ def main(argv=None) -> int:
     shards = generate_data(args, cfg, out / "data")
     dataset = Dataset(shards, args.max_len, cfg.block_size)
     log.info("data: %d sequences, %d tokens (%.0f s)", dataset.num, dataset.num_tokens, time.time() - t0)
+    vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
     weights = load_weights(gguf, target_cfg, "float32", progress=False)
-    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out)
+    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab)
     if args.export:
         meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
-        save_draft(args.export, cfg, params, meta)
+        meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens, "steps": args.steps}
+        save_draft(args.export, cfg, params, meta, vocab)
         log.info("exported %s (%.1f MB)", args.export, os.path.getsize(args.export) / 1e6)
     return 0
 

@@ -52,6 +52,9 @@ class DraftConfig:
     block_size: int = 16
     rope_base: float = 10000.0
     rms_norm_eps: float = 1e-5
+    # Drafts come from this many token ids (a list stored beside the weights); 0 = the whole
+    # vocabulary. The LM head over a frequent-token subset is most of the draft's compute.
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
@@ -61,6 +64,8 @@ class DraftConfig:
                 raise ValueError(f"draft config: {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("draft config: num_heads must be a multiple of num_kv_heads")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft config: draft_vocab_size must be in [0, {self.vocab_size}]")
         if not 2 <= self.block_size <= 64:
             raise ValueError(f"draft config: block_size must be in [2, 64], got {self.block_size}")
         if not self.target_layers or any(not 0 <= i < self.target_num_layers for i in self.target_layers):
@@ -78,6 +83,7 @@ class DraftConfig:
         intermediate_size: int = 1024,
         num_taps: int = 3,
         block_size: int = 16,
+        draft_vocab_size: int = 0,
     ) -> DraftConfig:
         """A draft with the target's width and attention shape, tapping `num_taps` layers
         spread from the second to the third-last."""
@@ -96,6 +102,7 @@ class DraftConfig:
             block_size=block_size,
             rope_base=target.rope_base,
             rms_norm_eps=target.rms_norm_eps,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def check_target(self, target: ModelConfig) -> None:

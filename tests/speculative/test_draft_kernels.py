@@ -113,7 +113,8 @@ def test_draft_file_round_trip_and_errors(tmp_path):
     params = init_params(cfg, jax.random.PRNGKey(1))
     path = tmp_path / "d.npz"
     save_draft(path, cfg, params, {"note": "x"})
-    cfg2, params2, meta = load_draft(path)
+    cfg2, params2, meta, vocab = load_draft(path)
+    assert vocab is None
     assert cfg2 == cfg and meta == {"note": "x"}
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-3)  # float16 on disk

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from aither_jax.train_draft import Dataset, build_prompts, parse_args, position_weights, train
 from models.draft import DraftConfig
@@ -77,8 +78,30 @@ def test_tiny_run_learns_resumes_and_exports(tmp_path):
     assert log[-1]["loss"] < first * 0.5
 
     save_draft(tmp_path / "d.npz", cfg, params)
-    cfg2, params2, _ = load_draft(tmp_path / "d.npz")
+    cfg2, params2, _, _ = load_draft(tmp_path / "d.npz")
     assert cfg2 == cfg and jax.tree.structure(params2) == jax.tree.structure(params)
+
+
+def test_draft_vocabulary_subset_trains_and_round_trips(tmp_path):
+    """A head over 16 of the 64 ids: labels outside it carry no loss and cannot be right."""
+    import dataclasses
+
+    rng = np.random.default_rng(1)
+    cfg = dataclasses.replace(_config(), draft_vocab_size=16)
+    data = Dataset([_shard(tmp_path / "s0.npz", rng)], max_len=48, block_size=cfg.block_size)
+    vocab = data.vocab(16, V)
+    assert vocab.shape == (16,) and np.all(np.diff(vocab) > 0)
+    counts = np.bincount(data.tokens[data.tokens > 0], minlength=V)
+    assert counts[vocab].sum() >= np.sort(counts)[::-1][:16].sum() * 0.9  # the frequent ids
+    embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
+    params = train(_args(tmp_path, 30), cfg, data, embed, embed.T, jnp.ones(D), tmp_path, vocab)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"]
+    save_draft(tmp_path / "d.npz", cfg, params, vocab=vocab)
+    _, _, _, vocab2 = load_draft(tmp_path / "d.npz")
+    np.testing.assert_array_equal(vocab2, vocab)
+    with pytest.raises(ValueError, match="sorted unique"):
+        save_draft(tmp_path / "e.npz", cfg, params, vocab=vocab[::-1])
 
 
 def test_position_weights_decay():
