@@ -140,3 +140,61 @@ def test_sampled_speculative_is_seeded_and_counts_acceptance():
     a, b = llm.chat(conv, params)
     assert a.token_ids == b.token_ids  # same seed, same tokens, whatever the batch
     assert jax.numpy.all(jax.numpy.asarray(a.token_ids) < llm.config.vocab_size)
+
+
+def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
+    """Through the whole engine, over 800 seeds (temperature 1, top-k 3): the first token is
+    sampled after the prefill; the second goes through verification of a draft that is the
+    target's greedy choice (so it is often accepted). The joint distribution of the two must be
+    the target's, computed exactly from its logits."""
+    from scipy.stats import chisquare
+
+    llm = aj.LLM(
+        "smollm2-135m", kv_cache_dtype="fp32", max_num_seqs=32, speculative="ngram", enable_prefix_caching=True,
+        **COMMON,
+    )  # fmt: skip
+    tok = llm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Pick a colour."}], add_generation_prompt=True))
+
+    def top3(context):
+        logits = llm.logits(context)[-1].astype(np.float64)
+        top = np.argsort(-logits)[:3]
+        p = np.exp(logits[top] - logits[top].max())
+        return top, p / p.sum()
+
+    first, p_first = top3(ids)
+    joint = {}
+    greedy_next = {}
+    for t1, p1 in zip(first, p_first, strict=True):
+        second, p_second = top3(ids + [int(t1)])
+        greedy_next[int(t1)] = int(second[0])
+        for t2, p2 in zip(second, p_second, strict=True):
+            joint[int(t1), int(t2)] = p1 * p2
+
+    def propose(rows):  # deterministic: the target's greedy next token after the first
+        out = []
+        for s, _ in rows:
+            ctx = s.token_slice(0, s.num_tokens)
+            ok = len(ctx) == len(ids) + 1 and llm.engine.scheduler.num_lookahead(s) > 0
+            out.append([greedy_next[ctx[-1]]] if ok else [])
+        return out
+
+    monkeypatch.setattr(llm.engine, "_propose", propose)
+    n = 800
+    params = [aj.SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([ids] * n, params, use_tqdm=False)
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids[:2])] = counts.get(tuple(o.token_ids[:2]), 0) + 1
+    assert set(counts) <= set(joint), "a token outside the target's top 3 was emitted"
+    keys = sorted(joint, key=lambda k: -joint[k])
+    exp = np.array([joint[k] * n for k in keys])
+    obs = np.array([counts.get(k, 0) for k in keys], float)
+    keep = exp >= 5
+    obs = np.append(obs[keep], obs[~keep].sum())
+    exp = np.append(exp[keep], exp[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    p_value = chisquare(obs, exp / exp.sum() * obs.sum()).pvalue
+    assert p_value > 1e-3, (p_value, counts)
+    assert llm.engine.num_accepted_tokens > n // 4  # the drafts were really verified, not just dropped
