@@ -154,7 +154,8 @@ def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
         **COMMON,
     )  # fmt: skip
     tok = llm.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Pick a colour."}], add_generation_prompt=True))
+    conv = [{"role": "user", "content": "Pick a colour."}]
+    ids = tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True))
 
     def top3(context):
         logits = llm.logits(context)[-1].astype(np.float64)
