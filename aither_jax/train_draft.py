@@ -159,26 +159,26 @@ class Dataset:
     """All shards in memory as padded [N, L] arrays; samples batches of blocks."""
 
     def __init__(self, shards: list[pathlib.Path], max_len: int, block_size: int):
-        toks, hid, plens = [], [], []
+        rows = []  # (shard arrays, start, end, prompt length) of usable sequences
         for path in shards:
-            with np.load(path) as z:
-                ends = np.cumsum(z["lengths"])
-                for i, (a, b) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends, strict=True)):
-                    if b - a - z["prompt_lengths"][i] >= block_size:
-                        toks.append(z["tokens"][a:b])
-                        hid.append(z["hidden"][a:b])
-                        plens.append(int(z["prompt_lengths"][i]))
-        if not toks:
+            with np.load(path) as z:  # each key access reads the array: read each once
+                arrays = {k: z[k] for k in ("tokens", "lengths", "prompt_lengths", "hidden")}
+            ends = np.cumsum(arrays["lengths"])
+            for a, b, p in zip(ends - arrays["lengths"], ends, arrays["prompt_lengths"], strict=True):
+                if b - a - p >= block_size and b - a <= max_len:
+                    rows.append((arrays, int(a), int(b), int(p)))
+        if not rows:
             raise RuntimeError("no sequence has a continuation as long as a block")
-        self.num = len(toks)
+        self.num = len(rows)
         self.max_len = max_len
+        width = rows[0][0]["hidden"].shape[1]
         self.tokens = np.zeros((self.num, max_len), np.int32)
-        self.hidden = np.zeros((self.num, max_len, hid[0].shape[1]), np.float16)
-        self.lengths = np.asarray([len(t) for t in toks], np.int32)
-        self.prompt_lengths = np.asarray(plens, np.int32)
-        for i, (t, h) in enumerate(zip(toks, hid, strict=True)):
-            self.tokens[i, : len(t)] = t
-            self.hidden[i, : len(t)] = h
+        self.hidden = np.zeros((self.num, max_len, width), np.float16)
+        self.lengths = np.asarray([b - a for _, a, b, _ in rows], np.int32)
+        self.prompt_lengths = np.asarray([p for *_, p in rows], np.int32)
+        for i, (arrays, a, b, _) in enumerate(rows):
+            self.tokens[i, : b - a] = arrays["tokens"][a:b]
+            self.hidden[i, : b - a] = arrays["hidden"][a:b]
         self.block_size = block_size
         self.num_tokens = int(self.lengths.sum())
 
