@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml
 run: install
 	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000
 
+# Three pytest processes: the model-heavy groups each load many engines, and one process for
+# the whole suite held more memory than a 24 GiB machine has beside the test servers.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/serving --ignore=tests/speculative
+	$(PY) -m pytest -q tests/serving
+	$(PY) -m pytest -q tests/speculative
 
 lint: install
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
