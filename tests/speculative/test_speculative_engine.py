@@ -110,7 +110,8 @@ def test_rollback_leaves_the_caches_of_plain_decoding():
     assert rejected > 0 and seq.num_accepted_tokens > 0  # both paths were taken
 
     plain = aj.LLM("smollm2-135m", kv_cache_dtype="fp32", max_num_seqs=2, **COMMON)
-    ref = plain.engine.add_request(ids, aj.SamplingParams(max_tokens=len(seq.output_ids), temperature=0.0))
+    params = aj.SamplingParams(max_tokens=len(seq.output_ids) + 8, temperature=0.0, ignore_eos=True)
+    ref = plain.engine.add_request(ids, params)
     while len(ref.output_ids) < len(seq.output_ids):
         plain.engine.step()
     assert ref.output_ids == seq.output_ids and ref.num_cached == seq.num_cached
