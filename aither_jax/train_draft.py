@@ -3,8 +3,11 @@
 Three resumable stages, each skipped when its output exists:
 
 1. Prompts: chat requests built from the docstrings of Python's standard library, read with
-   `ast` from the interpreter's own source files (no import, nothing downloaded). Modules
+   `ast` from the interpreter's own source files (no import, nothing downloaded); modules
    whose name hashes into the held-out tenth are never used (`--split eval` lists those).
+   Then general chat requests (`aither_jax.chat_prompts`: explanations, how-tos, tips,
+   stories, emails, small programs) from hand-written topic lists kept apart from
+   `scripts/data/chat_eval.jsonl`.
 2. Data: the frozen target's own greedy continuations of those prompts, then the hidden states
    of the draft's tapped target layers over prompt + continuation, stored as .npz shards.
 3. Training: random anchors in the continuations; the block is [anchor token, masks...]; the
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from aither_jax.chat_prompts import all_requests, chat_prompts
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, context_features, context_kv, init_params
 from pallas_kernels.draft_attention import draft_attention_dense
 
@@ -113,6 +117,7 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
 
     data_dir.mkdir(parents=True, exist_ok=True)
     convs = build_prompts(args.num_prompts, seed=args.seed)
+    convs += chat_prompts(args.num_chat_prompts, seed=args.seed) if args.num_chat_prompts else []
     shards = []
     llm = None
     per_shard = args.shard_size
@@ -327,7 +332,8 @@ def parse_args(argv=None):
     p.add_argument("--export", help="write the trained draft here (.npz) for shipping")
     p.add_argument("--split", choices=("train", "eval"), default="train", help=argparse.SUPPRESS)
     p.add_argument("--print-prompts", type=int, default=0, help="print N prompts of --split as JSON lines and exit")
-    p.add_argument("--num-prompts", type=int, default=1024)
+    p.add_argument("--num-prompts", type=int, default=768, help="prompts from standard-library docstrings")
+    p.add_argument("--num-chat-prompts", type=int, default=768, help="general chat prompts (0: none)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-len", type=int, default=640, help="longest prompt + continuation")
     p.add_argument("--gen-batch", type=int, default=32, help="sequences generated together")
@@ -356,6 +362,8 @@ def parse_args(argv=None):
     for name in ("num_prompts", "max_new_tokens", "steps", "batch_seqs", "anchors", "log_every", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.num_chat_prompts <= len(all_requests()):
+        p.error(f"--num-chat-prompts must be in [0, {len(all_requests())}]")
     if args.max_new_tokens + 16 > args.max_len:
         p.error("--max-len must leave room for a prompt beside --max-new-tokens")
     return args

@@ -2,6 +2,7 @@
 checkpoint with the same state, and the exported draft loads."""
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from aither_jax import chat_prompts as chat_prompts_module
 from aither_jax.train_draft import Dataset, build_prompts, parse_args, position_weights, train
 from models.draft import DraftConfig
 from models.draft_io import load_draft, save_draft
@@ -114,3 +116,33 @@ def test_prompt_splits_are_disjoint():
     eval_convs = build_prompts(50, seed=0, split="eval")
     assert len(train_convs) == 50 and len(eval_convs) == 50
     assert not {c[0]["content"] for c in train_convs} & {c[0]["content"] for c in eval_convs}
+
+
+def _eval_prompts():
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "data" / "chat_eval.jsonl"
+    return [json.loads(line)["messages"][-1]["content"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_chat_prompts_stay_apart_from_the_evaluation_set():
+    evals = _eval_prompts()
+    assert len(evals) == 40
+    chat_prompts_module.check_disjoint(evals)  # raises on a shared topic or request
+    requests = chat_prompts_module.all_requests()
+    assert len(set(requests)) == len(requests) >= 768
+    convs = chat_prompts_module.chat_prompts(768, seed=0)
+    assert convs == chat_prompts_module.chat_prompts(768, seed=0)  # reproducible
+    assert len({c[0]["content"] for c in convs}) == 768
+    assert not {c[0]["content"] for c in convs} & set(evals)
+
+
+def test_chat_prompt_overlap_is_caught():
+    topic = chat_prompts_module.topics()[5]
+    with pytest.raises(ValueError, match="occurs in the evaluation prompt"):
+        chat_prompts_module.check_disjoint([f"Tell me everything about {topic.upper()}, please."])
+    request = chat_prompts_module.all_requests()[0]
+    with pytest.raises(ValueError):
+        chat_prompts_module.check_disjoint([request])
+    with pytest.raises(ValueError, match="distinct chat requests"):
+        chat_prompts_module.chat_prompts(len(chat_prompts_module.all_requests()) + 1, seed=0)
+    with pytest.raises(SystemExit):
+        parse_args(["--num-chat-prompts", "100000"])
