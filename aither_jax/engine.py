@@ -287,22 +287,7 @@ class Engine:
         verify_rows = [(s, toks + d) for (s, toks), d in zip(rows, drafts, strict=True)]
         want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
         tokens, batch, sampling, num_pages, greedy_only = self._pack(verify_rows, all_logits=True, min_tokens=2)
-        accepted, next_tokens, logits, update, hidden = verify_step(
-            self.weights,
-            self.cache,
-            tokens,
-            batch,
-            sampling,
-            cfg=self.cfg,
-            num_pages=num_pages,
-            greedy_only=greedy_only,
-            attention=self.attention,
-            taps=self._taps,
-            return_logits=want_logprobs,
-        )
-        self.cache = write_step(self.cache, update)
-        if self.drafter is not None:
-            self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
+        accepted, next_tokens, logits = self._verify(tokens, batch, sampling, num_pages, greedy_only, want_logprobs)
         accepted, next_tokens = np.asarray(accepted), np.asarray(next_tokens)
         logits = None if logits is None else np.asarray(logits)
         for i, ((s, _), d) in enumerate(zip(rows, drafts, strict=True)):
@@ -325,6 +310,32 @@ class Engine:
             # The cache holds the last token and the accepted drafts that were kept.
             self.scheduler.computed(s, 1 + min(n, appended))
             self.committed_hist[appended] += 1
+
+    def _verify(self, tokens, batch, sampling, num_pages: int, greedy_only: bool, return_logits: bool):
+        """The target's verify pass over [last, drafts] rows, its cache write and the draft
+        context write: (accepted counts, next tokens, logits or None)."""
+        key = ("verify", *tokens.shape, num_pages, return_logits, greedy_only)
+        if key not in self._seen_shapes:
+            if self.warmed_up and not return_logits:
+                log.warning("verify shape %s was not compiled during warm-up: this step compiles", key)
+            self._seen_shapes.add(key)
+        accepted, next_tokens, logits, update, hidden = verify_step(
+            self.weights,
+            self.cache,
+            tokens,
+            batch,
+            sampling,
+            cfg=self.cfg,
+            num_pages=num_pages,
+            greedy_only=greedy_only,
+            attention=self.attention,
+            taps=self._taps,
+            return_logits=return_logits,
+        )
+        self.cache = write_step(self.cache, update)
+        if self.drafter is not None:
+            self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
+        return accepted, next_tokens, logits
 
     def spec_stats(self) -> dict:
         """Speculative decoding so far: vLLM's counters, tau (tokens committed per verify pass
@@ -442,15 +453,18 @@ class Engine:
         """Compiles every decode shape for sequences up to `max_len` tokens.
 
         Covers each batch bucket (1, 2, 4, .. max_num_seqs) times each page bucket up to
-        `max_len` (default max_model_len), greedy and, with `sampling`, sampled. The calls run
-        on padding rows only, which write to the null page and change nothing. Afterwards a
-        decode step with a shape outside this set logs a warning. Returns the number of shapes.
+        `max_len` (default max_model_len), greedy and, with `sampling`, sampled. With
+        speculative decoding each such shape also compiles the verify pass over the draft block,
+        the draft context write and (DFlash) the drafting call. The calls run on padding rows
+        only, which write to the null page and change nothing. Afterwards a decode step with a
+        shape outside this set logs a warning. Returns the number of shapes.
         """
         max_len = self.max_model_len if max_len is None else max_len
         if not 1 <= max_len <= self.max_model_len:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
-        max_pages = self.scheduler.pages_needed(max_len)
+        max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)
+        max_pages = min(max_pages, self.max_pages_per_seq)
         pages = sorted({bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
         shapes = [(r, p, g) for r in rows for p in pages for g in ((True, False) if sampling else (True,))]
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
@@ -459,11 +473,28 @@ class Engine:
             temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
             params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
             tokens = np.zeros((num_rows, 1), np.int32)
-            tokens, _, _ = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only)
+            tokens, _, hidden = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
+            if self.drafter is not None:
+                self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
+            if self.num_speculative_tokens:
+                self._warm_speculative(batch, params, num_pages, greedy_only)
         if shapes:
             tokens.block_until_ready()
         self.warmed_up = True
         return len(shapes)
+
+    def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
+        """Compiles the drafting call and the verify pass of one decode shape on padding rows."""
+        num_rows = batch.slots.shape[0]
+        if self.drafter is not None and greedy_only:  # drafting does not depend on sampling
+            zeros = np.zeros(num_rows, np.int32)
+            self.drafter.propose(np.zeros((num_rows, num_pages), np.int32), zeros, zeros)
+        # Drafts may come short (a request near max_tokens, prompt lookup): every token bucket.
+        for num_tokens in sorted(
+            {bucket(n, 2, self.max_prefill_chunk) for n in range(2, self.num_speculative_tokens + 2)}
+        ):
+            tokens = np.zeros((num_rows, num_tokens), np.int32)
+            self._verify(tokens, batch, params, num_pages, greedy_only, return_logits=False)
 
     # -- scoring ----------------------------------------------------------------------------
 

@@ -291,6 +291,11 @@ class AsyncEngine:
             m.gauge(name, help_text, read)
         for name, help_text, read in read_counters:
             m.counter(name, help_text, read)
+        m.counter_series(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first).",
+            lambda: [({"position": str(i)}, float(n)) for i, n in enumerate(eng.accepted_per_pos.tolist())],
+        )
         m.counter("vllm:prompt_tokens_total", "Prompt tokens of finished requests.")
         m.counter("vllm:generation_tokens_total", "Generated tokens.")
         m.counter("vllm:request_success_total", "Finished requests by finish reason.")

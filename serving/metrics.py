@@ -53,6 +53,12 @@ class Metrics:
         self._counters: dict[tuple[str, tuple], float] = {}
         self._histograms: dict[str, Histogram] = {}
         self._gauges: dict[str, Callable[[], float]] = {}
+        self._series: dict[str, Callable[[], list[tuple[dict[str, str], float]]]] = {}
+
+    def counter_series(self, name: str, help_text: str, read: Callable[[], list[tuple[dict[str, str], float]]]) -> None:
+        """Declares a counter with one series per label set, all read from their owner at once."""
+        self._help[name] = ("counter", help_text)
+        self._series[name] = read
 
     def counter(self, name: str, help_text: str, read: Callable[[], float] | None = None) -> None:
         """Declares a counter, updated with `inc` or, with `read`, read from its owner."""
@@ -71,7 +77,7 @@ class Metrics:
         self._gauges[name] = read
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        if self._help.get(name, ("",))[0] != "counter" or name in self._gauges:
+        if self._help.get(name, ("",))[0] != "counter" or name in self._gauges or name in self._series:
             raise KeyError(f"no counter named {name}")
         with self._lock:
             key = (name, tuple(sorted(labels.items())))
@@ -95,6 +101,9 @@ class Metrics:
                 lines.append(f"# TYPE {name} {kind}")
                 if name in self._gauges:
                     lines.append(f"{name}{_labels(self.labels)} {_number(self._gauges[name]())}")
+                elif name in self._series:
+                    for extra, value in self._series[name]():
+                        lines.append(f"{name}{_labels({**self.labels, **extra})} {_number(value)}")
                 elif kind == "counter":
                     for (cname, extra), value in sorted(self._counters.items()):
                         if cname == name:

@@ -200,3 +200,20 @@ def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
     p_value = chisquare(obs, exp / exp.sum() * obs.sum()).pvalue
     assert p_value > 1e-3, (p_value, counts)
     assert llm.engine.num_accepted_tokens > n // 4  # the drafts were really verified, not just dropped
+
+
+@pytest.mark.parametrize("method", ["dflash", "ngram"])
+def test_warmup_covers_drafting_and_verify_shapes(method, caplog):
+    llm = aj.LLM(
+        "smollm2-135m", speculative={"method": method, "num_speculative_tokens": 7},
+        max_num_seqs=2, num_pages=40, **{**COMMON, "max_model_len": 256},
+    )  # fmt: skip
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS[4:6]]
+    llm.chat(convs, aj.SamplingParams(max_tokens=1, temperature=0.0))  # compiles the prefill shapes
+    assert llm.warmup(max_len=120, sampling=False) == 2  # rows {1, 2} x pages {8}
+    before = llm.engine.num_compiles
+    with caplog.at_level("WARNING", logger="aither_jax.engine"):
+        llm.chat(convs, aj.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert llm.engine.num_compiles == before  # drafting, verify and context writes were all warm
+    assert llm.engine.spec_stats()["num_drafts"] > 0
