@@ -49,7 +49,7 @@ def test_speculative_server_matches_plain_and_reports_acceptance(server, server_
     assert m["vllm:spec_decode_num_accepted_tokens"] <= m["vllm:spec_decode_num_draft_tokens"]
     per_pos = [m[f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}'] for i in range(7)]
     assert sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
-    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # position i+1 is accepted only after i
+    assert per_pos == sorted(per_pos, reverse=True)  # position i+1 is accepted only after i
 
 
 def test_bad_speculative_config_exits_2():
