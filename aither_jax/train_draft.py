@@ -186,11 +186,23 @@ class Dataset:
             self.hidden[i, : b - a] = arrays["hidden"][a:b]
         self.block_size = block_size
         self.num_tokens = int(self.lengths.sum())
+        self.train_rows = np.arange(self.num)
+        self.val_rows = np.zeros(0, np.int64)
+
+    def hold_out(self, fraction: float, seed: int) -> None:
+        """Sets aside `fraction` of the sequences (at least one when fraction > 0) for
+        validation; training batches never draw them."""
+        num_val = 0 if fraction <= 0 else max(1, round(self.num * fraction))
+        if num_val >= self.num:
+            raise ValueError(f"holding out {num_val} of {self.num} sequences leaves none to train on")
+        order = np.random.default_rng([seed, 1]).permutation(self.num)
+        self.val_rows, self.train_rows = np.sort(order[:num_val]), np.sort(order[num_val:])
 
     def vocab(self, size: int, vocab_size: int) -> np.ndarray:
-        """`size` token ids for the draft's head: those of the continuations by frequency, then
+        """`size` token ids for the draft's head: those of the training continuations by frequency, then
         the prompts', then the lowest unused ids; returned sorted."""
-        rows = list(zip(self.tokens, self.prompt_lengths, self.lengths, strict=True))
+        r = self.train_rows  # held-out sequences do not choose the head
+        rows = list(zip(self.tokens[r], self.prompt_lengths[r], self.lengths[r], strict=True))
         answers = np.concatenate([t[p:n] for t, p, n in rows])
         prompts = np.concatenate([t[:p] for t, p, _ in rows])
         score = np.bincount(answers, minlength=vocab_size) * float(len(prompts) + 1)
@@ -198,8 +210,9 @@ class Dataset:
         order = np.lexsort((np.arange(vocab_size), -score))  # most frequent first, then by id
         return np.sort(order[:size]).astype(np.int32)
 
-    def batch(self, rng: np.random.Generator, num_seqs: int, num_anchors: int, reveal_prob: float):
-        idx = rng.integers(0, self.num, num_seqs)
+    def batch(self, rng: np.random.Generator, num_seqs: int, num_anchors: int, reveal_prob: float, *, val=False):
+        pool = self.val_rows if val else self.train_rows
+        idx = pool[rng.integers(0, len(pool), num_seqs)]
         low = np.maximum(self.prompt_lengths[idx] - 1, 1)
         high = self.lengths[idx] - self.block_size  # the block must end inside the sequence
         anchors = low[:, None] + (rng.random((num_seqs, num_anchors)) * (high - low + 1)[:, None]).astype(np.int32)
@@ -303,20 +316,41 @@ def train(
         updates, opt = optimizer.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}, metrics
 
+    @jax.jit
+    def evaluate(params, batch):
+        return loss_fn(params, batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights, inverse=inverse)[1]
+
+    def validate(params) -> dict[str, float]:
+        """Metrics on fixed fully masked blocks of the held-out sequences."""
+        totals = None
+        for j in range(args.val_batches):
+            rng = np.random.default_rng([args.seed, 2, j])
+            m = evaluate(params, dataset.batch(rng, args.batch_seqs, args.anchors, 0.0, val=True))
+            totals = m if totals is None else {k: totals[k] + m[k] for k in m}
+        return {f"val_{k}": float(v) / args.val_batches for k, v in totals.items()}
+
     start = int(state["step"])
     stop = min(args.steps, args.stop_after or args.steps)
     log_path = out / "train_log.jsonl"
-    ema = None
+    ema, val = None, {}
     with tqdm(total=args.steps, initial=start, desc="training draft", unit="step") as bar, log_path.open("a") as logf:
         for step in range(start, stop):
             rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
             batch = dataset.batch(rng, args.batch_seqs, args.anchors, args.reveal_prob)
             state, metrics = update(state, batch)
-            if (step + 1) % args.log_every == 0 or step + 1 == stop:
+            validating = len(dataset.val_rows) and ((step + 1) % args.save_every == 0 or step + 1 == stop)
+            if validating:
+                val = validate(state["params"])
+            if (step + 1) % args.log_every == 0 or validating:
                 m = {k: float(v) for k, v in metrics.items()}
                 ema = m if ema is None else {k: 0.9 * ema[k] + 0.1 * m[k] for k in m}
-                bar.set_postfix(loss=f"{ema['loss']:.3f}", acc=f"{ema['accuracy']:.3f}", tau=f"{ema['tau']:.2f}")
-                logf.write(json.dumps({"step": step + 1, "time": time.time(), **m}) + "\n")
+                shown = {"loss": f"{ema['loss']:.3f}", "acc": f"{ema['accuracy']:.3f}", "tau": f"{ema['tau']:.2f}"}
+                if val:
+                    shown["val_tau"] = f"{val['val_tau']:.2f}"
+                bar.set_postfix(shown)
+                logf.write(
+                    json.dumps({"step": step + 1, "time": time.time(), **m, **(val if validating else {})}) + "\n"
+                )
                 logf.flush()
             if (step + 1) % args.save_every == 0 or step + 1 == stop:
                 manager.save(step + 1, args=ocp.args.StandardSave(state))
@@ -356,12 +390,25 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--gamma", type=float, default=7.0, help="decay length of the per-position loss weights")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--save-every", type=int, default=200, help="checkpoint (and validate) every N steps")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation")
+    p.add_argument("--val-batches", type=int, default=4, help="fully masked validation batches")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("num_prompts", "max_new_tokens", "steps", "batch_seqs", "anchors", "log_every", "save_every"):
+    for name in (
+        "num_prompts",
+        "max_new_tokens",
+        "steps",
+        "batch_seqs",
+        "anchors",
+        "log_every",
+        "save_every",
+        "val_batches",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.val_fraction < 0.5:
+        p.error("--val-fraction must be in [0, 0.5)")
     if not 0 <= args.num_chat_prompts <= len(all_requests()):
         p.error(f"--num-chat-prompts must be in [0, {len(all_requests())}]")
     if args.max_new_tokens + 16 > args.max_len:
@@ -403,6 +450,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     shards = generate_data(args, cfg, out / "data")
     dataset = Dataset(shards, args.max_len, cfg.block_size)
+    dataset.hold_out(args.val_fraction, args.seed)
     log.info("data: %d sequences, %d tokens (%.0f s)", dataset.num, dataset.num_tokens, time.time() - t0)
     vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
     weights = load_weights(gguf, target_cfg, "float32", progress=False)

@@ -26,12 +26,15 @@ def _config():
 
 
 def _shard(path, rng, num_seqs=24, length=48):
-    """Sequences a small draft can learn quickly: two tokens alternating."""
+    """Sequences a small draft can learn quickly: two tokens alternating. The "hidden states"
+    are a fixed code of each position's token, so the draft can also learn to continue pairs
+    it never saw by reading them from the context."""
+    code = np.random.default_rng(99).standard_normal((V, TAPS * D))
     toks, hidden = [], []
     for _ in range(num_seqs):
         a, b = rng.integers(V, size=2)
         toks.append(np.asarray([a, b] * (length // 2), np.int32))
-        hidden.append(rng.standard_normal((length, TAPS * D)).astype(np.float16))
+        hidden.append(code[toks[-1]].astype(np.float16))
     np.savez(
         path,
         tokens=np.concatenate(toks),
@@ -54,6 +57,7 @@ def test_tiny_run_learns_resumes_and_exports(tmp_path):
     rng = np.random.default_rng(0)
     cfg = _config()
     data = Dataset([_shard(tmp_path / "s0.npz", rng)], max_len=48, block_size=cfg.block_size)
+    data.hold_out(0.2, seed=0)
     key = jax.random.PRNGKey(0)
     embed = jax.random.normal(key, (V, D)) * 0.5
     lm_head = embed.T
@@ -64,6 +68,8 @@ def test_tiny_run_learns_resumes_and_exports(tmp_path):
     assert [r["step"] for r in log][-1] == 40
     first, last = log[0]["loss"], log[-1]["loss"]
     assert last < 0.7 * first, (first, last)
+    val = [r for r in log if "val_tau" in r]  # at every checkpoint, on the held-out sequences
+    assert [r["step"] for r in val] == [20, 40] and 1.0 <= val[-1]["val_tau"] <= cfg.block_size
 
     # The checkpoint at step 40 holds exactly the returned parameters.
     manager = ocp.CheckpointManager((tmp_path / "checkpoints").absolute())
@@ -78,6 +84,9 @@ def test_tiny_run_learns_resumes_and_exports(tmp_path):
     steps = [r["step"] for r in log]
     assert steps == sorted(steps) and steps[-1] == 80 and steps.count(40) == 1
     assert log[-1]["loss"] < first * 0.5
+    val = [r for r in log if "val_tau" in r]
+    assert [r["step"] for r in val] == [20, 40, 60, 80]
+    assert val[-1]["val_loss"] < 0.85 * val[0]["val_loss"]  # it continues pairs it never trained on
 
     save_draft(tmp_path / "d.npz", cfg, params)
     cfg2, params2, _, _ = load_draft(tmp_path / "d.npz")
@@ -146,3 +155,16 @@ def test_chat_prompt_overlap_is_caught():
         chat_prompts_module.chat_prompts(len(chat_prompts_module.all_requests()) + 1, seed=0)
     with pytest.raises(SystemExit):
         parse_args(["--num-chat-prompts", "100000"])
+
+
+def test_held_out_sequences_never_reach_training_batches(tmp_path):
+    data = Dataset([_shard(tmp_path / "s0.npz", np.random.default_rng(1))], max_len=48, block_size=6)
+    data.hold_out(0.25, seed=3)
+    assert len(data.val_rows) == 6 and not set(data.val_rows) & set(data.train_rows)
+    held = {tuple(data.tokens[i, :2]) for i in data.val_rows}
+    rng = np.random.default_rng(0)
+    seen = {tuple(t[:2]) for _ in range(50) for t in data.batch(rng, 8, 2, 0.0)["tokens"]}
+    assert not seen & held and seen  # (each sequence alternates its own two tokens)
+    assert {tuple(t[:2]) for t in data.batch(rng, 8, 2, 0.0, val=True)["tokens"]} <= held
+    with pytest.raises(ValueError, match="leaves none"):
+        data.hold_out(1.0, seed=0)
