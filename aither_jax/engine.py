@@ -314,11 +314,7 @@ class Engine:
     def _verify(self, tokens, batch, sampling, num_pages: int, greedy_only: bool, return_logits: bool):
         """The target's verify pass over [last, drafts] rows, its cache write and the draft
         context write: (accepted counts, next tokens, logits or None)."""
-        key = ("verify", *tokens.shape, num_pages, return_logits, greedy_only)
-        if key not in self._seen_shapes:
-            if self.warmed_up and not return_logits:
-                log.warning("verify shape %s was not compiled during warm-up: this step compiles", key)
-            self._seen_shapes.add(key)
+        self._note_shape("verify", (*tokens.shape, num_pages, return_logits, greedy_only), warmed=not return_logits)
         accepted, next_tokens, logits, update, hidden = verify_step(
             self.weights,
             self.cache,
@@ -430,10 +426,7 @@ class Engine:
     def _dispatch(self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=()):
         num_rows, num_tokens = tokens.shape
         key = (num_rows, num_tokens, num_pages, return_logits, greedy_only, taps)
-        if key not in self._seen_shapes:
-            if self.warmed_up and num_tokens == 1 and return_logits == "none":
-                log.warning("decode shape %s was not compiled during warm-up: this step compiles", key)
-            self._seen_shapes.add(key)
+        self._note_shape("decode", key, warmed=num_tokens == 1 and return_logits == "none")
         next_tokens, logits, self.cache, hidden = model_step(
             self.weights,
             self.cache,
@@ -448,6 +441,13 @@ class Engine:
             taps=taps,
         )
         return next_tokens, logits, hidden
+
+    def _note_shape(self, kind: str, key: tuple, *, warmed: bool) -> None:
+        """Records a step shape; warns when warm-up should have compiled it (`warmed`) and did not."""
+        if (kind, *key) not in self._seen_shapes:
+            if self.warmed_up and warmed:
+                log.warning("%s shape %s was not compiled during warm-up: this step compiles", kind, key)
+            self._seen_shapes.add((kind, *key))
 
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False) -> int:
         """Compiles every decode shape for sequences up to `max_len` tokens.

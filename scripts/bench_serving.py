@@ -306,17 +306,27 @@ def plot(report: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def record(report: dict, command: str) -> None:
+def append_row(header: str, columns: str, row: str) -> None:
+    """Appends `row` to the table under `header` in docs/BENCHMARKS.md (made with `columns`
+    when the section is new)."""
     path = ROOT / "docs" / "BENCHMARKS.md"
     text = path.read_text()
+    if header not in text:
+        text = text.rstrip() + f"\n\n{header}\n\n{columns}"
+    start = text.index(header)
+    table_end = text.find("\n\n", text.index("|---", start))
+    table_end = len(text) if table_end < 0 else table_end
+    text = text[:table_end].rstrip("\n") + "\n" + row.rstrip("\n") + text[table_end:]
+    path.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def record(report: dict, command: str) -> None:
     header = "## Serving (scripts/bench_serving.py)"
     columns = (
         "| date | device | KV | tok/s by concurrency | max/min concurrency | TTFT p50 by concurrency (s) | "
         "shared-prefix mean TTFT on / off (s) | TTFT speedup | versions | command |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
-    if header not in text:
-        text = text.rstrip() + f"\n\n{header}\n\n{columns}"
     rows = report["concurrency"]
     tput = ", ".join(f"{r['concurrency']}: {r['throughput_tok_s']:.0f}" for r in rows)
     ttft = ", ".join(f"{r['concurrency']}: {r['ttft_p50_s']:.2f}" for r in rows)
@@ -328,11 +338,7 @@ def record(report: dict, command: str) -> None:
         f"{sp['on']['ttft_mean_s']:.2f} / {sp['off']['ttft_mean_s']:.2f} | {sp['ttft_speedup']:.1f}x | "
         f"jax {env['jax']}, Python {env['python']} | `{command}` |\n"
     )
-    start = text.index(header)
-    table_end = text.find("\n\n", text.index("|---", start))
-    table_end = len(text) if table_end < 0 else table_end
-    text = text[:table_end].rstrip("\n") + "\n" + row.rstrip("\n") + text[table_end:]
-    path.write_text(text if text.endswith("\n") else text + "\n")
+    append_row(header, columns, row)
 
 
 def main(argv=None) -> int:

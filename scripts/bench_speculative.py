@@ -16,7 +16,7 @@ import json
 import pathlib
 import sys
 
-from bench_serving import environment
+from bench_serving import append_row, environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -112,16 +112,12 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 
 def record(report: dict, command: str) -> None:
-    path = ROOT / "docs" / "BENCHMARKS.md"
-    text = path.read_text()
     header = "## Speculative decoding (scripts/bench_speculative.py)"
     columns = (
         "| date | device | dtype / KV | prompts x max tokens | plain tok/s | tau mean by method | "
         "speedup by method | identical outputs | versions | command |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
-    if header not in text:
-        text = text.rstrip() + f"\n\n{header}\n\n{columns}"
     rows, env, cfg = report["rows"], report["env"], report["config"]
     taus = ", ".join(f"{label(r)}: {r['tau_mean']:.2f}" for r in rows)
     speed = ", ".join(f"{label(r)}: {r['speedup']:.2f}x" for r in rows)
@@ -131,11 +127,7 @@ def record(report: dict, command: str) -> None:
         f"{rows[0]['num_prompts']} x {cfg['max_tokens']} | {rows[0]['baseline_tokens_per_second']:.1f} | {taus} | "
         f"{speed} | {same} | jax {env['jax']}, Python {env['python']} | `{command}` |\n"
     )
-    start = text.index(header)
-    table_end = text.find("\n\n", text.index("|---", start))
-    table_end = len(text) if table_end < 0 else table_end
-    text = text[:table_end].rstrip("\n") + "\n" + row.rstrip("\n") + text[table_end:]
-    path.write_text(text if text.endswith("\n") else text + "\n")
+    append_row(header, columns, row)
 
 
 def main(argv=None) -> int:
