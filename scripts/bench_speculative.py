@@ -103,8 +103,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
     env = report["env"]
     cfg = report["config"]
     fig.suptitle(
-        f"aither-jax speculative decoding, {cfg['model']} ({cfg['dtype']}, {cfg['kv_cache_dtype']} KV), "
-        f"{len(report['rows'][0:1]) and report['rows'][0]['num_prompts']} held-out chat prompts, {env['device']}",
+        f"aither-jax speculative decoding, {cfg['model']}, {rows[0]['num_prompts']} held-out chat prompts, "
+        f"{env['device']}\n{cfg['dtype']} weights, KV {cfg['kv_cache_dtype']}",
         fontsize=10,
     )
     fig.tight_layout()

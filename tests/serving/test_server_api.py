@@ -329,8 +329,12 @@ def test_disconnecting_fifty_streams_returns_requests_and_pages(server):
     assert baseline["vllm:num_requests_running"] == 0 and baseline["vllm:num_requests_waiting"] == 0
 
     asyncio.run(open_and_hang_up(server.url, 50))
-    assert wait_idle(server, 2.0) < 2.0
+    assert wait_idle(server, 60) < 60
     m = server.metrics()
+    # Counted in tokens, not seconds (a busy machine slows the engine and the clock alike):
+    # finishing would generate 50 x 200 tokens; aborting stops them within a few steps.
+    generated = m["vllm:generation_tokens_total"] - baseline["vllm:generation_tokens_total"]
+    assert generated < 50 * 200 / 10, generated
     assert m["aither:kv_pages_free"] >= baseline["aither:kv_pages_free"] - 2  # only partial pages stay cached
     aborted = m['vllm:request_success_total{finished_reason="abort"}'] - baseline.get(
         'vllm:request_success_total{finished_reason="abort"}', 0
