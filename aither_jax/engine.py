@@ -245,8 +245,7 @@ class Engine:
         next_tokens, logits, hidden, batch = self._run(
             rows, return_logits="last" if want_logprobs else "none", taps=self._taps
         )
-        if self.drafter is not None:
-            self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
+        self._write_draft_context(hidden, batch)
         for i, ((s, toks), tok) in enumerate(zip(rows, next_tokens, strict=True)):
             self.scheduler.computed(s, len(toks))
             if s.num_pending == 0:
@@ -329,9 +328,13 @@ class Engine:
             return_logits=return_logits,
         )
         self.cache = write_step(self.cache, update)
+        self._write_draft_context(hidden, batch)
+        return accepted, next_tokens, logits
+
+    def _write_draft_context(self, hidden, batch: StepBatch) -> None:
+        """Feeds a target call's tapped hidden states to the DFlash draft's context cache."""
         if self.drafter is not None:
             self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
-        return accepted, next_tokens, logits
 
     def spec_stats(self) -> dict:
         """Speculative decoding so far: vLLM's counters, tau (tokens committed per verify pass
@@ -463,8 +466,7 @@ class Engine:
         if not 1 <= max_len <= self.max_model_len:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
-        max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)
-        max_pages = min(max_pages, self.max_pages_per_seq)
+        max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # bucket() caps it
         pages = sorted({bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
         shapes = [(r, p, g) for r in rows for p in pages for g in ((True, False) if sampling else (True,))]
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
@@ -474,8 +476,7 @@ class Engine:
             params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
             tokens = np.zeros((num_rows, 1), np.int32)
             tokens, _, hidden = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
-            if self.drafter is not None:
-                self.drafter.write(hidden, self.cache.block_tables, batch.slots, batch.start, batch.num_new)
+            self._write_draft_context(hidden, batch)
             if self.num_speculative_tokens:
                 self._warm_speculative(batch, params, num_pages, greedy_only)
         if shapes:

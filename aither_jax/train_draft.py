@@ -409,8 +409,9 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.val_fraction < 0.5:
         p.error("--val-fraction must be in [0, 0.5)")
-    if not 0 <= args.num_chat_prompts <= len(all_requests()):
-        p.error(f"--num-chat-prompts must be in [0, {len(all_requests())}]")
+    num_requests = len(all_requests())
+    if not 0 <= args.num_chat_prompts <= num_requests:
+        p.error(f"--num-chat-prompts must be in [0, {num_requests}]")
     if args.max_new_tokens + 16 > args.max_len:
         p.error("--max-len must leave room for a prompt beside --max-new-tokens")
     return args
