@@ -36,13 +36,13 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model: str) -> str:
 
 
 def resolve_attention(attention: str) -> str:
-    """ "auto" -> the Pallas kernels on GPU, the jnp reference elsewhere (on CPU the kernels only
-    run in the Pallas interpreter, which is for tests)."""
+    """ "auto" -> the Pallas kernels on GPU, the same rotated-domain algorithm in jnp elsewhere
+    (on CPU the kernels only run in the Pallas interpreter, which is for tests)."""
     if attention != "auto":
         return attention
     import jax
 
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def default_num_pages(spec: KVSpec, cfg: ModelConfig, *, max_num_seqs: int, max_model_len: int, page_size: int) -> int:
@@ -90,8 +90,9 @@ class LLM:
             prompts from the longest cached prefix (off by default here; None: on unless the
             KV format has sink tokens, which the server uses).
         max_pinned_fraction: most of the page pool that pinned prefixes may hold.
-        attention: "auto" (Pallas kernels on GPU, the jnp reference on CPU), "pallas" or
-            "reference"; the reference decodes quantized pages into a buffer.
+        attention: "auto" (Pallas kernels on GPU, their rotated-domain algorithm in jnp on
+            CPU), "pallas", "xla" or "reference"; the reference decodes quantized pages into a
+            buffer.
         seed: seeds requests that bring no seed of their own.
         speculative: speculative decoding: None (off), "dflash" (the draft shipped for the
             model), "ngram" (prompt lookup), or a dict / JSON string of

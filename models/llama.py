@@ -20,9 +20,9 @@ from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.weights import ModelWeights
 from pallas_kernels.paged_attention import dot_precision, paged_attention_reference
-from pallas_kernels.tq_attention import Sinks, tq_paged_attention
+from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_xla
 
-ATTENTION_IMPLS = ("reference", "pallas")
+ATTENTION_IMPLS = ("reference", "pallas", "xla")
 
 
 @struct.dataclass
@@ -98,8 +98,9 @@ def forward(
             row's last valid token ([B, V]).
         attention: "pallas" quantizes new keys/values with the Pallas encoder and reads
             TurboQuant layers with the rotated-domain kernel (other layers, and every layer of
-            unquantized or QJL formats, use the reference); "reference" encodes with the jnp
-            codec, decodes the pages and runs the jnp reference everywhere.
+            unquantized or QJL formats, use the reference); "xla" reads the same layers with
+            the rotated-domain algorithm in jnp (for backends without the kernels); "reference"
+            encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere.
 
     Returns:
         (logits float32, the new tokens' keys/values and where they go).
@@ -135,9 +136,10 @@ def forward(
                 if cache.quantized(idx):
                     stored_k, stored_v = cache.sinks(batch.slots, idx)
                     sinks = Sinks(stored_k, stored_v, k16.astype(jnp.float32), v16.astype(jnp.float32))
-            if attention == "pallas" and _kernel_reads(cache, idx):
+            if attention != "reference" and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
-                attn = tq_paged_attention(
+                rotated = tq_paged_attention if attention == "pallas" else tq_paged_attention_xla
+                attn = rotated(
                     q,
                     k_store,
                     v_store,

@@ -150,6 +150,49 @@ def tq_paged_attention(
     )
 
 
+def tq_paged_attention_xla(
+    q: jax.Array,
+    k_new: dict[str, jax.Array],
+    v_new: dict[str, jax.Array],
+    k_pool: dict[str, jax.Array],
+    v_pool: dict[str, jax.Array],
+    block_table: jax.Array,
+    layer: jax.Array | int,
+    ctx_lens: jax.Array,
+    num_new: jax.Array,
+    *,
+    k_codec: TurboQuant,
+    v_codec: TurboQuant,
+    v_layer: jax.Array | int | None = None,
+    sinks: Sinks | None = None,
+    pages_per_split: int = 16,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """The rotated-domain algorithm of `tq_paged_attention` in plain jnp, for backends without
+    a Pallas lowering (the CPU serving path): the gathered codes become codebook values, never
+    rotated back, so each stored key costs a lookup and a dot with the rotated query instead
+    of the reference's d x d rotation. Same arguments and result as the reference;
+    `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
+    del interpret
+    _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
+    return _tq_paged_attention(
+        q,
+        k_new,
+        v_new,
+        k_pool,
+        v_pool,
+        block_table,
+        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)]),
+        ctx_lens,
+        num_new,
+        sinks,
+        k_codec=k_codec,
+        v_codec=v_codec,
+        pages_per_split=None,
+        interpret=False,
+    )
+
+
 def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pps) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, Hq, Dh], got shape {q.shape}")
@@ -211,16 +254,22 @@ def _tq_paged_attention(
 
     # Stored context: one query block per (row, KV head) holding its T x G queries.
     num_q = t * group
-    padded_q = max(_MIN_DOT, pl.next_power_of_2(num_q))
     q_blocks = jnp.moveaxis(q_rot, 2, 1).reshape(b, hkv, num_q, dh)
-    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, padded_q - num_q), (0, 0)))
-    num_pages = block_table.shape[1]
-    num_splits = -(-num_pages // pages_per_split)
-    table = jnp.pad(block_table, ((0, 0), (0, num_splits * pages_per_split - num_pages)))
     num_sinks = 0 if sinks is None else sinks.count
-    acc, m, sums = _context_partials(
-        q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, num_sinks, interpret
-    )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
+    if pages_per_split is None:  # the jnp path: the whole context as one split
+        acc, m, sums = _context_partials_jnp(
+            q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks
+        )
+    else:
+        padded_q = max(_MIN_DOT, pl.next_power_of_2(num_q))
+        q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, padded_q - num_q), (0, 0)))
+        num_pages = block_table.shape[1]
+        num_splits = -(-num_pages // pages_per_split)
+        table = jnp.pad(block_table, ((0, 0), (0, num_splits * pages_per_split - num_pages)))
+        acc, m, sums = _context_partials(
+            q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, num_sinks, interpret
+        )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
+    num_splits = acc.shape[2]
     acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
 
     # New tokens: causal among themselves, in the rotated domain.
@@ -269,6 +318,33 @@ def _rotated_values(enc: dict[str, jax.Array], codec: TurboQuant) -> jax.Array:
     """Encoded vectors in the codec's rotated domain: codebook values times norms."""
     idx = unpack_bits(enc["codes"], codec.bits, codec.head_dim)
     return jnp.asarray(codec.centroids)[idx] * enc["norms"][..., None]
+
+
+def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, num_sinks):
+    """`_context_partials` over all of each row's pages at once, in jnp: [B, Hkv, 1, Q, Dh],
+    [B, Hkv, 1, Q] x 2. Norms scale the scores and the softmax weights, not the codebook
+    values, so the per-coordinate work is the unpacking and the lookup."""
+    b, num_pages = table.shape
+    hi = jax.lax.Precision.HIGHEST
+
+    def gather(pool, index, codec):  # -> rotated-domain unit vectors [B, C, Hkv, Dh], norms [B, Hkv, C]
+        codes = pool["codes"][table, index]  # [B, NP, S, Hkv, bytes]
+        codes = codes.reshape(b, num_pages * codes.shape[2], *codes.shape[3:])
+        norms = pool["norms"][table, index].reshape(codes.shape[:3])
+        return jnp.asarray(codec.centroids)[unpack_bits(codes, codec.bits, codec.head_dim)], jnp.moveaxis(norms, 1, 2)
+
+    k_vals, k_norms = gather(k_pool, layer[0], k_codec)
+    pos = jnp.arange(k_vals.shape[1], dtype=jnp.int32)
+    valid = ((pos >= num_sinks)[None, :] & (pos[None, :] < ctx_lens[:, None]))[:, None, None, :]  # [B, 1, 1, C]
+    scores = jnp.einsum("bhqd,bchd->bhqc", q_blocks, k_vals, precision=hi) * k_norms[:, :, None]
+    # Replace (not add): garbage in unused pages may be NaN.
+    scores = jnp.where(valid, scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1)
+    p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
+    v_vals, v_norms = gather(v_pool, layer[1], v_codec)
+    weights = p * jnp.where(valid, v_norms[:, :, None], 0.0)
+    acc = jnp.einsum("bhqc,bchd->bhqd", weights, v_vals, precision=hi)
+    return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
 
 
 def _context_partials(

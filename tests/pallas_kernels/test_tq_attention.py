@@ -1,15 +1,23 @@
 """Rotated-domain attention over TurboQuant pages: the Pallas kernel (interpret mode on CPU)
-against its jnp reference, which decodes the pages and runs plain paged attention."""
+and the jnp rotated-domain path (`xla`) against the reference, which decodes the pages and
+runs plain paged attention."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_reference
+from pallas_kernels.tq_attention import (
+    Sinks,
+    tq_paged_attention,
+    tq_paged_attention_reference,
+    tq_paged_attention_xla,
+)
 from pallas_kernels.turboquant import TurboQuant
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+IMPLS = {"pallas": tq_paged_attention, "xla": tq_paged_attention_xla}
+both_impls = pytest.mark.parametrize("impl", sorted(IMPLS))
 
 
 def make_case(*, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_lens=(0, 5, 19), t=1, layers=2, seed=0):
@@ -57,16 +65,17 @@ def make_case(*, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_l
     return args, {"k_codec": k_codec, "v_codec": v_codec}
 
 
-def run_both(args, codecs, **knobs):
-    out = np.asarray(tq_paged_attention(*args, **codecs, **knobs))
+def run_both(args, codecs, impl="pallas", **knobs):
+    out = np.asarray(IMPLS[impl](*args, **codecs, **knobs))
     ref = np.asarray(tq_paged_attention_reference(*args, **codecs))
     return out, ref
 
 
 @pytest.mark.parametrize("k_bits, v_bits", [(2, 2), (3, 3), (4, 4), (6, 4), (5, 3), (8, 8)])
-def test_decode_matches_reference_over_bit_widths(k_bits, v_bits):
+@both_impls
+def test_decode_matches_reference_over_bit_widths(impl, k_bits, v_bits):
     args, codecs = make_case(k_bits=k_bits, v_bits=v_bits)
-    out, ref = run_both(args, codecs, pages_per_split=2)
+    out, ref = run_both(args, codecs, impl, pages_per_split=2)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
 
@@ -75,34 +84,37 @@ def test_decode_matches_reference_over_bit_widths(k_bits, v_bits):
     "head_dim, hkv, group, page_size, pages_per_split",
     [(64, 3, 3, 8, 1), (64, 3, 3, 16, 4), (128, 2, 4, 8, 3), (64, 1, 8, 4, 16), (256, 1, 4, 8, 2)],
 )
-def test_decode_matches_reference_over_shapes_and_splits(head_dim, hkv, group, page_size, pages_per_split):
+@both_impls
+def test_decode_matches_reference_over_shapes_and_splits(impl, head_dim, hkv, group, page_size, pages_per_split):
     args, codecs = make_case(
         k_bits=4, v_bits=4, head_dim=head_dim, hkv=hkv, group=group, page_size=page_size, ctx_lens=(7, 0, 33, 16)
     )
-    out, ref = run_both(args, codecs, pages_per_split=pages_per_split)
+    out, ref = run_both(args, codecs, impl, pages_per_split=pages_per_split)
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("t, ctx_lens", [(5, (0, 11, 24)), (16, (3, 40))])
-def test_prefill_chunk_attends_to_stored_pages_and_itself(t, ctx_lens):
+@both_impls
+def test_prefill_chunk_attends_to_stored_pages_and_itself(impl, t, ctx_lens):
     args, codecs = make_case(k_bits=6, v_bits=4, t=t, ctx_lens=ctx_lens)
     num_new = np.array(args[8])
     num_new[0] = t - 2  # a row with a shorter chunk: its padding tokens must not be seen
     args = (*args[:8], jnp.asarray(num_new))
-    out, ref = run_both(args, codecs, pages_per_split=2)
+    out, ref = run_both(args, codecs, impl, pages_per_split=2)
     valid = np.arange(t)[None, :] < num_new[:, None]
     np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
 
 
-def test_padding_row_gives_zeros_and_layer_index_selects_the_layer():
+@both_impls
+def test_padding_row_gives_zeros_and_layer_index_selects_the_layer(impl):
     args, codecs = make_case(k_bits=4, v_bits=4, ctx_lens=(9, 9))
     num_new = jnp.asarray(np.array([1, 0], np.int32))
     ctx = jnp.asarray(np.array([9, 0], np.int32))
     args = (*args[:7], ctx, num_new)
-    out, ref = run_both(args, codecs)
+    out, ref = run_both(args, codecs, impl)
     np.testing.assert_allclose(out[1], 0.0, atol=1e-7)
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
-    other_layer = np.asarray(tq_paged_attention(*args[:6], 0, *args[7:], **codecs))
+    other_layer = np.asarray(IMPLS[impl](*args[:6], 0, *args[7:], **codecs))
     assert np.abs(other_layer[0] - out[0]).max() > 1e-3
 
 
@@ -125,6 +137,8 @@ def test_bad_arguments_raise_clear_errors():
         tq_paged_attention(*args, **codecs, pages_per_split=0)
     with pytest.raises(ValueError, match="q must be"):
         tq_paged_attention(args[0][0], *args[1:], **codecs)
+    with pytest.raises(ValueError, match="QJL"):
+        tq_paged_attention_xla(*args, k_codec=TurboQuant(head_dim=64, bits=4, qjl=True), v_codec=codecs["v_codec"])
 
 
 @gpu
@@ -136,7 +150,8 @@ def test_gpu_kernel_matches_reference(k_bits, v_bits):
 
 
 @pytest.mark.parametrize("t, ctx_lens, n", [(1, (0, 3, 19), 4), (6, (0, 2, 13), 8)])
-def test_sink_tokens_are_read_unquantized(t, ctx_lens, n):
+@both_impls
+def test_sink_tokens_are_read_unquantized(impl, t, ctx_lens, n):
     """Positions below n come from `Sinks` (stored ones for the context, the new tokens' own
     values where a new token sits on a sink position), everything else from the pages."""
     args, codecs = make_case(k_bits=3, v_bits=3, t=t, ctx_lens=ctx_lens)
@@ -148,7 +163,7 @@ def test_sink_tokens_are_read_unquantized(t, ctx_lens, n):
             for shape in [(b, n, hkv, 64)] * 2 + [(b, t, hkv, 64)] * 2
         )
     )
-    out = np.asarray(tq_paged_attention(*args, **codecs, sinks=sinks, pages_per_split=2))
+    out = np.asarray(IMPLS[impl](*args, **codecs, sinks=sinks, pages_per_split=2))
     ref = np.asarray(tq_paged_attention_reference(*args, **codecs, sinks=sinks))
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
     plain = np.asarray(tq_paged_attention_reference(*args, **codecs))
