@@ -227,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument("--json", action="store_true", help="print one JSON object")
     codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
     codec.add_argument("--head-dim", type=int_in("--head-dim", 4, 1024), default=128)
-    codec.add_argument("--bits", type=int_in("--bits", 1, 8), nargs="+", default=[2, 3, 4])
+    codec.add_argument(
+        "--bits", type=_codec_bits, nargs="+", default=[2, 3, 4], help="1..8, or 1.5..7.5 for the split-group format"
+    )
     codec.add_argument("--rotation", choices=("haar", "hadamard"), default="haar")
     codec.add_argument("--codebook", choices=("exact", "gaussian"), default="exact")
     codec.add_argument("--qjl", action="store_true", help="add the 1-bit QJL residual")
@@ -300,13 +302,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _codec_bits(text: str) -> int | float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bits must be a number, got {text!r}") from None
+    if value * 2 != int(value * 2) or not 1 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"--bits must be 1..8 or a half-integer between them, got {text}")
+    return int(value) if value == int(value) else value
+
+
 def codec_main(parser: argparse.ArgumentParser, args) -> int:
-    from pallas_kernels.turboquant import TurboQuant
+    from pallas_kernels.turboquant import SplitTurboQuant, TurboQuant, is_split_bits
 
     if args.head_dim & (args.head_dim - 1):
         parser.error(f"--head-dim must be a power of two, got {args.head_dim}")
     for bits in args.bits:
-        tq = TurboQuant(head_dim=args.head_dim, bits=bits, rotation=args.rotation, codebook=args.codebook, qjl=args.qjl)
+        if not is_split_bits(bits):
+            tq = TurboQuant(
+                head_dim=args.head_dim, bits=bits, rotation=args.rotation, codebook=args.codebook, qjl=args.qjl
+            )
+        elif (args.rotation, args.codebook) != ("haar", "exact") or args.head_dim < 16:
+            parser.error("the split-group format (half-integer --bits) uses Haar rotations, exact codebooks, d >= 16")
+        else:
+            tq = SplitTurboQuant(head_dim=args.head_dim, bits=bits, qjl=args.qjl)
         report = {"head_dim": args.head_dim, "bits": bits, "rotation": args.rotation, "codebook": args.codebook}
         report |= {"qjl": args.qjl, **tq.validate(num_vectors=args.num_vectors)}
         if args.json:

@@ -4,6 +4,7 @@
     enc = tq.encode(x)          # {"codes": uint8 [..., 32], "norms": float32 [...]}
     x_hat = tq.decode(enc)
     tq.validate(num_vectors=10_000)   # MSE, inner-product error, ratio to the 4^-b bound
+    split = make_codec(64, 3.5)       # half-integer bits: SplitTurboQuant (two channel halves)
 
 The implementation lives with the kernels that read its packed format
 (`pallas_kernels/turboquant.py`).
@@ -12,12 +13,16 @@ The implementation lives with the kernels that read its packed format
 from pallas_kernels.turboquant import (
     ROTATIONS,
     SUPPORTED_BITS,
+    SplitTurboQuant,
     TurboQuant,
     coordinate_density,
     haar_rotation,
     hadamard_rotation,
+    is_split_bits,
     lloyd_max_codebook,
+    make_codec,
     pack_bits,
+    split_channels,
     tq_vector_bytes,
     unpack_bits,
 )
@@ -25,12 +30,16 @@ from pallas_kernels.turboquant import (
 __all__ = [
     "ROTATIONS",
     "SUPPORTED_BITS",
+    "SplitTurboQuant",
     "TurboQuant",
     "coordinate_density",
     "haar_rotation",
     "hadamard_rotation",
+    "is_split_bits",
     "lloyd_max_codebook",
+    "make_codec",
     "pack_bits",
+    "split_channels",
     "tq_vector_bytes",
     "unpack_bits",
 ]

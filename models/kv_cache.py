@@ -28,7 +28,7 @@ from flax import struct
 from models.config import ModelConfig
 from models.kv_spec import KVSpec, parse_kv_spec
 from pallas_kernels.tq_encode import tq_encode
-from pallas_kernels.turboquant import TurboQuant
+from pallas_kernels.turboquant import SplitTurboQuant, TurboQuant, make_codec
 
 NULL_PAGE = 0
 
@@ -42,23 +42,21 @@ class LayerGroups:
     """
 
     groups: tuple[tuple[int, ...], ...]
-    codecs: tuple[TurboQuant | None, ...]
+    codecs: tuple[TurboQuant | SplitTurboQuant | None, ...]
     where: tuple[tuple[int, int], ...]
 
     @staticmethod
-    def build(bits: tuple[int | None, ...], head_dim: int, seed: int, qjl: bool) -> LayerGroups:
+    def build(bits: tuple[int | float | None, ...], head_dim: int, seed: int, qjl: bool) -> LayerGroups:
         formats = sorted(set(bits), key=lambda b: (b is None, b or 0))
         groups = tuple(tuple(i for i, b in enumerate(bits) if b == f) for f in formats)
-        codecs = tuple(
-            None if f is None else TurboQuant(head_dim=head_dim, bits=f, seed=seed, qjl=qjl) for f in formats
-        )
+        codecs = tuple(None if f is None else make_codec(head_dim, f, seed=seed, qjl=qjl) for f in formats)
         where = [None] * len(bits)
         for g, layers in enumerate(groups):
             for j, i in enumerate(layers):
                 where[i] = (g, j)
         return LayerGroups(groups, codecs, tuple(where))
 
-    def codec(self, layer: int) -> TurboQuant | None:
+    def codec(self, layer: int) -> TurboQuant | SplitTurboQuant | None:
         return self.codecs[self.where[layer][0]]
 
 
@@ -70,7 +68,8 @@ class PagedKVCache:
     whose leaves all start with [P, Lg, S, Hkv]: one array [P, Lg, S, Hkv, Dh] for unquantized
     groups; for TurboQuant groups a dict with "codes" uint8 [P, Lg, S, Hkv, Dh*b/8] and "norms"
     float32 [P, Lg, S, Hkv] (and with QJL "qjl_signs" uint8 [P, Lg, S, Hkv, Dh/8] and
-    "qjl_norms" float32 [P, Lg, S, Hkv]).
+    "qjl_norms" float32 [P, Lg, S, Hkv]); split-group groups hold "group_norms" float16
+    [P, Lg, S, Hkv, 2] instead of "norms".
     """
 
     k: tuple[Any, ...]  # keys after RoPE, one page-major storage pytree per key layer group
@@ -218,15 +217,15 @@ class PagedKVCache:
         )
 
 
-def _encode(x: jax.Array, codec: TurboQuant | None, spec: KVSpec, kernel: bool = False) -> Any:
+def _encode(x: jax.Array, codec: TurboQuant | SplitTurboQuant | None, spec: KVSpec, kernel: bool = False) -> Any:
     if codec is not None:
-        return tq_encode(x, codec) if kernel else codec.encode(x)
+        return tq_encode(x, codec) if kernel and isinstance(codec, TurboQuant) else codec.encode(x)
     if spec.unquantized_bytes == 2 or spec.quantized:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(jnp.float32)
 
 
-def _decode(stored: Any, codec: TurboQuant | None, spec: KVSpec) -> jax.Array:
+def _decode(stored: Any, codec: TurboQuant | SplitTurboQuant | None, spec: KVSpec) -> jax.Array:
     if codec is not None:
         return codec.decode(stored)
     if stored.dtype == jnp.uint16:
@@ -260,17 +259,15 @@ def init_cache(
         raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {num_pages}")
     k_groups, v_groups = make_groups(spec, cfg.num_layers, cfg.head_dim, seed)
 
-    def pool(codec: TurboQuant | None, num_layers: int) -> Any:
+    def pool(codec: TurboQuant | SplitTurboQuant | None, num_layers: int) -> Any:
         lead = (num_pages, num_layers, page_size, cfg.num_kv_heads)
         if codec is None:
             return _encode(jnp.full((*lead, cfg.head_dim), fill_value, jnp.float32), None, spec)
         # Encode one vector to learn the storage layout, then broadcast it over the pool.
         proto = codec.encode(jnp.ones((cfg.head_dim,), jnp.float32))
-        tree = {k: jnp.zeros((*lead, *a.shape), a.dtype) for k, a in proto.items()}
-        for key in ("norms", "qjl_norms"):
-            if key in tree:
-                tree[key] = jnp.full(lead, fill_value, jnp.float32)
-        return tree
+        return {
+            k: jnp.full((*lead, *a.shape), fill_value if k.endswith("norms") else 0, a.dtype) for k, a in proto.items()
+        }
 
     def pools(groups: LayerGroups) -> tuple[Any, ...]:
         return tuple(pool(c, len(g)) for c, g in zip(groups.codecs, groups.groups, strict=True))

@@ -4,6 +4,9 @@ Names:
     bf16, fp32            unquantized keys and values
     tq<b>                 TurboQuant, b bits for keys and values (b in 2..8)
     tq-k<kb>v<vb>         TurboQuant with separate key and value bit widths
+    tq3.5, tq-k4.5v3, ... half-integer bits (2.5..7.5): the split-group format, two channel
+                          halves at ceil/floor bits, each with its own rotation, codebook and
+                          float16 norm (pallas_kernels/turboquant.py, `SplitTurboQuant`)
     ...-qjlk / -qjlv / -qjl
                           add the 1-bit QJL residual to keys / values / both
     ...-b<n>              keep the first and last n layers unquantized (bf16)
@@ -21,22 +24,27 @@ float32 residual norm.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from models.config import ModelConfig
-from pallas_kernels.turboquant import tq_vector_bytes
+from pallas_kernels.turboquant import is_split_bits, tq_vector_bytes
 
 UNQUANTIZED_BYTES = {"bf16": 2, "fp32": 4}
 TQ_BITS = range(2, 9)
+_BITS = r"\d(?:\.5)?"
 
-_TQ = re.compile(r"^tq(?:(?P<bits>\d)|-k(?P<kbits>\d)v(?P<vbits>\d))(?P<qjl>-qjl[kv]?)?(?P<mods>(?:-[^-]+)*)$")
+_TQ = re.compile(
+    rf"^tq(?:(?P<bits>{_BITS})|-k(?P<kbits>{_BITS})v(?P<vbits>{_BITS}))(?P<qjl>-qjl[kv]?)?(?P<mods>(?:-[^-]+)*)$"
+)
 _BOUNDARY = re.compile(r"^b(?P<n>\d+)$")
 _SINKS = re.compile(r"^s(?P<n>\d+)$")
 MAX_SINK_TOKENS = 64
-_OVERRIDE = re.compile(r"^(?P<side>[kv])(?P<bits>\d+|bf16)@(?P<layers>\d+(?:,\d+)*)$")
+_OVERRIDE = re.compile(rf"^(?P<side>[kv])(?P<bits>{_BITS}|\d+|bf16)@(?P<layers>\d+(?:,\d+)*)$")
 
-# A layer's format on one side: TurboQuant bits, or None for unquantized.
-LayerBits = int | None
+# A layer's format on one side: TurboQuant bits (a half-integer for the split-group format),
+# or None for unquantized.
+LayerBits = int | float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +56,8 @@ class KVSpec:
     """
 
     name: str
-    key_bits: int | None = None
-    value_bits: int | None = None
+    key_bits: int | float | None = None
+    value_bits: int | float | None = None
     key_qjl: bool = False
     value_qjl: bool = False
     unquantized_bytes: int = 2  # per element when unquantized
@@ -102,13 +110,13 @@ def parse_kv_spec(name: str) -> KVSpec:
     m = _TQ.match(name)
     if m is None:
         raise ValueError(
-            f"unknown kv cache dtype {name!r}: use bf16, fp32, tq<bits> (e.g. tq4), tq-k<bits>v<bits> "
-            "(e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl, then -b<n> (first/last n layers "
-            "unquantized), -s<n> (first n tokens unquantized) and -k<bits>@<layers> / -v<bits>@<layers> "
+            f"unknown kv cache dtype {name!r}: use bf16, fp32, tq<bits> (e.g. tq4, or tq3.5 for the "
+            "split-group format), tq-k<bits>v<bits> (e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl, "
+            "then -b<n> (first/last n layers unquantized), -s<n> (first n tokens unquantized) and -k<bits>@<layers> / -v<bits>@<layers> "
             "(e.g. -k8@1,2,10 or -kbf16@0)"
         )
-    kbits = int(m["bits"] or m["kbits"])
-    vbits = int(m["bits"] or m["vbits"])
+    kbits = _bits(m["bits"] or m["kbits"])
+    vbits = _bits(m["bits"] or m["vbits"])
     for side, bits in (("key", kbits), ("value", vbits)):
         _check_bits(name, side, bits)
     boundary, sinks, overrides = 0, 0, []
@@ -120,7 +128,7 @@ def parse_kv_spec(name: str) -> KVSpec:
             if not 1 <= sinks <= MAX_SINK_TOKENS:
                 raise ValueError(f"{name!r}: sink tokens must be in 1..{MAX_SINK_TOKENS}, got {sinks}")
         elif o := _OVERRIDE.match(mod):
-            bits = None if o["bits"] == "bf16" else int(o["bits"])
+            bits = None if o["bits"] == "bf16" else _bits(o["bits"])
             if bits is not None:
                 _check_bits(name, "key" if o["side"] == "k" else "value", bits)
             overrides.append((o["side"], bits, tuple(sorted({int(i) for i in o["layers"].split(",")}))))
@@ -141,6 +149,15 @@ def parse_kv_spec(name: str) -> KVSpec:
     )
 
 
-def _check_bits(name: str, side: str, bits: int) -> None:
-    if bits not in TQ_BITS:
-        raise ValueError(f"{name!r}: {side} bits must be in {TQ_BITS.start}..{TQ_BITS.stop - 1}, got {bits}")
+def _bits(text: str) -> int | float:
+    value = float(text)
+    return value if is_split_bits(value) else int(value)
+
+
+def _check_bits(name: str, side: str, bits: int | float) -> None:
+    whole = math.floor(bits)
+    if whole not in TQ_BITS or (is_split_bits(bits) and whole + 1 not in TQ_BITS):
+        raise ValueError(
+            f"{name!r}: {side} bits must be in {TQ_BITS.start}..{TQ_BITS.stop - 1} "
+            f"(or a half-integer between them for the split-group format), got {bits}"
+        )

@@ -21,6 +21,7 @@ from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.weights import ModelWeights
 from pallas_kernels.paged_attention import dot_precision, paged_attention_reference
 from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_xla
+from pallas_kernels.turboquant import TurboQuant
 
 ATTENTION_IMPLS = ("reference", "pallas", "xla")
 
@@ -196,6 +197,6 @@ def forward(
 
 def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:
     """Whether the rotated-domain kernel can read this layer's pages (TurboQuant keys and
-    values, no QJL residual)."""
-    k_codec, v_codec = cache.k_groups.codec(layer), cache.v_groups.codec(layer)
-    return k_codec is not None and v_codec is not None and not (k_codec.qjl or v_codec.qjl)
+    values, no QJL residual, not split-group)."""
+    codecs = cache.k_groups.codec(layer), cache.v_groups.codec(layer)
+    return all(isinstance(c, TurboQuant) and not c.qjl for c in codecs)

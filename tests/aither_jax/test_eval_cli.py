@@ -109,6 +109,25 @@ def test_codec_report_beats_the_anchor(capsys):
     assert rows[4]["bytes_per_vector"] == 68 and rows[2]["mse_ratio"] > 1
 
 
+def test_codec_reports_the_split_group_format(capsys):
+    assert (
+        aj_eval.main(["codec", "--head-dim", "64", "--bits", "3", "3.5", "4", "--num-vectors", "2000", "--json"]) == 0
+    )
+    rows = {r["bits"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    assert [rows[b]["bytes_per_vector"] for b in (3, 3.5, 4)] == [28, 32, 36]
+    assert rows[4]["mse"] < rows[3.5]["mse"] < rows[3]["mse"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--bits", "3.3"], "half-integer"), (["--bits", "3.5", "--rotation", "hadamard"], "split-group")],
+)
+def test_codec_rejects_bad_split_requests(capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        aj_eval.main(["codec", *extra])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_codec_rejects_non_power_of_two(capsys):
     with pytest.raises(SystemExit) as exc:
         aj_eval.main(["codec", "--head-dim", "96"])

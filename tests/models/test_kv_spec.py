@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aither_jax.turboquant import TurboQuant
+from aither_jax.turboquant import make_codec
 from models.config import ModelConfig
 from models.kv_spec import parse_kv_spec
 
@@ -20,6 +20,8 @@ SMOLLM2 = ModelConfig("llama", 30, 576, 1536, 9, 3, 64, 49152, 8192)
         ("tq3-qjlk", 3, 3, True, False),
         ("tq-k4v2-qjlv", 4, 2, False, True),
         ("tq2-qjl", 2, 2, True, True),
+        ("tq3.5", 3.5, 3.5, False, False),
+        ("tq-k4.5v3-qjlk", 4.5, 3, True, False),
     ],
 )
 def test_parse(name, k, v, kq, vq):
@@ -27,24 +29,27 @@ def test_parse(name, k, v, kq, vq):
     assert (spec.key_bits, spec.value_bits, spec.key_qjl, spec.value_qjl) == (k, v, kq, vq)
 
 
-@pytest.mark.parametrize("name", ["tq1", "tq9", "tq-k9v4", "tq4-qjlx", "int8", "", "TQ4", "tq-k4"])
+@pytest.mark.parametrize(
+    "name", ["tq1", "tq9", "tq-k9v4", "tq4-qjlx", "int8", "", "TQ4", "tq-k4", "tq8.5", "tq1.5", "tq3.7", "tq4-k9.5@1"]
+)
 def test_bad_names_list_the_accepted_forms(name):
     with pytest.raises(ValueError, match=r"bits must be in 2\.\.8|unknown kv cache dtype|unknown modifier"):
         parse_kv_spec(name)
 
 
 @pytest.mark.parametrize(
-    "name, expected", [("bf16", 23040), ("fp32", 46080), ("tq4", 6480), ("tq2", 3600), ("tq3", 5040)]
+    "name, expected",
+    [("bf16", 23040), ("fp32", 46080), ("tq4", 6480), ("tq2", 3600), ("tq3", 5040), ("tq3.5", 5760), ("tq2.5", 4320)],
 )
 def test_smollm2_bytes_per_token_match_spec(name, expected):
     assert parse_kv_spec(name).bytes_per_token(SMOLLM2) == expected
 
 
-@pytest.mark.parametrize("name", ["tq4", "tq-k6v4", "tq3-qjlk", "tq-k4v2-qjlv"])
+@pytest.mark.parametrize("name", ["tq4", "tq-k6v4", "tq3-qjlk", "tq-k4v2-qjlv", "tq3.5", "tq-k4.5v3-qjlk"])
 def test_bytes_agree_with_the_codec(name):
     spec = parse_kv_spec(name)
-    k = TurboQuant(head_dim=64, bits=spec.key_bits, qjl=spec.key_qjl).bytes_per_vector
-    v = TurboQuant(head_dim=64, bits=spec.value_bits, qjl=spec.value_qjl).bytes_per_vector
+    k = make_codec(64, spec.key_bits, qjl=spec.key_qjl).bytes_per_vector
+    v = make_codec(64, spec.value_bits, qjl=spec.value_qjl).bytes_per_vector
     assert spec.bytes_per_token(SMOLLM2) == 30 * 3 * (k + v)
 
 

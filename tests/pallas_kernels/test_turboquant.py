@@ -9,11 +9,16 @@ import numpy as np
 import pytest
 
 from aither_jax.turboquant import (
+    SplitTurboQuant,
     TurboQuant,
     haar_rotation,
     hadamard_rotation,
+    is_split_bits,
     lloyd_max_codebook,
+    make_codec,
     pack_bits,
+    split_channels,
+    tq_vector_bytes,
     unpack_bits,
 )
 
@@ -178,3 +183,76 @@ def test_bad_configuration(kwargs, match):
 def test_wrong_vector_dimension():
     with pytest.raises(ValueError, match="dimension 64"):
         TurboQuant(head_dim=64, bits=4).encode(jnp.zeros((3, 32)))
+
+
+# -- the split-group format --------------------------------------------------------------------
+
+
+def test_split_channels_are_the_low_frequency_rope_pairs():
+    heavy, light = split_channels(64)
+    assert sorted([*heavy, *light]) == list(range(64))
+    assert list(heavy) == [*range(16, 32), *range(48, 64)]  # pairs i >= d/4 and their partners i + d/2
+
+
+@pytest.mark.parametrize("bits, expected", [(3.5, 32), (2.5, 24), (4.5, 40), (7.5, 64)])
+def test_split_bytes_per_vector(bits, expected):
+    codec = make_codec(64, bits)
+    assert isinstance(codec, SplitTurboQuant)
+    assert codec.bytes_per_vector == expected == tq_vector_bytes(64, bits)
+    enc = codec.encode(jnp.ones((5, 64)))
+    assert sum(a[0].size * a.dtype.itemsize for a in enc.values()) == expected
+    assert make_codec(64, bits, qjl=True).bytes_per_vector == expected + 12
+
+
+@pytest.mark.parametrize("bits", [2.5, 3.5, 4.5])
+def test_split_mse_lies_between_its_two_widths(bits):
+    """Isotropic vectors: the halves share the energy, so the error sits between the floor and
+    ceil widths of the whole-vector codec."""
+    mse = make_codec(64, bits).validate(num_vectors=4000)["mse"]
+    lo = TurboQuant(head_dim=64, bits=math.ceil(bits)).validate(num_vectors=4000)["mse"]
+    hi = TurboQuant(head_dim=64, bits=math.floor(bits)).validate(num_vectors=4000)["mse"]
+    assert lo < mse < hi
+
+
+def test_split_gives_the_heavy_half_its_extra_bit():
+    """A vector whose energy sits in the heavy half is coded at ceil(bits); in the light half, at
+    floor(bits): their errors match the half-size codecs at those widths."""
+    rng = np.random.default_rng(3)
+    codec = make_codec(64, 3.5, seed=2)
+    heavy, light = split_channels(64)
+    errors = []
+    for channels in (heavy, light):
+        x = np.zeros((3000, 64), np.float32)
+        x[:, channels] = rng.standard_normal((3000, 32))
+        x /= np.linalg.norm(x, axis=-1, keepdims=True)
+        x_hat = np.asarray(codec.decode(codec.encode(jnp.asarray(x))))
+        assert np.abs(x_hat[:, np.setdiff1d(np.arange(64), channels)]).max() < 1e-6  # other half stays zero
+        errors.append(np.mean(np.sum((x - x_hat) ** 2, -1)))
+    assert errors[0] == pytest.approx(lloyd_max_codebook(32, 4)[1] * 32, rel=0.1)
+    assert errors[1] == pytest.approx(lloyd_max_codebook(32, 3)[1] * 32, rel=0.1)
+
+
+def test_split_qjl_inner_products_are_unbiased_and_lower_error():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6000, 64)).astype(np.float32)
+    q = rng.standard_normal((6000, 64)).astype(np.float32)
+    plain, qjl = make_codec(64, 2.5, seed=1), make_codec(64, 2.5, seed=1, qjl=True)
+    exact = np.sum(q * x, -1)
+    err_plain = np.sum(q * np.asarray(plain.decode(plain.encode(jnp.asarray(x)))), -1) - exact
+    err_qjl = np.sum(q * np.asarray(qjl.decode(qjl.encode(jnp.asarray(x)))), -1) - exact
+    assert abs(err_qjl.mean()) < 3 * err_qjl.std() / math.sqrt(len(x))
+    assert np.sqrt(np.mean(err_qjl**2)) < np.sqrt(np.mean(err_plain**2))
+
+
+def test_split_fingerprint_and_bad_configuration():
+    assert make_codec(64, 3.5).fingerprint != make_codec(64, 3.5, seed=1).fingerprint
+    assert make_codec(64, 3.5).fingerprint != make_codec(64, 4.5).fingerprint
+    assert is_split_bits(3.5) and not is_split_bits(4)
+    with pytest.raises(ValueError, match="half-integer"):
+        SplitTurboQuant(head_dim=64, bits=3.25)
+    with pytest.raises(ValueError, match="half-integer"):
+        SplitTurboQuant(head_dim=64, bits=8.5)
+    with pytest.raises(ValueError, match="power of two"):
+        SplitTurboQuant(head_dim=48, bits=3.5)
+    with pytest.raises(ValueError, match="dimension 64"):
+        make_codec(64, 3.5).encode(jnp.ones((2, 32)))
