@@ -112,8 +112,8 @@ def parse_kv_spec(name: str) -> KVSpec:
         raise ValueError(
             f"unknown kv cache dtype {name!r}: use bf16, fp32, tq<bits> (e.g. tq4, or tq3.5 for the "
             "split-group format), tq-k<bits>v<bits> (e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl, "
-            "then -b<n> (first/last n layers unquantized), -s<n> (first n tokens unquantized) and -k<bits>@<layers> / -v<bits>@<layers> "
-            "(e.g. -k8@1,2,10 or -kbf16@0)"
+            "then -b<n> (first/last n layers unquantized), -s<n> (first n tokens unquantized) and "
+            "-k<bits>@<layers> / -v<bits>@<layers> (e.g. -k8@1,2,10 or -kbf16@0)"
         )
     kbits = _bits(m["bits"] or m["kbits"])
     vbits = _bits(m["bits"] or m["vbits"])
