@@ -23,6 +23,8 @@ from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_prop
 from aither_jax.steps import CompileCounter, copy_pages, model_step, verify_step, write_step
 from models.config import ModelConfig
 from models.kv_cache import init_cache
+from models.kv_spec import parse_kv_spec
+from models.kv_transform import load_key_transforms
 from models.llama import ATTENTION_IMPLS, StepBatch
 from models.tokenizer import Tokenizer
 from models.weights import ModelWeights
@@ -91,6 +93,9 @@ class Engine:
         self.max_prefill_chunk = max_prefill_chunk
         self.attention = attention
         self.max_pages_per_seq = -(-max_model_len // page_size)
+        key_transform = None
+        if parse_kv_spec(kv_cache_dtype).precondition:
+            key_transform = load_key_transforms(model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.cache = init_cache(
             cfg,
             num_pages=num_pages,
@@ -99,6 +104,7 @@ class Engine:
             page_size=page_size,
             kv_cache_dtype=kv_cache_dtype,
             fill_value=cache_fill_value,
+            key_transform=key_transform,
         )
         if enable_prefix_caching is None:  # on where the format allows it
             enable_prefix_caching = not self.cache.num_sinks

@@ -109,6 +109,7 @@ class FormatScorer:
             num_pages=-(-len(self.ids) // 16) + 1,
             max_prefill_chunk=self.chunk,
             kv_cache_dtype=kv,
+            model_name=self.model,
         )
         t0 = time.perf_counter()
         out = engine.score(self.ids)
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument("--min-bits", type=int_in("--min-bits", 2, 8), default=3, help="fewest bits any layer gets")
     alloc.add_argument("--probe-key-bits", type=int_in("--probe-key-bits", 2, 8), default=4)
     alloc.add_argument("--probe-value-bits", type=int_in("--probe-value-bits", 2, 8), default=3)
+    alloc.add_argument(
+        "--key-transform", action="store_true", help="allocate for the -pc formats (keys through the fitted transform)"
+    )
     alloc.add_argument("--json", action="store_true", help="print one JSON object")
     codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
     codec.add_argument("--head-dim", type=int_in("--head-dim", 4, 1024), default=128)
@@ -249,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     acc.add_argument("--kv-cache-dtype", type=kv_spec_or_auto, default="auto")
     acc.add_argument("--json", action="store_true", help="print one JSON object")
+    fit = sub.add_parser("fit-key-transform", help="fit the query-aware key transform of the -pc KV formats")
+    add_model_argument(fit)
+    fit.add_argument("--text-file", default=None, help="fitting text (default: standard-library docstrings)")
+    fit.add_argument("--max-tokens", type=int_in("--max-tokens", 64, 8192), default=2048)
+    fit.add_argument("--out", default=None, help="where to write it (default: the file shipped for the model)")
+    fit.add_argument("--json", action="store_true", help="print one JSON object")
     cap = sub.add_parser("capacity", help="KV bytes per token and tokens per memory budget")
     add_model_argument(cap)
     cap.add_argument(
@@ -268,6 +278,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
+    """Fits M per layer and KV head on the text's post-RoPE queries and keys (float32 weights)
+    and writes it with its provenance; prints the predicted score-error ratio per layer."""
+    import jax.numpy as jnp
+
+    import aither_jax as aj
+    from models.kv_transform import calibration_text, fit_key_transforms, transform_path
+    from models.llama import queries_and_keys
+
+    if args.text_file is not None and not os.path.isfile(args.text_file):
+        parser.error(f"--text-file {args.text_file!r} does not exist")
+    try:
+        llm = aj.LLM(args.model, dtype="float32", kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=64)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.text_file is None:
+        text, source = calibration_text(), "standard-library docstrings (aither_jax/train_draft.py stdlib_docs)"
+    else:
+        with open(args.text_file, encoding="utf-8") as f:
+            text, source = f.read(), os.path.basename(args.text_file)
+    ids = llm.tokenizer.encode(text)[: args.max_tokens]
+    cfg = llm.config
+    q, k = (np.asarray(a) for a in queries_and_keys(llm.engine.weights, jnp.asarray(ids, jnp.int32), cfg=cfg))
+    m, ratios = fit_key_transforms(q, k, cfg.num_heads // cfg.num_kv_heads)
+    out = args.out or str(transform_path(args.model))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    command = f"python -m aither_jax.eval fit-key-transform --model {args.model} --max-tokens {args.max_tokens}"
+    if args.text_file is not None:
+        command += f" --text-file {args.text_file}"
+    np.savez(
+        out,
+        key_transform=m.astype(np.float16),
+        source=np.asarray(source),
+        num_tokens=np.asarray(len(ids)),
+        command=np.asarray(command),
+    )
+    report = {
+        "model": args.model,
+        "out": out,
+        "source": source,
+        "num_tokens": len(ids),
+        "score_error_ratio_mean": float(ratios.mean()),
+        "score_error_ratio_per_layer": [round(float(r), 4) for r in ratios.mean(1)],
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{args.model}: key transform from {len(ids)} tokens of {source} -> {out}")
+        print(f"predicted score error vs identity: {report['score_error_ratio_mean']:.3f} (mean over layers and heads)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -279,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         return allocate_main(parser, args)
     if args.command == "acceptance":
         return acceptance_main(parser, args)
+    if args.command == "fit-key-transform":
+        return fit_key_transform_main(parser, args)
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:

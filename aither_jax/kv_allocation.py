@@ -90,9 +90,10 @@ def run_allocate(args) -> dict:
                 f"--compression {compression:g} needs at most {int(scorer.bf16_bytes / compression)} B/token, "
                 f"below the {floor} B/token of --min-bits {args.min_bits} everywhere"
             )
+    suffix = "-pc" if args.key_transform else ""  # probes and plans read keys through the transform
     sensitivity, probes = {}, []
     for side, layer in tqdm([(s, i) for s in "kv" for i in range(n)], desc="per-layer sensitivity", unit="probe"):
-        row = scorer.score(parse_kv_spec(probe_name(side, layer, probe[side], n)))
+        row = scorer.score(parse_kv_spec(probe_name(side, layer, probe[side], n) + suffix))
         sensitivity[(side, layer)] = row["kl_divergence"]
         probes.append({"side": side, "layer": layer, "bits": probe[side], "kl_divergence": row["kl_divergence"]})
     plans = []
@@ -101,6 +102,6 @@ def run_allocate(args) -> dict:
         bits, predicted, _ = allocate_bits(
             sensitivity, probe, {"k": args.min_bits, "v": args.min_bits}, vector_bytes, budget, cfg.num_kv_heads
         )
-        measured = scorer.score(parse_kv_spec(spec_name(bits, n)))
+        measured = scorer.score(parse_kv_spec(spec_name(bits, n) + suffix))
         plans.append({**measured, "target_compression": compression, "predicted_kl_divergence": predicted})
     return {"plans": plans, "probes": probes}

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from models.config import ModelConfig
@@ -80,6 +81,10 @@ class PagedKVCache:
     sink_v: jax.Array | None
     block_tables: jax.Array  # [max_seqs, max_pages_per_seq] int32, page ids per slot (NULL_PAGE = none)
     seq_lens: jax.Array  # [max_seqs] int32, tokens stored per slot
+    # With spec.precondition: keys are stored as k @ key_transform and queries read them as
+    # q @ query_transform ([L, Hkv, Dh, Dh] float32 each: M^T and M^-1 of models/kv_transform.py).
+    key_transform: jax.Array | None = None
+    query_transform: jax.Array | None = None
     spec: KVSpec = struct.field(pytree_node=False, default=KVSpec("bf16"))
     k_groups: LayerGroups | None = struct.field(pytree_node=False, default=None)
     v_groups: LayerGroups | None = struct.field(pytree_node=False, default=None)
@@ -251,12 +256,30 @@ def init_cache(
     kv_cache_dtype: str = "bf16",
     fill_value: float = 0.0,
     seed: int = 0,
+    key_transform: np.ndarray | None = None,
 ) -> PagedKVCache:
     """An empty cache. Tests pass `fill_value=nan` so any unmasked read of a stale page shows
-    (for quantized formats the norms hold it)."""
+    (for quantized formats the norms hold it). `key_transform` (M [L, Hkv, Dh, Dh], see
+    models/kv_transform.py) is required by formats with the `-pc` modifier and refused by others."""
     spec = parse_kv_spec(kv_cache_dtype)
     if num_pages < 2:
         raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {num_pages}")
+    if spec.precondition != (key_transform is not None):
+        raise ValueError(
+            f"{spec.name!r} needs the model's key transform"
+            if spec.precondition
+            else f"a key transform was given but {spec.name!r} has no -pc modifier"
+        )
+    transforms = {}
+    if key_transform is not None:
+        m = np.asarray(key_transform, np.float64)
+        expected = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+        if m.shape != expected:
+            raise ValueError(f"key_transform must have shape {expected}, got {m.shape}")
+        transforms = {
+            "key_transform": jnp.asarray(np.swapaxes(m, -1, -2), jnp.float32),
+            "query_transform": jnp.asarray(np.linalg.inv(m), jnp.float32),
+        }
     k_groups, v_groups = make_groups(spec, cfg.num_layers, cfg.head_dim, seed)
 
     def pool(codec: TurboQuant | SplitTurboQuant | None, num_layers: int) -> Any:
@@ -285,6 +308,7 @@ def init_cache(
         sink_v=sinks(),
         block_tables=jnp.full((max_seqs, max_pages_per_seq), NULL_PAGE, jnp.int32),
         seq_lens=jnp.zeros((max_seqs,), jnp.int32),
+        **transforms,
         spec=spec,
         k_groups=k_groups,
         v_groups=v_groups,

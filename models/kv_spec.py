@@ -11,6 +11,8 @@ Names:
                           add the 1-bit QJL residual to keys / values / both
     ...-b<n>              keep the first and last n layers unquantized (bf16)
     ...-s<n>              keep the first n tokens of every sequence ("sinks") unquantized too
+    ...-pc                store keys through the model's fitted query-aware transform
+                          (models/kv_transform.py): same bytes, less score error
     ...-k<b>@<layers>     keys of the listed layers (e.g. 1,2,10) at b bits, or bf16 with
     ...-v<b>@<layers>     b = "bf16"; later modifiers override earlier ones
 
@@ -39,6 +41,7 @@ _TQ = re.compile(
 )
 _BOUNDARY = re.compile(r"^b(?P<n>\d+)$")
 _SINKS = re.compile(r"^s(?P<n>\d+)$")
+_PRECONDITION = "pc"
 MAX_SINK_TOKENS = 64
 _OVERRIDE = re.compile(rf"^(?P<side>[kv])(?P<bits>{_BITS}|\d+|bf16)@(?P<layers>\d+(?:,\d+)*)$")
 
@@ -63,6 +66,7 @@ class KVSpec:
     unquantized_bytes: int = 2  # per element when unquantized
     boundary_layers: int = 0
     sink_tokens: int = 0  # first tokens of each sequence also kept unquantized, per slot
+    precondition: bool = False  # keys stored through the model's key transform (models/kv_transform.py)
     overrides: tuple[tuple[str, LayerBits, tuple[int, ...]], ...] = ()
 
     @property
@@ -113,15 +117,17 @@ def parse_kv_spec(name: str) -> KVSpec:
             f"unknown kv cache dtype {name!r}: use bf16, fp32, tq<bits> (e.g. tq4, or tq3.5 for the "
             "split-group format), tq-k<bits>v<bits> (e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl, "
             "then -b<n> (first/last n layers unquantized), -s<n> (first n tokens unquantized) and "
-            "-k<bits>@<layers> / -v<bits>@<layers> (e.g. -k8@1,2,10 or -kbf16@0)"
+            "-k<bits>@<layers> / -v<bits>@<layers> (e.g. -k8@1,2,10 or -kbf16@0); -pc: the fitted key transform"
         )
     kbits = _bits(m["bits"] or m["kbits"])
     vbits = _bits(m["bits"] or m["vbits"])
     for side, bits in (("key", kbits), ("value", vbits)):
         _check_bits(name, side, bits)
-    boundary, sinks, overrides = 0, 0, []
+    boundary, sinks, overrides, precondition = 0, 0, [], False
     for mod in m["mods"].split("-")[1:]:
-        if b := _BOUNDARY.match(mod):
+        if mod == _PRECONDITION:
+            precondition = True
+        elif b := _BOUNDARY.match(mod):
             boundary = int(b["n"])
         elif m_sinks := _SINKS.match(mod):
             sinks = int(m_sinks["n"])
@@ -134,7 +140,7 @@ def parse_kv_spec(name: str) -> KVSpec:
             overrides.append((o["side"], bits, tuple(sorted({int(i) for i in o["layers"].split(",")}))))
         else:
             raise ValueError(
-                f"{name!r}: unknown modifier {mod!r} (use b<n>, s<n>, k<bits>@<layers> or v<bits>@<layers>)"
+                f"{name!r}: unknown modifier {mod!r} (use b<n>, s<n>, pc, k<bits>@<layers> or v<bits>@<layers>)"
             )
     qjl = m["qjl"] or ""
     return KVSpec(
@@ -145,6 +151,7 @@ def parse_kv_spec(name: str) -> KVSpec:
         value_qjl=qjl in ("-qjl", "-qjlv"),
         boundary_layers=boundary,
         sink_tokens=sinks,
+        precondition=precondition,
         overrides=tuple(overrides),
     )
 

@@ -125,6 +125,8 @@ def forward(
             q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            if cache.key_transform is not None:  # the -pc formats: q . k unchanged, keys reshaped
+                q, k = _transform_query_key(q, k, cache.query_transform[idx], cache.key_transform[idx])
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
             sinks = None
             if cache.num_sinks:
@@ -195,8 +197,44 @@ def forward(
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 
+def _transform_query_key(q: jax.Array, k: jax.Array, q_mat: jax.Array, k_mat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, Hq, Dh] @ q_mat[kv head of each query head], k [B, T, Hkv, Dh] @ k_mat [Hkv, Dh, Dh]."""
+    b, t, hq, dh = q.shape
+    hkv = k.shape[2]
+    hi = jax.lax.Precision.HIGHEST
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, dh)
+    q = jnp.einsum("bthgd,hde->bthge", qg, q_mat, precision=hi).reshape(b, t, hq, dh).astype(q.dtype)
+    k = jnp.einsum("bthd,hde->bthe", k.astype(jnp.float32), k_mat, precision=hi).astype(k.dtype)
+    return q, k
+
+
 def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:
     """Whether the rotated-domain kernel can read this layer's pages (TurboQuant keys and
     values, no QJL residual, not split-group)."""
     codecs = cache.k_groups.codec(layer), cache.v_groups.codec(layer)
     return all(isinstance(c, TurboQuant) and not c.qjl for c in codecs)
+
+
+def queries_and_keys(weights: ModelWeights, tokens: jax.Array, *, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Post-RoPE queries [L, T, Hq, Dh] and keys [L, T, Hkv, Dh] of every layer for one sequence
+    of tokens [T], with plain causal attention and no cache (for fitting key transforms)."""
+    t = tokens.shape[0]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
+    zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
+    empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    x = weights.embed[tokens][None].astype(jnp.float32)
+    queries, keys = [], []
+    for lw in weights.layers:
+        h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+        q, k, v = jnp.split(_matmul(h, lw.wqkv.astype(jnp.float32)), [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q = apply_rope(q.reshape(1, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(1, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        attn = paged_attention_reference(q, k, v.reshape(k.shape), empty, empty, zero, length)
+        x = x + _matmul(attn.reshape(1, t, cfg.q_size), lw.wo.astype(jnp.float32))
+        h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+        gate, up = jnp.split(_matmul(h, lw.w_gate_up.astype(jnp.float32)), 2, axis=-1)
+        x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down.astype(jnp.float32))
+        queries.append(q[0])
+        keys.append(k[0])
+    return jnp.stack(queries), jnp.stack(keys)
