@@ -186,3 +186,21 @@ def test_acceptance_rejects_bad_prompt_files(tmp_path, content, message, capsys)
     with pytest.raises(SystemExit) as exc:
         aj_eval.main(["acceptance", "--speculative", "ngram", "--prompts", str(prompts)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_fit_key_transform_writes_a_loadable_transform(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "m.npz"
+    argv = ["fit-key-transform", "--text-file", str(text), "--max-tokens", "64", "--out", str(out), "--json"]
+    assert aj_eval.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 16 <= report["num_tokens"] <= 64 and 0 < report["score_error_ratio_mean"] <= 1
+    with np.load(out) as f:
+        assert f["key_transform"].shape == (30, 3, 64, 64) and "--text-file" in str(f["command"])
+
+
+def test_fit_key_transform_rejects_a_missing_text(capsys):
+    with pytest.raises(SystemExit) as exc:
+        aj_eval.main(["fit-key-transform", "--text-file", "/no/such/file"])
+    assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
