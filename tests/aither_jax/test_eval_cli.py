@@ -151,7 +151,7 @@ def test_auto_is_the_models_measured_default(capsys):
     assert aj_eval.main(["capacity", "--kv-cache-dtype", "auto", "--json"]) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert row["kv_cache_dtype"] == SMOLLM2_KV == default_kv_cache_dtype("smollm2-135m")
-    assert row["bytes_per_token"] == 8856 and row["compression_vs_bf16"] == pytest.approx(2.602, abs=1e-3)
+    assert row["bytes_per_token"] == 8208 and row["compression_vs_bf16"] == pytest.approx(2.807, abs=1e-3)
     assert default_kv_cache_dtype("/some/other/model.gguf") == "bf16"
 
 
