@@ -18,7 +18,7 @@ from flax import struct
 
 from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
-from models.weights import ModelWeights
+from models.weights import LayerWeights, ModelWeights
 from pallas_kernels.paged_attention import dot_precision, paged_attention_reference
 from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_xla
 from pallas_kernels.turboquant import TurboQuant
@@ -119,12 +119,7 @@ def forward(
     new_k, new_v, sink_k, sink_v, tapped = [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
-            h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-            qkv = _matmul(h, lw.wqkv)
-            q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-            q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = _attention_inputs(x, lw, cfg, cos, sin)
             if cache.key_transform is not None:  # the -pc formats: q . k unchanged, keys reshaped
                 q, k = _transform_query_key(q, k, cache.query_transform[idx], cache.key_transform[idx])
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
@@ -167,10 +162,7 @@ def forward(
                 attn = paged_attention_reference(
                     q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, batch.start, batch.num_new
                 )
-            x = x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo)
-            h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-            gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
-            x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
+            x = _mlp_block(x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo), lw, cfg)
             new_k.append(k_store)
             new_v.append(v_store)
             if idx in taps:
@@ -197,6 +189,23 @@ def forward(
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 
+def _attention_inputs(x: jax.Array, lw: LayerWeights, cfg: ModelConfig, cos: jax.Array, sin: jax.Array):
+    """One layer's q [B, T, Hq, Dh] and k [B, T, Hkv, Dh] after RoPE, and v [B, T, Hkv, Dh]."""
+    b, t = x.shape[:2]
+    h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+    q, k, v = jnp.split(_matmul(h, lw.wqkv), [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+    k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+    return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+
+
+def _mlp_block(x: jax.Array, lw: LayerWeights, cfg: ModelConfig) -> jax.Array:
+    """The residual stream after one layer's SwiGLU block."""
+    h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+    gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
+    return x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
+
+
 def _transform_query_key(q: jax.Array, k: jax.Array, q_mat: jax.Array, k_mat: jax.Array) -> tuple[jax.Array, jax.Array]:
     """q [B, T, Hq, Dh] @ q_mat[kv head of each query head], k [B, T, Hkv, Dh] @ k_mat [Hkv, Dh, Dh]."""
     b, t, hq, dh = q.shape
@@ -217,24 +226,18 @@ def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:
 
 def queries_and_keys(weights: ModelWeights, tokens: jax.Array, *, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Post-RoPE queries [L, T, Hq, Dh] and keys [L, T, Hkv, Dh] of every layer for one sequence
-    of tokens [T], with plain causal attention and no cache (for fitting key transforms)."""
+    of tokens [T], with plain causal attention and no cache (for fitting key transforms), in
+    the weights' dtype."""
     t = tokens.shape[0]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
+    cos, sin = rope_tables(jnp.arange(t, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_base)
     zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
-    empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    x = weights.embed[tokens][None].astype(jnp.float32)
+    x = weights.embed[tokens][None]
+    empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), x.dtype)
     queries, keys = [], []
     for lw in weights.layers:
-        h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-        q, k, v = jnp.split(_matmul(h, lw.wqkv.astype(jnp.float32)), [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-        q = apply_rope(q.reshape(1, t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.reshape(1, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        attn = paged_attention_reference(q, k, v.reshape(k.shape), empty, empty, zero, length)
-        x = x + _matmul(attn.reshape(1, t, cfg.q_size), lw.wo.astype(jnp.float32))
-        h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-        gate, up = jnp.split(_matmul(h, lw.w_gate_up.astype(jnp.float32)), 2, axis=-1)
-        x = x + _matmul(jax.nn.silu(gate) * up, lw.w_down.astype(jnp.float32))
+        q, k, v = _attention_inputs(x, lw, cfg, cos, sin)
+        attn = paged_attention_reference(q, k, v, empty, empty, zero, length)
+        x = _mlp_block(x + _matmul(attn.reshape(1, t, cfg.q_size), lw.wo), lw, cfg)
         queries.append(q[0])
         keys.append(k[0])
     return jnp.stack(queries), jnp.stack(keys)

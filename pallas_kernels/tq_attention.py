@@ -129,25 +129,10 @@ def tq_paged_attention(
             among ceil(NP / pages_per_split) programs whose partial softmaxes are merged).
         interpret: run the kernel in the Pallas interpreter (default: on CPU).
     """
-    _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    return _tq_paged_attention(
-        q,
-        k_new,
-        v_new,
-        k_pool,
-        v_pool,
-        block_table,
-        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)]),
-        ctx_lens,
-        num_new,
-        sinks,
-        k_codec=k_codec,
-        v_codec=v_codec,
-        pages_per_split=pages_per_split,
-        interpret=interpret,
-    )
+    args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
+    return _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, pages_per_split, interpret)
 
 
 def tq_paged_attention_xla(
@@ -174,22 +159,26 @@ def tq_paged_attention_xla(
     of the reference's d x d rotation. Same arguments and result as the reference;
     `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
     del interpret
+    args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
+    return _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, None, False)
+
+
+def _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, kernel_split, interpret):
+    """Validates the public arguments and runs the jitted body; `kernel_split` None reads the
+    stored context with the jnp path instead of the kernel."""
+    q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new = args
     _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
+    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
     return _tq_paged_attention(
-        q,
-        k_new,
-        v_new,
-        k_pool,
-        v_pool,
-        block_table,
-        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)]),
+        *args[:6],
+        layers,
         ctx_lens,
         num_new,
         sinks,
         k_codec=k_codec,
         v_codec=v_codec,
-        pages_per_split=None,
-        interpret=False,
+        pages_per_split=kernel_split,
+        interpret=interpret,
     )
 
 

@@ -190,6 +190,13 @@ def unpack_planes(planes: list[jax.Array], bits: int) -> list[jax.Array]:
 # -- the codec ---------------------------------------------------------------------------------
 
 
+def _vectors(x: jax.Array, dim: int) -> jax.Array:
+    """x as float32, checked to be vectors [..., dim]."""
+    if x.shape[-1] != dim:
+        raise ValueError(f"expected vectors of dimension {dim}, got shape {x.shape}")
+    return jnp.asarray(x, jnp.float32)
+
+
 def _qjl_encode(residual: jax.Array, matrix: np.ndarray) -> dict[str, jax.Array]:
     """The 1-bit QJL sketch of `residual` [..., d]: sign bits of S r, and |r|."""
     projected = residual @ jnp.asarray(matrix).T
@@ -225,8 +232,51 @@ def is_split_bits(bits: float) -> bool:
     return float(bits) != int(bits)
 
 
+class _Codec:
+    """What both codecs share: the QJL transform, the byte count and the quality report. A
+    subclass defines head_dim, bits, seed, qjl, encode and decode."""
+
+    def _init_qjl(self) -> None:
+        qjl = haar_rotation(self.head_dim, self.seed, purpose="qjl") if self.qjl else None
+        object.__setattr__(self, "qjl_matrix", qjl)
+
+    @property
+    def bytes_per_vector(self) -> int:
+        """Stored bytes per vector (`tq_vector_bytes`)."""
+        return tq_vector_bytes(self.head_dim, self.bits, self.qjl)
+
+    def validate(self, num_vectors: int = 10_000, seed: int = 1) -> dict[str, float]:
+        """Quality on random unit vectors: per-vector MSE, inner-product error, ratio to 4^-b.
+
+        Returns:
+            mse: mean ||x - x_hat||^2 over unit vectors x.
+            mse_lower_bound: 4^-b, the information-theoretic lower bound.
+            mse_ratio: mse / 4^-b.
+            inner_product_rmse: RMS of <q, x> - <q, x_hat> for random unit queries q.
+            inner_product_bias: mean of that difference.
+            bytes_per_vector: storage per vector.
+        """
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((num_vectors, self.head_dim)).astype(np.float32)
+        x /= np.linalg.norm(x, axis=-1, keepdims=True)
+        q = rng.standard_normal((num_vectors, self.head_dim)).astype(np.float32)
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        x_hat = np.asarray(jax.jit(lambda v: self.decode(self.encode(v)))(x))
+        mse = float(np.mean(np.sum((x - x_hat) ** 2, axis=-1)))
+        err = np.sum(q * x, axis=-1) - np.sum(q * x_hat, axis=-1)
+        bound = 4.0**-self.bits
+        return {
+            "mse": mse,
+            "mse_lower_bound": bound,
+            "mse_ratio": mse / bound,
+            "inner_product_rmse": float(np.sqrt(np.mean(err**2))),
+            "inner_product_bias": float(np.mean(err)),
+            "bytes_per_vector": self.bytes_per_vector,
+        }
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class TurboQuant:
+class TurboQuant(_Codec):
     """Encoder/decoder for vectors of one dimension at one bit width.
 
     Args:
@@ -253,13 +303,7 @@ class TurboQuant:
         object.__setattr__(self, "boundaries", ((centroids[1:] + centroids[:-1]) / 2).astype(np.float32))
         object.__setattr__(self, "coordinate_mse", mse)
         object.__setattr__(self, "rotation_matrix", ROTATIONS[self.rotation](self.head_dim, self.seed))
-        qjl = haar_rotation(self.head_dim, self.seed, purpose="qjl") if self.qjl else None
-        object.__setattr__(self, "qjl_matrix", qjl)
-
-    @property
-    def bytes_per_vector(self) -> int:
-        """Packed bytes per vector: codes, float32 norm, and with QJL the sign bits + residual norm."""
-        return tq_vector_bytes(self.head_dim, self.bits, self.qjl)
+        self._init_qjl()
 
     @property
     def fingerprint(self) -> str:
@@ -275,9 +319,7 @@ class TurboQuant:
     def encode(self, x: jax.Array) -> dict[str, jax.Array]:
         """x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float32 [...]} (+ "qjl_signs",
         "qjl_norms" with QJL)."""
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(f"expected vectors of dimension {self.head_dim}, got shape {x.shape}")
-        x = jnp.asarray(x, jnp.float32)
+        x = _vectors(x, self.head_dim)
         norms = jnp.linalg.norm(x, axis=-1)
         u = x / jnp.maximum(norms, 1e-30)[..., None]
         y = u @ jnp.asarray(self.rotation_matrix).T
@@ -297,39 +339,6 @@ class TurboQuant:
             u_hat = u_hat + _qjl_decode(encoded, self.qjl_matrix)
         return u_hat * encoded["norms"][..., None]
 
-    def validate(self, num_vectors: int = 10_000, seed: int = 1) -> dict[str, float]:
-        """Quality on random unit vectors: per-vector MSE, inner-product error, ratio to 4^-b.
-
-        Returns:
-            mse: mean ||x - x_hat||^2 over unit vectors x.
-            mse_lower_bound: 4^-b, the information-theoretic lower bound.
-            mse_ratio: mse / 4^-b.
-            inner_product_rmse: RMS of <q, x> - <q, x_hat> for random unit queries q.
-            inner_product_bias: mean of that difference.
-            bytes_per_vector: storage per vector.
-        """
-        return _validate(self, num_vectors, seed)
-
-
-def _validate(codec, num_vectors: int, seed: int) -> dict[str, float]:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((num_vectors, codec.head_dim)).astype(np.float32)
-    x /= np.linalg.norm(x, axis=-1, keepdims=True)
-    q = rng.standard_normal((num_vectors, codec.head_dim)).astype(np.float32)
-    q /= np.linalg.norm(q, axis=-1, keepdims=True)
-    x_hat = np.asarray(jax.jit(lambda v: codec.decode(codec.encode(v)))(x))
-    mse = float(np.mean(np.sum((x - x_hat) ** 2, axis=-1)))
-    err = np.sum(q * x, axis=-1) - np.sum(q * x_hat, axis=-1)
-    bound = 4.0**-codec.bits
-    return {
-        "mse": mse,
-        "mse_lower_bound": bound,
-        "mse_ratio": mse / bound,
-        "inner_product_rmse": float(np.sqrt(np.mean(err**2))),
-        "inner_product_bias": float(np.mean(err)),
-        "bytes_per_vector": codec.bytes_per_vector,
-    }
-
 
 # -- the split-group (hybrid) format ---------------------------------------------------------------
 
@@ -346,7 +355,7 @@ def split_channels(head_dim: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class SplitTurboQuant:
+class SplitTurboQuant(_Codec):
     """The split-group (hybrid) format for half-integer bit widths such as 3.5 or 2.5.
 
     The vector is cut into the two channel halves of `split_channels`; each half is a
@@ -374,17 +383,14 @@ class SplitTurboQuant:
             raise ValueError(f"split-group head_dim must be a power of two >= 16, got {self.head_dim}")
         half = self.head_dim // 2
         object.__setattr__(self, "channels", split_channels(self.head_dim))
+        # The decoded halves, concatenated, back in channel order.
+        object.__setattr__(self, "order", np.argsort(np.concatenate(self.channels)))
         groups = (
             TurboQuant(head_dim=half, bits=math.ceil(self.bits), seed=2 * self.seed),
             TurboQuant(head_dim=half, bits=math.floor(self.bits), seed=2 * self.seed + 1),
         )
         object.__setattr__(self, "groups", groups)
-        qjl = haar_rotation(self.head_dim, self.seed, purpose="qjl") if self.qjl else None
-        object.__setattr__(self, "qjl_matrix", qjl)
-
-    @property
-    def bytes_per_vector(self) -> int:
-        return tq_vector_bytes(self.head_dim, self.bits, self.qjl)
+        self._init_qjl()
 
     @property
     def fingerprint(self) -> str:
@@ -399,9 +405,7 @@ class SplitTurboQuant:
     def encode(self, x: jax.Array) -> dict[str, jax.Array]:
         """x [..., d] -> {"codes": uint8 [..., bytes of both halves], "group_norms": float16
         [..., 2]} (+ "qjl_signs", "qjl_norms" with QJL)."""
-        if x.shape[-1] != self.head_dim:
-            raise ValueError(f"expected vectors of dimension {self.head_dim}, got shape {x.shape}")
-        x = jnp.asarray(x, jnp.float32)
+        x = _vectors(x, self.head_dim)
         parts = [g.encode(x[..., c]) for c, g in zip(self.channels, self.groups, strict=True)]
         norms = jnp.stack([p["norms"] for p in parts], axis=-1)
         out = {
@@ -423,14 +427,11 @@ class SplitTurboQuant:
         heavy_bytes = self.groups[0].head_dim * self.groups[0].bits // 8
         codes = (encoded["codes"][..., :heavy_bytes], encoded["codes"][..., heavy_bytes:])
         norms = encoded["group_norms"].astype(jnp.float32)
-        x_hat = jnp.zeros((*norms.shape[:-1], self.head_dim), jnp.float32)
-        for i, (channels, group) in enumerate(zip(self.channels, self.groups, strict=True)):
-            x_hat = x_hat.at[..., channels].set(group.decode({"codes": codes[i], "norms": norms[..., i]}))
-        return x_hat
-
-    def validate(self, num_vectors: int = 10_000, seed: int = 1) -> dict[str, float]:
-        """Same report as `TurboQuant.validate` (the bound is 4^-bits at the average bits)."""
-        return _validate(self, num_vectors, seed)
+        halves = [
+            group.decode({"codes": c, "norms": norms[..., i]})
+            for i, (c, group) in enumerate(zip(codes, self.groups, strict=True))
+        ]
+        return jnp.concatenate(halves, axis=-1)[..., self.order]
 
 
 def make_codec(head_dim: int, bits: float, seed: int = 0, qjl: bool = False) -> TurboQuant | SplitTurboQuant:

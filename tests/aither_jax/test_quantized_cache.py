@@ -181,6 +181,23 @@ def test_mixed_layers_store_each_group_in_its_own_pool():
         np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(v_ref, np.float32))
 
 
+def check_calls_against_reference(monkeypatch, name: str) -> list[float]:
+    """Wraps the model's attention function `name` so every call also runs the reference twin;
+    returns the list that collects each call's largest difference."""
+    import models.llama
+
+    gaps, impl = [], getattr(models.llama, name)
+
+    def checked(*args, **kwargs):
+        out = impl(*args, **kwargs)
+        ref = tq_paged_attention_reference(*args, **kwargs)
+        jax.debug.callback(lambda g: gaps.append(float(g)), jnp.max(jnp.abs(out - ref)))
+        return out
+
+    monkeypatch.setattr(models.llama, name, checked)
+    return gaps
+
+
 def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
     """The whole model with the rotated-domain kernel (Pallas interpreter on CPU), prefill in
     chunks of 32 then greedy decoding: inside the model every kernel call matches the reference
@@ -189,18 +206,7 @@ def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
     Through the model, per-call differences of ~1e-6 flip a rare code at a cell boundary in a
     later layer and the flip cascades (see test_chunk_size_does_not_change_logits), so the
     logits are compared with the gap quantization itself makes."""
-    import models.llama
-
-    gaps = []
-    kernel = models.llama.tq_paged_attention
-
-    def checked(*args, **kwargs):
-        out = kernel(*args, **kwargs)
-        ref = tq_paged_attention_reference(*args, **kwargs)
-        jax.debug.callback(lambda g: gaps.append(float(g)), jnp.max(jnp.abs(out - ref)))
-        return out
-
-    monkeypatch.setattr(models.llama, "tq_paged_attention", checked)
+    gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention")
     # Layers 13..16 quantized (the interpreter is slow), two key widths, 2 sink tokens.
     kv, ids = "tq3-b13-k8@13-s2", short_ids[:40]
     ref, ker = small_llm(kv, "reference"), small_llm(kv, "pallas")
@@ -220,18 +226,7 @@ def test_xla_attention_path_matches_reference_path(short_ids, monkeypatch):
     """The jnp rotated-domain path (the CPU default) through the whole model: every call
     matches the reference twin on the same inputs, split-group layers (which only the
     reference reads) included, and the logits agree as closely as the Pallas path's do."""
-    import models.llama
-    from pallas_kernels.tq_attention import tq_paged_attention_xla
-
-    gaps = []
-
-    def checked(*args, **kwargs):
-        out = tq_paged_attention_xla(*args, **kwargs)
-        ref = tq_paged_attention_reference(*args, **kwargs)
-        jax.debug.callback(lambda g: gaps.append(float(g)), jnp.max(jnp.abs(out - ref)))
-        return out
-
-    monkeypatch.setattr(models.llama, "tq_paged_attention_xla", checked)
+    gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention_xla")
     # Layers 13..16 quantized (as in the Pallas test: flips from rounding differences cascade
     # through every quantized layer); layer 14's keys and layer 15's values are split-group,
     # which only the reference reads.
