@@ -23,6 +23,36 @@ def dot_precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+# XLA's CPU dot emitter wants both operands' contracted axis last, so a [S, Dh] block of
+# keys or values becomes a transposed copy as large as the context before every product.
+# With a handful of query rows per KV head (decode) the same sums as broadcast
+# multiply-reduce loops read the context once, in place: three times faster on a 2,048-token
+# context. Beyond this many rows the matmul's reuse wins.
+FEW_QUERY_ROWS = 8
+
+
+def few_query_rows(num_rows: int) -> bool:
+    """Whether `context_scores` / `context_sum` take the multiply-reduce form (CPU only: GPU
+    matmuls read their operands in place)."""
+    return num_rows <= FEW_QUERY_ROWS and jax.default_backend() == "cpu"
+
+
+def context_scores(q: jax.Array, k: jax.Array, precision=None) -> jax.Array:
+    """q [B, H, Q, Dh] . k [B, S, H, Dh] -> [B, H, Q, S] float32."""
+    if few_query_rows(q.shape[2]):
+        prod = q.astype(jnp.float32)[:, None] * k.astype(jnp.float32)[:, :, :, None]  # [B, S, H, Q, Dh]
+        return jnp.moveaxis(jnp.sum(prod, axis=-1), 1, -1)
+    return jnp.einsum("bhqd,bshd->bhqs", q, k, preferred_element_type=jnp.float32, precision=precision)
+
+
+def context_sum(p: jax.Array, v: jax.Array, precision=None) -> jax.Array:
+    """Weights p [B, H, Q, S] times values v [B, S, H, Dh] summed over S -> [B, H, Q, Dh] float32."""
+    if few_query_rows(p.shape[2]):
+        prod = jnp.moveaxis(p.astype(jnp.float32), -1, 1)[..., None] * v.astype(jnp.float32)[:, :, :, None]
+        return jnp.sum(prod, axis=1)  # [B, S, H, Q, Dh] -> [B, H, Q, Dh]
+    return jnp.einsum("bhqs,bshd->bhqd", p, v, preferred_element_type=jnp.float32, precision=precision)
+
+
 def paged_attention_reference(
     q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens (RoPE applied)
     k_new: jax.Array,  # [B, T, Hkv, Dh] keys of the new tokens
@@ -59,9 +89,10 @@ def paged_attention_reference(
         axis=2,
     )  # [B, T, Sctx + T]
 
-    qg = q.reshape(b, t, hkv, hq // hkv, dh)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32, precision=prec) * scale
+    g = hq // hkv
+    qg = jnp.moveaxis(q.reshape(b, t, hkv, g, dh), 1, 3).reshape(b, hkv, g * t, dh)  # rows (g, t)
+    s = context_scores(qg, k, prec).reshape(b, hkv, g, t, -1) * scale
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=prec)
-    return out.reshape(b, t, hq, dh).astype(q.dtype)
+    p = jax.nn.softmax(s, axis=-1).reshape(b, hkv, g * t, -1)
+    out = context_sum(p.astype(v.dtype), v, prec).reshape(b, hkv, g, t, dh)
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)

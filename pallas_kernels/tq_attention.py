@@ -28,7 +28,7 @@ from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_attention import MASK_VALUE, paged_attention_reference
+from pallas_kernels.paged_attention import MASK_VALUE, context_scores, context_sum, paged_attention_reference
 from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
 
 # Triton's dot wants every dimension >= 16; smaller products are done as broadcast sums.
@@ -325,14 +325,14 @@ def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_co
     k_vals, k_norms = gather(k_pool, layer[0], k_codec)
     pos = jnp.arange(k_vals.shape[1], dtype=jnp.int32)
     valid = ((pos >= num_sinks)[None, :] & (pos[None, :] < ctx_lens[:, None]))[:, None, None, :]  # [B, 1, 1, C]
-    scores = jnp.einsum("bhqd,bchd->bhqc", q_blocks, k_vals, precision=hi) * k_norms[:, :, None]
+    scores = context_scores(q_blocks, k_vals, hi) * k_norms[:, :, None]
     # Replace (not add): garbage in unused pages may be NaN.
     scores = jnp.where(valid, scores, MASK_VALUE)
     m = jnp.max(scores, axis=-1)
     p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
     v_vals, v_norms = gather(v_pool, layer[1], v_codec)
     weights = p * jnp.where(valid, v_norms[:, :, None], 0.0)
-    acc = jnp.einsum("bhqc,bchd->bhqd", weights, v_vals, precision=hi)
+    acc = context_sum(weights, v_vals, hi)
     return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.kv_cache import init_cache
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.paged_attention import FEW_QUERY_ROWS, context_scores, context_sum, paged_attention_reference
 
 CFG = ModelConfig(
     "llama",
@@ -91,3 +91,18 @@ def test_reference_matches_dense(page_size, ctx_lens, num_new):
         q_pos = ctx_lens[r] + np.arange(n)
         ref = dense_attention(q[r, :n], full_k[r], full_v[r], q_pos)
         np.testing.assert_allclose(out[r, :n], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, FEW_QUERY_ROWS, FEW_QUERY_ROWS + 1, 24])
+def test_context_products_match_numpy(rows):
+    """Both forms of the context products (multiply-reduce for few query rows on CPU, matmul
+    otherwise) against float64 numpy."""
+    rng = np.random.default_rng(rows)
+    q = rng.standard_normal((2, 3, rows, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 40, 3, 16)).astype(np.float32)
+    p = rng.random((2, 3, rows, 40)).astype(np.float32)
+    hi = jax.lax.Precision.HIGHEST
+    scores = np.asarray(jax.jit(context_scores, static_argnums=2)(q, k, hi))
+    summed = np.asarray(jax.jit(context_sum, static_argnums=2)(p, k, hi))
+    np.testing.assert_allclose(scores, np.einsum("bhqd,bshd->bhqs", q.astype(np.float64), k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(summed, np.einsum("bhqs,bshd->bhqd", p.astype(np.float64), k), rtol=1e-5, atol=1e-5)
