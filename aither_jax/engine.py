@@ -34,25 +34,11 @@ log = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 8
-# Past this many pages a step reads in quarter steps between powers of two (80, 96, 112, 128,
-# 160, ...): attention time grows with the pages read, and a 1,040-token context would read
-# 128 pages where it needs 65. Below it, powers of two keep the compiled shapes few.
-FINE_PAGE_BUCKETS_FROM = 64
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
     """Smallest power of two >= n, clamped to [minimum, maximum]."""
     return max(minimum, min(maximum, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
-
-
-def page_bucket(n: int, minimum: int, maximum: int) -> int:
-    """Pages a step reads for n needed: `bucket`, refined to quarter steps of the power of two
-    below it once that exceeds FINE_PAGE_BUCKETS_FROM (at most 25% over n there)."""
-    pages = bucket(n, minimum, maximum)
-    if pages > FINE_PAGE_BUCKETS_FROM:
-        step = (1 << math.ceil(math.log2(pages))) // 8
-        pages = min(pages, max(minimum, -(-n // step) * step))
-    return pages
 
 
 class Engine:
@@ -291,9 +277,7 @@ class Engine:
         slots = np.zeros(n, np.int32)
         for i, (s, toks) in enumerate(rows):
             ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
-        num_pages = page_bucket(
-            self.scheduler.pages_needed(int(ctx.max()) + 1), MIN_PAGE_BUCKET, self.max_pages_per_seq
-        )
+        num_pages = bucket(self.scheduler.pages_needed(int(ctx.max()) + 1), MIN_PAGE_BUCKET, self.max_pages_per_seq)
         table = self.scheduler.block_tables[slots, :num_pages]
         drafts = self.drafter.propose(table, ctx, last)
         return [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
@@ -417,7 +401,7 @@ class Engine:
         longest = max(len(toks) for _, toks in rows)
         num_tokens = 1 if longest == 1 and not all_logits else bucket(longest, min_tokens, self.max_prefill_chunk)
         end = max(s.num_cached + len(toks) for s, toks in rows)
-        num_pages = page_bucket(self.scheduler.pages_needed(end), MIN_PAGE_BUCKET, self.max_pages_per_seq)
+        num_pages = bucket(self.scheduler.pages_needed(end), MIN_PAGE_BUCKET, self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)
@@ -489,7 +473,7 @@ class Engine:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
         max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # bucket() caps it
-        pages = sorted({page_bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
+        pages = sorted({bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
         shapes = [(r, p, g) for r in rows for p in pages for g in ((True, False) if sampling else (True,))]
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             zeros = np.zeros(num_rows, np.int32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from aither_jax.engine import bucket, page_bucket
+from aither_jax.engine import bucket
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -25,28 +25,6 @@ PROMPTS = [
 def test_bucket_is_power_of_two_within_bounds():
     assert [bucket(n, 16, 256) for n in (1, 16, 17, 100, 256, 900)] == [16, 16, 32, 128, 256, 256]
     assert bucket(3, 1, 8) == 4
-
-
-def test_page_bucket_refines_long_contexts():
-    # Powers of two up to 64 pages, then quarter steps: at most 25% over what is needed.
-    assert [page_bucket(n, 8, 256) for n in (1, 9, 33, 64, 65, 81, 97, 113, 128, 129, 200, 256)] == [
-        8,
-        16,
-        64,
-        64,
-        80,
-        96,
-        112,
-        128,
-        128,
-        160,
-        224,
-        256,
-    ]
-    assert page_bucket(100, 8, 100) == 100  # the cap wins
-    for n in range(1, 1025):
-        pages = page_bucket(n, 8, 1024)
-        assert pages >= n and (n <= 64 or pages <= 1.25 * n)
 
 
 def test_batch_of_different_lengths_equals_each_alone(llm_f32):
