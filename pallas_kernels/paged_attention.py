@@ -25,21 +25,23 @@ def dot_precision(dtype) -> jax.lax.Precision:
 
 # XLA's CPU dot emitter wants both operands' contracted axis last, so a [S, Dh] block of
 # keys or values becomes a transposed copy as large as the context before every product.
-# With a handful of query rows per KV head (decode) the same sums as broadcast
-# multiply-reduce loops read the context once, in place: three times faster on a 2,048-token
-# context. Beyond this many rows the matmul's reuse wins.
+# With a handful of query rows per KV head (decode) over a long context, the same sums as
+# broadcast multiply-reduce loops read the context once, in place: three times faster on a
+# 2,048-token context. With more rows the matmul's reuse wins; on short contexts the copy is
+# cheap and the matmul slightly faster.
 FEW_QUERY_ROWS = 8
+LONG_CONTEXT = 512
 
 
-def few_query_rows(num_rows: int) -> bool:
+def few_query_rows(num_rows: int, context: int) -> bool:
     """Whether `context_scores` / `context_sum` take the multiply-reduce form (CPU only: GPU
     matmuls read their operands in place)."""
-    return num_rows <= FEW_QUERY_ROWS and jax.default_backend() == "cpu"
+    return num_rows <= FEW_QUERY_ROWS and context >= LONG_CONTEXT and jax.default_backend() == "cpu"
 
 
 def context_scores(q: jax.Array, k: jax.Array, precision=None) -> jax.Array:
     """q [B, H, Q, Dh] . k [B, S, H, Dh] -> [B, H, Q, S] float32."""
-    if few_query_rows(q.shape[2]):
+    if few_query_rows(q.shape[2], k.shape[1]):
         prod = q.astype(jnp.float32)[:, None] * k.astype(jnp.float32)[:, :, :, None]  # [B, S, H, Q, Dh]
         return jnp.moveaxis(jnp.sum(prod, axis=-1), 1, -1)
     return jnp.einsum("bhqd,bshd->bhqs", q, k, preferred_element_type=jnp.float32, precision=precision)
@@ -47,7 +49,7 @@ def context_scores(q: jax.Array, k: jax.Array, precision=None) -> jax.Array:
 
 def context_sum(p: jax.Array, v: jax.Array, precision=None) -> jax.Array:
     """Weights p [B, H, Q, S] times values v [B, S, H, Dh] summed over S -> [B, H, Q, Dh] float32."""
-    if few_query_rows(p.shape[2]):
+    if few_query_rows(p.shape[2], v.shape[1]):
         prod = jnp.moveaxis(p.astype(jnp.float32), -1, 1)[..., None] * v.astype(jnp.float32)[:, :, :, None]
         return jnp.sum(prod, axis=1)  # [B, S, H, Q, Dh] -> [B, H, Q, Dh]
     return jnp.einsum("bhqs,bshd->bhqd", p, v, preferred_element_type=jnp.float32, precision=precision)

@@ -9,7 +9,13 @@ import pytest
 
 from models.config import ModelConfig
 from models.kv_cache import init_cache
-from pallas_kernels.paged_attention import FEW_QUERY_ROWS, context_scores, context_sum, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    FEW_QUERY_ROWS,
+    LONG_CONTEXT,
+    context_scores,
+    context_sum,
+    paged_attention_reference,
+)
 
 CFG = ModelConfig(
     "llama",
@@ -93,14 +99,15 @@ def test_reference_matches_dense(page_size, ctx_lens, num_new):
         np.testing.assert_allclose(out[r, :n], ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("context", [40, LONG_CONTEXT])
 @pytest.mark.parametrize("rows", [1, 3, FEW_QUERY_ROWS, FEW_QUERY_ROWS + 1, 24])
-def test_context_products_match_numpy(rows):
-    """Both forms of the context products (multiply-reduce for few query rows on CPU, matmul
-    otherwise) against float64 numpy."""
+def test_context_products_match_numpy(rows, context):
+    """Both forms of the context products (multiply-reduce for few query rows over a long
+    context on CPU, matmul otherwise) against float64 numpy."""
     rng = np.random.default_rng(rows)
     q = rng.standard_normal((2, 3, rows, 16)).astype(np.float32)
-    k = rng.standard_normal((2, 40, 3, 16)).astype(np.float32)
-    p = rng.random((2, 3, rows, 40)).astype(np.float32)
+    k = rng.standard_normal((2, context, 3, 16)).astype(np.float32)
+    p = rng.random((2, 3, rows, context)).astype(np.float32)
     hi = jax.lax.Precision.HIGHEST
     scores = np.asarray(jax.jit(context_scores, static_argnums=2)(q, k, hi))
     summed = np.asarray(jax.jit(context_sum, static_argnums=2)(p, k, hi))
