@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
 MIN_PAGE_BUCKET = 8
+# Shared-prefix attention: a decode step whose rows all hold at least MIN_SHARED_PAGES common
+# leading pages reads them once for the batch; the shared count is rounded down to a multiple
+# of SHARED_PAGE_STEP to bound the number of compiled step shapes.
+MIN_SHARED_PAGES = 32
+SHARED_PAGE_STEP = 16
 
 
 def bucket(n: int, minimum: int, maximum: int) -> int:
@@ -64,6 +69,7 @@ class Engine:
         seed: int = 0,
         speculative: SpeculativeConfig | str | dict | None = None,
         model_name: str = "",
+        shared_prefix_attention: bool = True,
     ):
         max_num_batched_tokens = (
             max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
@@ -149,6 +155,10 @@ class Engine:
         self.accepted_per_pos = np.zeros(self.num_speculative_tokens, np.int64)
         # Per verify pass of a row (drafts or not): how many tokens it committed, 1 .. k + 1.
         self.committed_hist = np.zeros(self.num_speculative_tokens + 2, np.int64)
+        # Decode steps whose rows share cached prefix pages read them once for the whole batch
+        # (see `models.llama.forward`); counted in num_shared_prefix_steps.
+        self.shared_prefix_attention = bool(shared_prefix_attention)
+        self.num_shared_prefix_steps = 0
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self._seen_shapes: set[tuple] = set()
@@ -291,7 +301,7 @@ class Engine:
             return
         verify_rows = [(s, toks + d) for (s, toks), d in zip(rows, drafts, strict=True)]
         want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
-        tokens, batch, sampling, num_pages, greedy_only = self._pack(verify_rows, all_logits=True, min_tokens=2)
+        tokens, batch, sampling, num_pages, greedy_only, _ = self._pack(verify_rows, all_logits=True, min_tokens=2)
         accepted, next_tokens, logits = self._verify(tokens, batch, sampling, num_pages, greedy_only, want_logprobs)
         accepted, next_tokens = np.asarray(accepted), np.asarray(next_tokens)
         logits = None if logits is None else np.asarray(logits)
@@ -393,15 +403,24 @@ class Engine:
             self.cache = self.cache.replace(block_tables=jax.device_put(self.scheduler.block_tables))
             self.scheduler.tables_dirty = False
 
-    def _pack(self, rows: list[tuple[Sequence, list[int]]], *, all_logits: bool, min_tokens: int = MIN_TOKEN_BUCKET):
+    def _pack(
+        self,
+        rows: list[tuple[Sequence, list[int]]],
+        *,
+        all_logits: bool,
+        min_tokens: int = MIN_TOKEN_BUCKET,
+        share_prefix: bool = False,
+    ):
         """Pads (sequence, new tokens) rows to a bucketed batch: (tokens, StepBatch,
-        SamplingBatch, pages to read, whether every row is greedy)."""
+        SamplingBatch, pages to read per row, whether every row is greedy, shared pages read
+        once for the batch: 0 unless `share_prefix` and `_shared_pages` finds some)."""
         self._sync_tables()
         num_rows = bucket(len(rows), 1, self.max_num_seqs)
         longest = max(len(toks) for _, toks in rows)
         num_tokens = 1 if longest == 1 and not all_logits else bucket(longest, min_tokens, self.max_prefill_chunk)
+        shared = self._shared_pages(rows) if share_prefix and num_tokens == 1 else 0
         end = max(s.num_cached + len(toks) for s, toks in rows)
-        num_pages = bucket(self.scheduler.pages_needed(end), MIN_PAGE_BUCKET, self.max_pages_per_seq)
+        num_pages = bucket(self.scheduler.pages_needed(end) - shared, MIN_PAGE_BUCKET, self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)
@@ -419,23 +438,44 @@ class Engine:
         # (a Python device_put per array cost ~0.25 ms each, several per decode step).
         batch = StepBatch(slots, start, num_new)
         sampling = SamplingBatch(temperature, top_k, top_p, seeds)
-        return tokens, batch, sampling, num_pages, bool(np.all(temperature == 0))
+        return tokens, batch, sampling, num_pages, bool(np.all(temperature == 0)), shared
+
+    def _shared_pages(self, rows: list[tuple[Sequence, list[int]]]) -> int:
+        """Leading block-table pages that every row holds and has fully stored (prefix-cache
+        hits shared by all rows), rounded down to SHARED_PAGE_STEP; 0 below MIN_SHARED_PAGES,
+        for a single row, or when shared-prefix attention is off."""
+        if not self.shared_prefix_attention or len(rows) < 2 or self.cache.num_sinks:
+            return 0
+        full = min(s.num_cached for s, _ in rows) // self.page_size
+        if full < MIN_SHARED_PAGES:
+            return 0
+        tables = self.scheduler.block_tables[[s.slot for s, _ in rows], :full]
+        same = np.all(tables == tables[:1], axis=0)
+        common = full if same.all() else int(np.argmin(same))
+        shared = common // SHARED_PAGE_STEP * SHARED_PAGE_STEP
+        return shared if shared >= MIN_SHARED_PAGES else 0
 
     def _run(
         self, rows: list[tuple[Sequence, list[int]]], *, return_logits: str, taps: tuple[int, ...] = ()
     ) -> tuple[np.ndarray, Any, Any, StepBatch]:
         """One padded call of the jitted step over (sequence, new tokens) rows: (next tokens,
         logits by `return_logits`, tapped hidden states or None, the padded batch)."""
-        tokens, batch, sampling, num_pages, greedy_only = self._pack(rows, all_logits=return_logits == "all")
+        tokens, batch, sampling, num_pages, greedy_only, shared = self._pack(
+            rows, all_logits=return_logits == "all", share_prefix=True
+        )
         next_tokens, logits, hidden = self._dispatch(
-            tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps
+            tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared
         )
         return np.asarray(next_tokens)[: len(rows)], None if logits is None else np.asarray(logits), hidden, batch
 
-    def _dispatch(self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=()):
+    def _dispatch(
+        self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
+    ):
         num_rows, num_tokens = tokens.shape
-        key = (num_rows, num_tokens, num_pages, return_logits, greedy_only, taps)
-        self._note_shape("decode", key, warmed=num_tokens == 1 and return_logits == "none")
+        key = (num_rows, num_tokens, num_pages, return_logits, greedy_only, taps, shared_pages)
+        # Shared-prefix shapes depend on the prompts: they compile on first use.
+        self._note_shape("decode", key, warmed=num_tokens == 1 and return_logits == "none" and not shared_pages)
+        self.num_shared_prefix_steps += bool(shared_pages)
         next_tokens, logits, self.cache, hidden = model_step(
             self.weights,
             self.cache,
@@ -448,6 +488,7 @@ class Engine:
             greedy_only=greedy_only,
             attention=self.attention,
             taps=taps,
+            shared_pages=shared_pages,
         )
         return next_tokens, logits, hidden
 

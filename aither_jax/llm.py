@@ -99,6 +99,9 @@ class LLM:
             `aither_jax.speculative.SpeculativeConfig` fields, such as
             {"method": "dflash", "num_speculative_tokens": 7, "steps": 2}. Output is lossless:
             the target's own greedy tokens, or its own sampling distribution.
+        shared_prefix_attention: decode steps whose rows all hold the same cached prefix pages
+            (512 tokens or more, with prefix caching) read those pages once for the batch
+            instead of once per row, and merge (vLLM's "cascade attention").
         progress: show progress bars while loading and generating.
     """
 
@@ -119,6 +122,7 @@ class LLM:
         attention: str = "auto",
         seed: int = 0,
         speculative: str | dict | None = None,
+        shared_prefix_attention: bool = True,
         progress: bool = True,
         _cache_fill_value: float = 0.0,
     ):
@@ -161,6 +165,7 @@ class LLM:
             seed=seed,
             speculative=speculative,
             model_name=model,
+            shared_prefix_attention=shared_prefix_attention,
         )
 
     def generate(

@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse cached KV pages of earlier prompts (default: on, except for KV formats with sink tokens)",
     )
     p.add_argument(
+        "--shared-prefix-attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode steps whose rows share 512+ cached prefix tokens read them once for the batch (default: on)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         type=lambda text: text if text == "auto" else kv_spec(text).name,
         default="auto",
@@ -150,6 +156,7 @@ def build_server(args: argparse.Namespace):
             max_pinned_fraction=args.max_pinned_fraction,
             seed=args.seed,
             speculative=args.speculative_config,
+            shared_prefix_attention=args.shared_prefix_attention,
             progress=True,
         )
         if args.chat_template is not None:

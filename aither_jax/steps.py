@@ -28,7 +28,9 @@ from models.weights import ModelWeights
 RETURN_LOGITS = ("none", "last", "all")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention", "taps"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention", "taps", "shared_pages")
+)
 def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -42,8 +44,10 @@ def forward_step(
     greedy_only: bool,
     attention: str = "reference",
     taps: tuple[int, ...] = (),
+    shared_pages: int = 0,
 ) -> tuple[jax.Array, jax.Array | None, KVUpdate, jax.Array | None]:
-    """Samples the token after each row's last new token.
+    """Samples the token after each row's last new token (`models.llama.forward` explains
+    `num_pages` and `shared_pages`).
 
     Returns:
         next_tokens [B] int32; logits float32 by `return_logits`: None ("none"), each row's
@@ -51,7 +55,9 @@ def forward_step(
         to apply with `write_step`; the hidden states of the layers in `taps` (or None).
     """
     all_logits = return_logits == "all"
-    static = dict(cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps)
+    static = dict(
+        cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps, shared_pages=shared_pages
+    )
     logits, update, hidden = forward(weights, cache, tokens, batch, **static)
     if all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)

@@ -19,8 +19,13 @@ from flax import struct
 from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.weights import LayerWeights, ModelWeights
-from pallas_kernels.paged_attention import dot_precision, paged_attention_reference
-from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_xla
+from pallas_kernels.paged_attention import (
+    dot_precision,
+    merge_attention,
+    paged_attention_reference,
+    shared_prefix_attention,
+)
+from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_xla, tq_shared_prefix_attention
 from pallas_kernels.turboquant import TurboQuant
 
 ATTENTION_IMPLS = ("reference", "pallas", "xla")
@@ -89,12 +94,17 @@ def forward(
     all_logits: bool,
     attention: str = "reference",
     taps: tuple[int, ...] = (),
+    shared_pages: int = 0,
 ) -> tuple[jax.Array, KVUpdate, jax.Array | None]:
     """Runs T new tokens per row through the model; reads the cache, returns what to write.
 
     Args:
-        num_pages: how many leading block-table entries attention reads (a shape bucket that
-            must cover every row's final length).
+        num_pages: how many block-table entries attention reads per row after the shared
+            ones (a shape bucket that must cover every row's final length).
+        shared_pages: leading block-table entries that every row holds (the same pages, all
+            fully stored: a prefix-cache hit such as a common system prompt). Attention reads
+            them once for the whole batch (`shared_prefix_attention`) and merges the result
+            with each row's attention over its own pages. 0 = none.
         all_logits: return logits for every position ([B, T, V]); otherwise only for each
             row's last valid token ([B, V]).
         attention: "pallas" quantizes new keys/values with the Pallas encoder and reads
@@ -108,11 +118,16 @@ def forward(
     """
     b, t = tokens.shape
     page_size = cache.page_size
+    if shared_pages and cache.num_sinks:
+        raise ValueError("shared-prefix attention does not support sink tokens (they live in per-slot buffers)")
     positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
     page_of_pos = jnp.take_along_axis(table, jnp.minimum(positions // page_size, cache.max_pages_per_seq - 1), axis=1)
-    read_table = table[:, :num_pages]  # [B, NP]
+    read_table = table[:, shared_pages : shared_pages + num_pages]  # [B, NP]
+    shared = table[0, :shared_pages]  # row 0 is never padding
+    shared_len = shared_pages * page_size
+    ctx_lens = batch.start - shared_len  # stored tokens per row past the shared pages
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
 
     x = weights.embed[tokens]  # [B, T, D]
@@ -137,6 +152,7 @@ def forward(
             if attention != "reference" and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
                 rotated = tq_paged_attention if attention == "pallas" else tq_paged_attention_xla
+                codecs = dict(k_codec=cache.k_groups.codec(idx), v_codec=cache.v_groups.codec(idx), v_layer=vi)
                 attn = rotated(
                     q,
                     k_store,
@@ -145,13 +161,18 @@ def forward(
                     v_pool,
                     read_table,
                     ki,
-                    batch.start,
+                    ctx_lens,
                     batch.num_new,
-                    k_codec=cache.k_groups.codec(idx),
-                    v_codec=cache.v_groups.codec(idx),
-                    v_layer=vi,
                     sinks=sinks,
+                    return_lse=bool(shared_pages),
+                    **codecs,
                 )
+                if shared_pages:
+                    kernel = attention == "pallas"
+                    prefix = tq_shared_prefix_attention(
+                        q, k_pool, v_pool, shared, ki, shared_len, kernel=kernel, **codecs
+                    )
+                    attn = merge_attention([attn, prefix])
             else:
                 # Every position attends to keys/values as stored, the new ones included.
                 k, v = cache.decode(k_store, v_store, idx)
@@ -160,8 +181,18 @@ def forward(
                     k, v = sinks.apply_new(k, v, batch.start)
                     k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)
                 attn = paged_attention_reference(
-                    q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, batch.start, batch.num_new
+                    q,
+                    k.astype(q.dtype),
+                    v.astype(q.dtype),
+                    k_ctx,
+                    v_ctx,
+                    ctx_lens,
+                    batch.num_new,
+                    return_lse=bool(shared_pages),
                 )
+                if shared_pages:
+                    k_sh, v_sh = cache.read(shared[None], idx)
+                    attn = merge_attention([attn, shared_prefix_attention(q, k_sh[0], v_sh[0], shared_len)])
             x = _mlp_block(x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo), lw, cfg)
             new_k.append(k_store)
             new_v.append(v_store)

@@ -65,12 +65,14 @@ def paged_attention_reference(
     num_new: jax.Array,  # [B] int32, valid new tokens per row (positions ctx_len..ctx_len+num_new-1)
     *,
     scale: float | None = None,
-) -> jax.Array:  # [B, T, Hq, Dh]
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh] (and [B, T, Hq] float32)
     """Causal grouped-query attention of the new tokens over the stored context plus themselves.
 
     New token t of row b sees every stored key j < ctx_lens[b] and new tokens u <= t with
     u < num_new[b]. Stored entries at or past ctx_lens[b] (unused or freed pages) are zeroed
-    before use.
+    before use. With `return_lse` also returns the log of each query's softmax denominator
+    (scaled scores), for `merge_attention`.
     """
     b, t, hq, dh = q.shape
     hkv = k_new.shape[2]
@@ -97,4 +99,49 @@ def paged_attention_reference(
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1).reshape(b, hkv, g * t, -1)
     out = context_sum(p.astype(v.dtype), v, prec).reshape(b, hkv, g, t, dh)
-    return jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)
+    out = jnp.moveaxis(out, 3, 1).reshape(b, t, hq, dh).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jax.nn.logsumexp(s, axis=-1)  # [B, Hkv, G, T]
+    return out, jnp.moveaxis(lse, 3, 1).reshape(b, t, hq)
+
+
+def shared_prefix_attention(
+    q: jax.Array,  # [B, T, Hq, Dh] queries of every row (RoPE applied)
+    k: jax.Array,  # [S, Hkv, Dh] keys of a prefix every row shares, stored once
+    v: jax.Array,  # [S, Hkv, Dh]
+    length: int,  # valid prefix positions (the rest of k/v is ignored)
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh], [B, T, Hq] float32
+    """Every query of every row over one shared prefix; with the log-sum-exp for `merge_attention`.
+
+    The queries of all rows form the rows of one product per KV head, so the prefix is read
+    once per step rather than once per row ("cascade" attention over a common system prompt).
+    """
+    b, t, hq, dh = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = dh**-0.5 if scale is None else scale
+    prec = dot_precision(q.dtype)
+    valid = jnp.arange(k.shape[0]) < length  # [S]
+    rows = jnp.moveaxis(q.reshape(b * t, hkv, g, dh), 0, 2).reshape(1, hkv, g * b * t, dh)  # rows (g, b, t)
+    s = context_scores(rows, k[None].astype(q.dtype), prec)[0] * scale  # [Hkv, G*B*T, S]
+    s = jnp.where(valid, s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    vals = jnp.where(valid[:, None, None], v.astype(q.dtype), 0)[None]
+    out = context_sum(p[None].astype(q.dtype), vals, prec)[0]  # [Hkv, G*B*T, Dh]
+    out = jnp.moveaxis(out.reshape(hkv, g, b * t, dh), 2, 0).reshape(b, t, hq, dh)
+    lse = jnp.moveaxis(jax.nn.logsumexp(s, axis=-1).reshape(hkv, g, b * t), 2, 0).reshape(b, t, hq)
+    return out.astype(q.dtype), lse
+
+
+def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """Combines attention outputs [B, T, Hq, Dh] over disjoint sets of keys, each with its
+    log-sum-exp [B, T, Hq], into the attention over their union. A part that saw no valid key
+    (log-sum-exp near MASK_VALUE) gets weight zero."""
+    lse = jnp.stack([p[1] for p in parts])  # [N, B, T, Hq]
+    w = jnp.exp(lse - jnp.max(lse, axis=0))
+    w = w / jnp.sum(w, axis=0)
+    out = sum(w[i][..., None] * parts[i][0].astype(jnp.float32) for i in range(len(parts)))
+    return out.astype(parts[0][0].dtype)

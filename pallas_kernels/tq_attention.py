@@ -82,7 +82,8 @@ def tq_paged_attention_reference(
     sinks: Sinks | None = None,
     pages_per_split: int = 16,
     interpret: bool | None = None,
-) -> jax.Array:  # [B, T, Hq, Dh]
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh] (and [B, T, Hq])
     """Decodes the row's pages and the new tokens (sink positions from `sinks` instead), then
     plain causal GQA attention. `pages_per_split` and `interpret` are accepted for signature
     parity and ignored."""
@@ -100,7 +101,9 @@ def tq_paged_attention_reference(
     if sinks is not None:
         k, v = sinks.apply_new(k, v, ctx_lens)
         k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)
-    return paged_attention_reference(q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, ctx_lens, num_new)
+    return paged_attention_reference(
+        q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, ctx_lens, num_new, return_lse=return_lse
+    )
 
 
 def tq_paged_attention(
@@ -120,9 +123,11 @@ def tq_paged_attention(
     sinks: Sinks | None = None,
     pages_per_split: int = 16,
     interpret: bool | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal GQA attention of the new tokens over the packed pages plus themselves (see the
-    module doc). Same arguments and result as `tq_paged_attention_reference`.
+    module doc). Same arguments and result as `tq_paged_attention_reference`; with
+    `return_lse` also the log-sum-exp [B, T, Hq] for `paged_attention.merge_attention`.
 
     Args:
         pages_per_split: pages one kernel program walks (split-K: a row's pages are shared
@@ -132,7 +137,9 @@ def tq_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
-    return _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, pages_per_split, interpret)
+    return _checked_call(
+        args, k_codec, v_codec, v_layer, sinks, pages_per_split, pages_per_split, interpret, return_lse
+    )
 
 
 def tq_paged_attention_xla(
@@ -152,7 +159,8 @@ def tq_paged_attention_xla(
     sinks: Sinks | None = None,
     pages_per_split: int = 16,
     interpret: bool | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The rotated-domain algorithm of `tq_paged_attention` in plain jnp, for backends without
     a Pallas lowering (the CPU serving path): the gathered codes become codebook values, never
     rotated back, so each stored key costs a lookup and a dot with the rotated query instead
@@ -160,10 +168,54 @@ def tq_paged_attention_xla(
     `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
     del interpret
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
-    return _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, None, False)
+    return _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, None, False, return_lse)
 
 
-def _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, kernel_split, interpret):
+def tq_shared_prefix_attention(
+    q: jax.Array,  # [B, T, Hq, Dh] queries of every row (RoPE applied)
+    k_pool: dict[str, jax.Array],
+    v_pool: dict[str, jax.Array],
+    pages: jax.Array,  # [NP] int32 pages of a prefix every row shares
+    layer: jax.Array | int,
+    length: int,  # valid prefix positions
+    *,
+    k_codec: TurboQuant,
+    v_codec: TurboQuant,
+    v_layer: jax.Array | int | None = None,
+    kernel: bool = False,
+    pages_per_split: int = 16,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh], [B, T, Hq] float32
+    """Every query of every row over one shared run of packed pages, in the rotated domain:
+    the pages are read once for the whole batch (as one row holding all rows' queries), by
+    the kernel (`kernel`) or the jnp path. Returns the output and its log-sum-exp for
+    `paged_attention.merge_attention`."""
+    b, t, hq, dh = q.shape
+    hkv = k_pool["codes"].shape[3]
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    none = {name: jnp.zeros((1, b * t, hkv, *a.shape[4:]), a.dtype) for name, a in k_pool.items()}
+    none_v = {name: jnp.zeros((1, b * t, hkv, *a.shape[4:]), a.dtype) for name, a in v_pool.items()}
+    zero = jnp.zeros((1,), jnp.int32)
+    args = (q.reshape(1, b * t, hq, dh), none, none_v, k_pool, v_pool, pages[None], layer, zero + length, zero)
+    _check_args(*args[:6], args[7], args[8], k_codec, v_codec, pages_per_split)
+    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
+    out, lse = _tq_paged_attention(
+        *args[:6],
+        layers,
+        args[7],
+        args[8],
+        None,
+        k_codec=k_codec,
+        v_codec=v_codec,
+        pages_per_split=pages_per_split if kernel else None,
+        interpret=interpret,
+        return_lse=True,
+    )
+    return out.reshape(b, t, hq, dh), lse.reshape(b, t, hq)
+
+
+def _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, kernel_split, interpret, return_lse=False):
     """Validates the public arguments and runs the jitted body; `kernel_split` None reads the
     stored context with the jnp path instead of the kernel."""
     q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new = args
@@ -179,6 +231,7 @@ def _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, kerne
         v_codec=v_codec,
         pages_per_split=kernel_split,
         interpret=interpret,
+        return_lse=return_lse,
     )
 
 
@@ -209,7 +262,7 @@ def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new,
         raise ValueError(f"pages_per_split must be a positive int, got {pps!r}")
 
 
-_STATIC = ("k_codec", "v_codec", "pages_per_split", "interpret")
+_STATIC = ("k_codec", "v_codec", "pages_per_split", "interpret", "return_lse")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -229,6 +282,7 @@ def _tq_paged_attention(
     v_codec,
     pages_per_split,
     interpret,
+    return_lse=False,
 ):
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
@@ -300,7 +354,11 @@ def _tq_paged_attention(
     denom = jnp.sum(w * sums_all, axis=2)  # [B, Hkv, T, G]
     out_rot = jnp.sum(w[..., None] * acc_all, axis=2) / jnp.maximum(denom, 1e-30)[..., None]
     out = jnp.einsum("bhtgd,de->bthge", out_rot, rv, precision=hi)  # [B, T, Hkv, G, Dh]
-    return out.reshape(b, t, hq, dh).astype(q.dtype)
+    out = out.reshape(b, t, hq, dh).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = m_max[:, :, 0] + jnp.log(jnp.maximum(denom, 1e-30))  # [B, Hkv, T, G]
+    return out, jnp.moveaxis(lse, 2, 1).reshape(b, t, hq)
 
 
 def _rotated_values(enc: dict[str, jax.Array], codec: TurboQuant) -> jax.Array:

@@ -211,7 +211,9 @@ def bench(args: argparse.Namespace) -> dict:
         for r in rates:
             prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
             asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
-        warm = shared_prompts(min(args.shared_requests, args.max_num_seqs), args.shared_prefix_tokens, "warm-up", rng)
+        # The same request count as the timed run: its tail (the last few rows, the second
+        # wave's prefill) has step shapes a smaller warm-up never reaches.
+        warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up", rng)
         asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
         for c in levels:
             n = max(args.num_requests, 2 * c)
@@ -228,13 +230,15 @@ def bench(args: argparse.Namespace) -> dict:
             report["rates"].append(row)
             print(f"rate {r:5.2f}/s: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")
         hits0 = server.metric("vllm:prefix_cache_hits")
+        shared0 = server.metric("aither:shared_prefix_attention_steps_total")
         on = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "cold-on", rng)
         results, wall = asyncio.run(run_closed_loop(server.url, on, args.shared_max_tokens, len(on)))
         report["shared_prefix"]["on"] = summarize(results, wall) | {
-            "cache_hit_tokens": server.metric("vllm:prefix_cache_hits") - hits0
+            "cache_hit_tokens": server.metric("vllm:prefix_cache_hits") - hits0,
+            "shared_prefix_attention_steps": server.metric("aither:shared_prefix_attention_steps_total") - shared0,
         }
     with Server(args, "--no-enable-prefix-caching") as server:
-        warm = shared_prompts(min(args.shared_requests, args.max_num_seqs), args.shared_prefix_tokens, "warm-off", rng)
+        warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-off", rng)
         asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
         off = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "cold-off", rng)
         results, wall = asyncio.run(run_closed_loop(server.url, off, args.shared_max_tokens, len(off)))

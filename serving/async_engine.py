@@ -283,6 +283,11 @@ class AsyncEngine:
                 lambda: self.num_prefilled_tokens,
             ),
             ("aither:engine_steps_total", "Engine steps run.", lambda: self.engine.num_steps),
+            (
+                "aither:shared_prefix_attention_steps_total",
+                "Decode calls that read their rows' common prefix pages once for the batch.",
+                lambda: eng.num_shared_prefix_steps,
+            ),
             ("vllm:spec_decode_num_drafts", "Speculative verify passes that carried drafts.", lambda: eng.num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", lambda: eng.num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda: eng.num_accepted_tokens),

@@ -14,7 +14,9 @@ from pallas_kernels.paged_attention import (
     LONG_CONTEXT,
     context_scores,
     context_sum,
+    merge_attention,
     paged_attention_reference,
+    shared_prefix_attention,
 )
 
 CFG = ModelConfig(
@@ -113,3 +115,57 @@ def test_context_products_match_numpy(rows, context):
     summed = np.asarray(jax.jit(context_sum, static_argnums=2)(p, k, hi))
     np.testing.assert_allclose(scores, np.einsum("bhqd,bshd->bhqs", q.astype(np.float64), k), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(summed, np.einsum("bhqs,bshd->bhqd", p.astype(np.float64), k), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t, num_new", [(1, [1, 1, 1, 0]), (3, [3, 1, 2, 0])])
+def test_shared_prefix_then_merge_equals_attention_over_the_whole_context(t, num_new):
+    """A prefix every row shares, attended once for the batch and merged with each row's
+    attention over the rest of its context, gives attention over the whole context. The
+    prefix buffer's tail past `length` and the rows' unused context hold NaN; the last row is
+    padding (no new tokens, context shorter than the prefix)."""
+    rng = np.random.default_rng(t)
+    hkv, hq, d = 2, 6, 16
+    prefix, pad = 24, 8  # valid shared positions, NaN positions after them
+    ctx_lens = np.array([prefix, prefix + 5, prefix + 11, 0], np.int32)
+    b, s = len(ctx_lens), 16
+    k_sh = rng.standard_normal((prefix + pad, hkv, d)).astype(np.float32)
+    v_sh = rng.standard_normal((prefix + pad, hkv, d)).astype(np.float32)
+    k_sh[prefix:] = v_sh[prefix:] = np.nan
+    k_own = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    v_own = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    for r in range(b):
+        k_own[r, max(ctx_lens[r] - prefix, 0) :] = v_own[r, max(ctx_lens[r] - prefix, 0) :] = np.nan
+    q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
+    k_new = rng.standard_normal((b, t, hkv, d)).astype(np.float32)
+    v_new = rng.standard_normal((b, t, hkv, d)).astype(np.float32)
+    num_new = np.asarray(num_new, np.int32)
+
+    @jax.jit
+    def cascade(q, k_new, v_new, k_own, v_own, k_sh, v_sh):
+        own = paged_attention_reference(q, k_new, v_new, k_own, v_own, ctx_lens - prefix, num_new, return_lse=True)
+        return merge_attention([own, shared_prefix_attention(q, k_sh, v_sh, prefix)])
+
+    out = np.asarray(cascade(q, k_new, v_new, k_own, v_own, k_sh, v_sh))
+    whole_k = np.concatenate([np.broadcast_to(k_sh[:prefix], (b, prefix, hkv, d)), k_own], axis=1)
+    whole_v = np.concatenate([np.broadcast_to(v_sh[:prefix], (b, prefix, hkv, d)), v_own], axis=1)
+    assert np.isfinite(out).all()
+    for r in range(b - 1):
+        n = num_new[r]
+        full_k = np.concatenate([whole_k[r, : ctx_lens[r]], k_new[r, :n]])
+        full_v = np.concatenate([whole_v[r, : ctx_lens[r]], v_new[r, :n]])
+        ref = dense_attention(q[r, :n], full_k, full_v, ctx_lens[r] + np.arange(n))
+        np.testing.assert_allclose(out[r, :n], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_merge_attention_weights_parts_by_their_log_sum_exp():
+    """Two halves of a context, merged, equal softmax attention over all of it; swapping
+    the halves' log-sum-exps does not."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 1, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((12, 2, 8)).astype(np.float32) * 2
+    v = rng.standard_normal((12, 2, 8)).astype(np.float32)
+    halves = [shared_prefix_attention(q, k[i : i + 6], v[i : i + 6], 6) for i in (0, 6)]
+    whole = shared_prefix_attention(q, k, v, 12)[0]
+    np.testing.assert_allclose(np.asarray(merge_attention(halves)), np.asarray(whole), rtol=1e-5, atol=1e-6)
+    swapped = [(halves[0][0], halves[1][1]), (halves[1][0], halves[0][1])]
+    assert not np.allclose(np.asarray(merge_attention(swapped)), np.asarray(whole), atol=1e-3)

@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.paged_attention import merge_attention
 from pallas_kernels.tq_attention import (
     Sinks,
     tq_paged_attention,
     tq_paged_attention_reference,
     tq_paged_attention_xla,
+    tq_shared_prefix_attention,
 )
 from pallas_kernels.turboquant import TurboQuant
 
@@ -116,6 +118,43 @@ def test_padding_row_gives_zeros_and_layer_index_selects_the_layer(impl):
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
     other_layer = np.asarray(IMPLS[impl](*args[:6], 0, *args[7:], **codecs))
     assert np.abs(other_layer[0] - out[0]).max() > 1e-3
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@both_impls
+def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t):
+    """Rows whose tables start with the same 3 pages: those pages attended once for the batch
+    (`tq_shared_prefix_attention`, all rows' queries as one), merged with each row's attention
+    over its remaining pages and new tokens, equal the reference over whole tables. The last
+    row is padding. Unused pages hold NaN norms."""
+    page_size, shared = 8, 3
+    args, codecs = make_case(k_bits=5, v_bits=3, page_size=page_size, ctx_lens=(24, 29, 45, 40), t=t)
+    table = np.array(args[5])
+    table[:, :shared] = table[0, :shared]
+    ctx_lens = np.array([24, 29, 45, 0], np.int32)
+    num_new = np.array([t, 1, t, 0], np.int32)
+    q, k_new, v_new, k_pool, v_pool, _, layer = args[:7]
+    whole = (q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), layer, jnp.asarray(ctx_lens), jnp.asarray(num_new))
+    ref = np.asarray(tq_paged_attention_reference(*whole, **codecs))
+    own = IMPLS[impl](
+        *whole[:5],
+        jnp.asarray(table[:, shared:]),
+        layer,
+        jnp.asarray(ctx_lens - shared * page_size),
+        jnp.asarray(num_new),
+        **codecs,
+        pages_per_split=2,
+        return_lse=True,
+    )
+    prefix = tq_shared_prefix_attention(
+        q, k_pool, v_pool, jnp.asarray(table[0, :shared]), layer, shared * page_size, kernel=impl == "pallas", **codecs
+    )
+    out = np.asarray(merge_attention([own, prefix]))
+    assert np.isfinite(out).all()
+    valid = np.arange(t)[None, :] < num_new[:, None]
+    np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
+    no_prefix = np.asarray(own[0])  # the merge matters: without the prefix the rows differ
+    assert np.abs(no_prefix[valid] - ref[valid]).max() > 1e-2
 
 
 def test_kernel_differs_from_reference_of_other_codebook():

@@ -92,6 +92,48 @@ def test_shared_prefix_outputs_match_without_caching_and_second_pass_hits(cached
     assert not cached.engine.has_unfinished() and sched.num_preemptions == 0
 
 
+@pytest.fixture
+def share_small_prefixes(monkeypatch):
+    """Shared-prefix attention from 2 common pages in steps of 2 (normally 32 and 16), so the
+    ~85-token prefix (5 full pages) is read once per decode step as 4 shared pages."""
+    import aither_jax.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(engine_module, "SHARED_PAGE_STEP", 2)
+
+
+def test_shared_prefix_attention_gives_the_uncached_outputs(cached, plain, share_small_prefixes):
+    """Decode steps whose rows share cached prefix pages read them once for the batch and merge
+    (NaN in every unused page); the tokens equal those of the engine without prefix caching,
+    and turning the feature off stops the count."""
+    prompts = token_ids(plain, SHARED)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    eng = cached.engine
+    for on in (True, False):
+        eng.shared_prefix_attention = on
+        before = eng.num_shared_prefix_steps
+        try:
+            seqs = generate(cached, prompts, GREEDY)
+        finally:
+            eng.shared_prefix_attention = True
+        assert [s.output_ids for s in seqs] == expected
+        steps = eng.num_shared_prefix_steps - before
+        assert steps >= GREEDY.max_tokens - 1 if on else steps == 0
+
+
+def test_shared_prefix_attention_on_the_default_quantized_format(share_small_prefixes):
+    """The same with the default TurboQuant format, whose layers take the rotated-domain path
+    (shared pages read as one row holding every row's queries): on and off agree."""
+    llm = aj.LLM(MODEL, **{**EXACT, "kv_cache_dtype": "auto"}, num_pages=64, enable_prefix_caching=True)
+    prompts = token_ids(llm, SHARED[:4])
+    outs = []
+    for on in (True, False):
+        llm.engine.shared_prefix_attention = on
+        outs.append([s.output_ids for s in generate(llm, prompts, GREEDY)])
+    assert llm.engine.num_shared_prefix_steps >= GREEDY.max_tokens - 1
+    assert outs[0] == outs[1]
+
+
 def test_follow_up_adopts_the_finished_partial_page_by_copy(cached, plain, monkeypatch):
     prompt = cached.tokenizer.encode("In a small village at the edge of a dark forest lived an old clockmaker who")
     num_out = next(m for m in (10, 11) if (len(prompt) + m - 1) % PAGE)  # end inside a page
