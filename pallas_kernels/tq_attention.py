@@ -33,6 +33,8 @@ from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
 
 # Triton's dot wants every dimension >= 16; smaller products are done as broadcast sums.
 _MIN_DOT = 16
+# Query rows one kernel program of `tq_shared_prefix_attention` holds.
+SHARED_QUERY_ROWS = 64
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -185,19 +187,29 @@ def tq_shared_prefix_attention(
     kernel: bool = False,
     pages_per_split: int = 16,
     interpret: bool | None = None,
+    rows_per_program: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh], [B, T, Hq] float32
-    """Every query of every row over one shared run of packed pages, in the rotated domain:
-    the pages are read once for the whole batch (as one row holding all rows' queries), by
-    the kernel (`kernel`) or the jnp path. Returns the output and its log-sum-exp for
-    `paged_attention.merge_attention`."""
+    """Every query of every row over one shared run of packed pages, in the rotated domain.
+
+    The jnp path reads the pages once for the whole batch, as one row holding all rows'
+    queries. The kernel (`kernel`) holds a program's queries in registers, so there the
+    (row, token) pairs go `rows_per_program` at a time (default: as many as make
+    SHARED_QUERY_ROWS query rows with the group's heads) and the pages are read once per
+    such chunk. Returns the output and its log-sum-exp for `paged_attention.merge_attention`.
+    """
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    none = {name: jnp.zeros((1, b * t, hkv, *a.shape[4:]), a.dtype) for name, a in k_pool.items()}
-    none_v = {name: jnp.zeros((1, b * t, hkv, *a.shape[4:]), a.dtype) for name, a in v_pool.items()}
-    zero = jnp.zeros((1,), jnp.int32)
-    args = (q.reshape(1, b * t, hq, dh), none, none_v, k_pool, v_pool, pages[None], layer, zero + length, zero)
+    n = b * t
+    per = n if not kernel else min(n, rows_per_program or max(1, SHARED_QUERY_ROWS // (hq // hkv)))
+    r = -(-n // per)
+    qs = jnp.pad(q.reshape(n, hq, dh), ((0, r * per - n), (0, 0), (0, 0))).reshape(r, per, hq, dh)
+    none = {name: jnp.zeros((r, per, hkv, *a.shape[4:]), a.dtype) for name, a in k_pool.items()}
+    none_v = {name: jnp.zeros((r, per, hkv, *a.shape[4:]), a.dtype) for name, a in v_pool.items()}
+    zero = jnp.zeros((r,), jnp.int32)
+    table = jnp.broadcast_to(pages[None], (r, pages.shape[0]))
+    args = (qs, none, none_v, k_pool, v_pool, table, layer, zero + length, zero)
     _check_args(*args[:6], args[7], args[8], k_codec, v_codec, pages_per_split)
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
     out, lse = _tq_paged_attention(
@@ -212,7 +224,7 @@ def tq_shared_prefix_attention(
         interpret=interpret,
         return_lse=True,
     )
-    return out.reshape(b, t, hq, dh), lse.reshape(b, t, hq)
+    return out.reshape(r * per, hq, dh)[:n].reshape(b, t, hq, dh), lse.reshape(r * per, hq)[:n].reshape(b, t, hq)
 
 
 def _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, kernel_split, interpret, return_lse=False):

@@ -120,13 +120,14 @@ def test_padding_row_gives_zeros_and_layer_index_selects_the_layer(impl):
     assert np.abs(other_layer[0] - out[0]).max() > 1e-3
 
 
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("t, rows_per_program", [(1, None), (3, None), (3, 5)])
 @both_impls
-def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t):
+def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t, rows_per_program):
     """Rows whose tables start with the same 3 pages: those pages attended once for the batch
-    (`tq_shared_prefix_attention`, all rows' queries as one), merged with each row's attention
-    over its remaining pages and new tokens, equal the reference over whole tables. The last
-    row is padding. Unused pages hold NaN norms."""
+    (`tq_shared_prefix_attention`, all rows' queries as one; the kernel in chunks of
+    `rows_per_program` (row, token) pairs, 5 of 12 leaving a padded last chunk), merged with
+    each row's attention over its remaining pages and new tokens, equal the reference over
+    whole tables. The last row is padding. Unused pages hold NaN norms."""
     page_size, shared = 8, 3
     args, codecs = make_case(k_bits=5, v_bits=3, page_size=page_size, ctx_lens=(24, 29, 45, 40), t=t)
     table = np.array(args[5])
@@ -147,7 +148,15 @@ def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t):
         return_lse=True,
     )
     prefix = tq_shared_prefix_attention(
-        q, k_pool, v_pool, jnp.asarray(table[0, :shared]), layer, shared * page_size, kernel=impl == "pallas", **codecs
+        q,
+        k_pool,
+        v_pool,
+        jnp.asarray(table[0, :shared]),
+        layer,
+        shared * page_size,
+        kernel=impl == "pallas",
+        rows_per_program=rows_per_program,
+        **codecs,
     )
     out = np.asarray(merge_attention([own, prefix]))
     assert np.isfinite(out).all()
