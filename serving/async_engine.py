@@ -284,6 +284,11 @@ class AsyncEngine:
             ),
             ("aither:engine_steps_total", "Engine steps run.", lambda: self.engine.num_steps),
             (
+                "aither:xla_compilations_total",
+                "XLA compilations in the server process (a step shape is compiled on its first use).",
+                lambda: eng.num_compiles,
+            ),
+            (
                 "aither:shared_prefix_attention_steps_total",
                 "Decode calls that read their rows' common prefix pages once for the batch.",
                 lambda: eng.num_shared_prefix_steps,
