@@ -442,9 +442,10 @@ class Engine:
 
     def _shared_pages(self, rows: list[tuple[Sequence, list[int]]]) -> int:
         """Leading block-table pages that every row holds and has fully stored (prefix-cache
-        hits shared by all rows), rounded down to SHARED_PAGE_STEP; 0 below MIN_SHARED_PAGES,
-        for a single row, or when shared-prefix attention is off."""
-        if not self.shared_prefix_attention or len(rows) < 2 or self.cache.num_sinks:
+        hits shared by all rows: never with sink tokens, which refuse prefix caching), rounded
+        down to SHARED_PAGE_STEP; 0 below MIN_SHARED_PAGES, for a single row, or when
+        shared-prefix attention is off."""
+        if not self.shared_prefix_attention or len(rows) < 2:
             return 0
         full = min(s.num_cached for s, _ in rows) // self.page_size
         if full < MIN_SHARED_PAGES:

@@ -116,24 +116,18 @@ def shared_prefix_attention(
 ) -> tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh], [B, T, Hq] float32
     """Every query of every row over one shared prefix; with the log-sum-exp for `merge_attention`.
 
-    The queries of all rows form the rows of one product per KV head, so the prefix is read
-    once per step rather than once per row ("cascade" attention over a common system prompt).
+    The queries of all rows become the new tokens of one row whose stored context is the
+    prefix and which brings no keys of its own, so `paged_attention_reference` forms one
+    product per KV head over the prefix: it is read once per step rather than once per row
+    ("cascade" attention over a common system prompt).
     """
     b, t, hq, dh = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    scale = dh**-0.5 if scale is None else scale
-    prec = dot_precision(q.dtype)
-    valid = jnp.arange(k.shape[0]) < length  # [S]
-    rows = jnp.moveaxis(q.reshape(b * t, hkv, g, dh), 0, 2).reshape(1, hkv, g * b * t, dh)  # rows (g, b, t)
-    s = context_scores(rows, k[None].astype(q.dtype), prec)[0] * scale  # [Hkv, G*B*T, S]
-    s = jnp.where(valid, s, MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1)
-    vals = jnp.where(valid[:, None, None], v.astype(q.dtype), 0)[None]
-    out = context_sum(p[None].astype(q.dtype), vals, prec)[0]  # [Hkv, G*B*T, Dh]
-    out = jnp.moveaxis(out.reshape(hkv, g, b * t, dh), 2, 0).reshape(b, t, hq, dh)
-    lse = jnp.moveaxis(jax.nn.logsumexp(s, axis=-1).reshape(hkv, g, b * t), 2, 0).reshape(b, t, hq)
-    return out.astype(q.dtype), lse
+    none = jnp.zeros((1, b * t, *k.shape[1:]), q.dtype)
+    one = jnp.ones((1,), jnp.int32)
+    out, lse = paged_attention_reference(
+        q.reshape(1, b * t, hq, dh), none, none, k[None], v[None], one * length, one * 0, scale=scale, return_lse=True
+    )
+    return out.reshape(b, t, hq, dh), lse.reshape(b, t, hq)
 
 
 def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:

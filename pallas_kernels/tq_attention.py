@@ -210,20 +210,8 @@ def tq_shared_prefix_attention(
     zero = jnp.zeros((r,), jnp.int32)
     table = jnp.broadcast_to(pages[None], (r, pages.shape[0]))
     args = (qs, none, none_v, k_pool, v_pool, table, layer, zero + length, zero)
-    _check_args(*args[:6], args[7], args[8], k_codec, v_codec, pages_per_split)
-    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
-    out, lse = _tq_paged_attention(
-        *args[:6],
-        layers,
-        args[7],
-        args[8],
-        None,
-        k_codec=k_codec,
-        v_codec=v_codec,
-        pages_per_split=pages_per_split if kernel else None,
-        interpret=interpret,
-        return_lse=True,
-    )
+    kernel_split = pages_per_split if kernel else None
+    out, lse = _checked_call(args, k_codec, v_codec, v_layer, None, pages_per_split, kernel_split, interpret, True)
     return out.reshape(r * per, hq, dh)[:n].reshape(b, t, hq, dh), lse.reshape(r * per, hq)[:n].reshape(b, t, hq)
 
 
