@@ -1,7 +1,7 @@
 """TurboQuant KV codec for notebooks: `from aither_jax.turboquant import TurboQuant`.
 
     tq = TurboQuant(head_dim=64, bits=4, seed=0)
-    enc = tq.encode(x)          # {"codes": uint8 [..., 32], "norms": float32 [...]}
+    enc = tq.encode(x)          # {"codes": uint8 [..., 32], "norms": float16 [...]}
     x_hat = tq.decode(enc)
     tq.validate(num_vectors=10_000)   # MSE, inner-product error, ratio to the 4^-b bound
     split = make_codec(64, 3.5)       # half-integer bits: SplitTurboQuant (two channel halves)

@@ -19,8 +19,8 @@ Names:
 so `tq-k5v4-k8@1,2,10` stores keys at 5 bits except in layers 1, 2 and 10 (8 bits), values at
 4 bits. Sink tokens cost a fixed n x layers x kv_heads x head_dim x 4 bytes per sequence
 slot (bf16 keys and values), not bytes per token. A TurboQuant vector of dimension d costs
-d*b/8 bytes of codes plus a float32 norm, and with QJL another d/8 bytes of signs plus a
-float32 residual norm.
+d*b/8 bytes of codes plus a float16 norm, and with QJL another d/8 bytes of signs plus a
+float16 residual norm.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ class ModelEntry:
     kv_cache_dtype: str = "bf16"
 
 
-# Per-layer TurboQuant widths with the fitted key transform, from `python -m aither_jax.eval
-# allocate --key-transform` (docs/BENCHMARKS.md).
-SMOLLM2_KV = "tq-k6v5-k5@0,7,15,20,21,24,25,27,28,29-k7@10-v4@5,7,8,15,17,20,25,26,28,29-v6@1-pc"
+# Per-layer TurboQuant widths with the fitted key transform: the allocator of `python -m
+# aither_jax.eval allocate --key-transform` at 2.9x with float16 norms (docs/BENCHMARKS.md).
+SMOLLM2_KV = "tq-k6v5-k5@0,7,20,21,24,25,27,28,29-k8@10-v4@5,7,8,15,20,26,28,29-v6@1-pc"
 
 MODELS: dict[str, ModelEntry] = {
     "smollm2-135m": ModelEntry(

@@ -364,7 +364,7 @@ def _tq_paged_attention(
 def _rotated_values(enc: dict[str, jax.Array], codec: TurboQuant) -> jax.Array:
     """Encoded vectors in the codec's rotated domain: codebook values times norms."""
     idx = unpack_bits(enc["codes"], codec.bits, codec.head_dim)
-    return jnp.asarray(codec.centroids)[idx] * enc["norms"][..., None]
+    return jnp.asarray(codec.centroids)[idx] * enc["norms"].astype(jnp.float32)[..., None]
 
 
 def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, num_sinks):
@@ -377,7 +377,7 @@ def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_co
     def gather(pool, index, codec):  # -> rotated-domain unit vectors [B, C, Hkv, Dh], norms [B, Hkv, C]
         codes = pool["codes"][table, index]  # [B, NP, S, Hkv, bytes]
         codes = codes.reshape(b, num_pages * codes.shape[2], *codes.shape[3:])
-        norms = pool["norms"][table, index].reshape(codes.shape[:3])
+        norms = pool["norms"][table, index].reshape(codes.shape[:3]).astype(jnp.float32)
         return jnp.asarray(codec.centroids)[unpack_bits(codes, codec.bits, codec.head_dim)], jnp.moveaxis(norms, 1, 2)
 
     k_vals, k_norms = gather(k_pool, layer[0], k_codec)
@@ -465,7 +465,7 @@ def _context_kernel(
     layer_ref,  # [2] layer in the key pool, in the value pool
     ctx_ref,  # [B] stored tokens per row
     kc_ref,  # [P, L, S, Hkv, Dh * kb / 8] uint8 key codes (planar)
-    kn_ref,  # [P, L, S, Hkv] float32 key norms
+    kn_ref,  # [P, L, S, Hkv] float16 key norms
     vc_ref,
     vn_ref,
     kcb_ref,  # [2^kb] key codebook
@@ -490,7 +490,8 @@ def _context_kernel(
     def chunks_of(codes_ref, norms_ref, codebook_ref, bits, page, side):
         layer = layer_ref[side]
         planes = [codes_ref[page, layer, :, head, pl.ds(r * chunk, chunk)].astype(jnp.int32) for r in range(bits)]
-        return [codebook_ref[c] for c in unpack_planes(planes, bits)], norms_ref[page, layer, :, head]
+        norms = norms_ref[page, layer, :, head].astype(jnp.float32)
+        return [codebook_ref[c] for c in unpack_planes(planes, bits)], norms
 
     def body(i, carry):
         m, sums, acc = carry

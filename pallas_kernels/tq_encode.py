@@ -1,7 +1,7 @@
 """TurboQuant quantize-on-write: a Pallas kernel that encodes vectors into the packed format.
 
 `tq_encode(x, codec)` returns exactly what `TurboQuant.encode` returns (pallas_kernels/
-turboquant.py): per vector the planar-packed codes and the float32 norm, and with QJL the
+turboquant.py): per vector the planar-packed codes and the float16 norm, and with QJL the
 packed residual sign bits and the residual's norm. One kernel program takes a block of rows
 [R, d] and does the whole encode in registers: norm, normalize, rotate (one matmul), count the
 boundaries below each coordinate (a static loop of compares, no gather), pack the byte planes
@@ -29,15 +29,15 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.turboquant import TurboQuant
+from pallas_kernels.turboquant import NORM_DTYPE, TurboQuant, store_norms
 
 _HI = jax.lax.Precision.HIGHEST
 _MIN_ROWS = 16  # Triton's dot wants every dimension >= 16
 
 
 def tq_encode_reference(x: jax.Array, codec: TurboQuant) -> dict[str, jax.Array]:
-    """`codec.encode(x)`: x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float32 [...]}
-    (+ "qjl_signs" uint8 [..., d/8], "qjl_norms" float32 [...] with QJL)."""
+    """`codec.encode(x)`: x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float16 [...]}
+    (+ "qjl_signs" uint8 [..., d/8], "qjl_norms" float16 [...] with QJL)."""
     return codec.encode(x)
 
 
@@ -84,10 +84,10 @@ def _tq_encode(x, *, codec, block_rows, num_warps, interpret):
     lead = x.shape[:-1]
     n = int(np.prod(lead, dtype=np.int64))
     if n == 0:
-        out = {"codes": jnp.zeros((*lead, bits * c), jnp.uint8), "norms": jnp.zeros(lead, jnp.float32)}
+        out = {"codes": jnp.zeros((*lead, bits * c), jnp.uint8), "norms": jnp.zeros(lead, NORM_DTYPE)}
         if codec.qjl:
             out["qjl_signs"] = jnp.zeros((*lead, c), jnp.uint8)
-            out["qjl_norms"] = jnp.zeros(lead, jnp.float32)
+            out["qjl_norms"] = jnp.zeros(lead, NORM_DTYPE)
         return out
 
     rows = min(block_rows, max(_MIN_ROWS, pl.next_power_of_2(n)))
@@ -138,10 +138,10 @@ def _tq_encode(x, *, codec, block_rows, num_warps, interpret):
     )(*operands)
 
     # [N, b, c] is the b planes of c bytes one after another: the packed layout as is.
-    out = {"codes": outs[0][:n].reshape(*lead, bits * c), "norms": outs[1][:n].reshape(lead)}
+    out = {"codes": outs[0][:n].reshape(*lead, bits * c), "norms": store_norms(outs[1][:n].reshape(lead))}
     if codec.qjl:
         out["qjl_signs"] = outs[2][:n].reshape(*lead, c)
-        out["qjl_norms"] = outs[3][:n].reshape(lead)
+        out["qjl_norms"] = store_norms(outs[3][:n].reshape(lead))
     return out
 
 

@@ -3,7 +3,7 @@
 The packed format that quantized KV pages hold and that kernels read. Per vector x of
 dimension d (a power of two):
 
-1. n = ||x||, stored as float32; u = x / n.
+1. n = ||x||, stored as float16 (relative error below 2^-11, far under the codes'); u = x / n.
 2. y = R u for a fixed random orthogonal R (Haar, or randomized Hadamard H D3 H D2 H D1).
    Each coordinate of a rotated unit vector follows f(t) ~ (1 - t^2)^((d - 3) / 2) on
    [-1, 1], whatever the data, so one codebook serves every vector without calibration.
@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_BITS = range(1, 9)
+NORM_DTYPE = jnp.float16  # stored norms: 2 bytes per vector
+_NORM_MAX = float(np.finfo(np.float16).max)
 _GRID_POINTS = 1 << 20  # quadrature grid for the Lloyd iterations on [-1, 1]
 
 
@@ -202,8 +204,13 @@ def _qjl_encode(residual: jax.Array, matrix: np.ndarray) -> dict[str, jax.Array]
     projected = residual @ jnp.asarray(matrix).T
     return {
         "qjl_signs": pack_bits((projected >= 0).astype(jnp.int32), 1),
-        "qjl_norms": jnp.linalg.norm(residual, axis=-1),
+        "qjl_norms": store_norms(jnp.linalg.norm(residual, axis=-1)),
     }
+
+
+def store_norms(norms: jax.Array) -> jax.Array:
+    """Vector norms as stored: float16, clipped to its largest finite value."""
+    return jnp.minimum(norms, _NORM_MAX).astype(NORM_DTYPE)
 
 
 def _qjl_decode(encoded: dict[str, jax.Array], matrix: np.ndarray) -> jax.Array:
@@ -213,18 +220,18 @@ def _qjl_decode(encoded: dict[str, jax.Array], matrix: np.ndarray) -> jax.Array:
     # For an orthonormal S of d rows, E|<s_i, r>| = |r| sqrt(2/pi)/sqrt(d): scaling the sign
     # vector back by sqrt(pi/2)/sqrt(d) * |r| makes inner products unbiased.
     scale = math.sqrt(math.pi / 2) / math.sqrt(d)
-    return scale * encoded["qjl_norms"][..., None] * (signs @ jnp.asarray(matrix))
+    return scale * encoded["qjl_norms"].astype(jnp.float32)[..., None] * (signs @ jnp.asarray(matrix))
 
 
 def tq_vector_bytes(head_dim: int, bits: float, qjl: bool = False) -> int:
-    """Stored bytes per vector: packed codes and a float32 norm; with QJL, d sign bits and a
-    float32 residual norm more. Half-integer bits are the split-group format (`SplitTurboQuant`):
+    """Stored bytes per vector: packed codes and a float16 norm; with QJL, d sign bits and a
+    float16 residual norm more. Half-integer bits are the split-group format (`SplitTurboQuant`):
     two halves at ceil and floor bits and two float16 group norms."""
-    extra = (head_dim // 8 + 4) if qjl else 0
+    extra = (head_dim // 8 + 2) if qjl else 0
     if is_split_bits(bits):
         half = head_dim // 2
         return half * math.ceil(bits) // 8 + half * math.floor(bits) // 8 + 4 + extra
-    return head_dim * int(bits) // 8 + 4 + extra
+    return head_dim * int(bits) // 8 + 2 + extra
 
 
 def is_split_bits(bits: float) -> bool:
@@ -285,7 +292,7 @@ class TurboQuant(_Codec):
         seed: seeds the rotation (and the QJL transform).
         rotation: "haar" or "hadamard".
         codebook: "exact" (Lloyd-Max on the exact density) or "gaussian".
-        qjl: add the 1-bit QJL residual (d extra bits + a float32 norm per vector).
+        qjl: add the 1-bit QJL residual (d extra bits + a float16 norm per vector).
     """
 
     head_dim: int
@@ -317,14 +324,14 @@ class TurboQuant(_Codec):
         return h.hexdigest()
 
     def encode(self, x: jax.Array) -> dict[str, jax.Array]:
-        """x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float32 [...]} (+ "qjl_signs",
+        """x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float16 [...]} (+ "qjl_signs",
         "qjl_norms" with QJL)."""
         x = _vectors(x, self.head_dim)
         norms = jnp.linalg.norm(x, axis=-1)
         u = x / jnp.maximum(norms, 1e-30)[..., None]
         y = u @ jnp.asarray(self.rotation_matrix).T
         idx = jnp.sum(y[..., None] > jnp.asarray(self.boundaries), axis=-1)  # count of boundaries below
-        out = {"codes": pack_bits(idx, self.bits), "norms": norms}
+        out = {"codes": pack_bits(idx, self.bits), "norms": store_norms(norms)}
         if self.qjl:
             out |= _qjl_encode(
                 u - jnp.asarray(self.centroids)[idx] @ jnp.asarray(self.rotation_matrix), self.qjl_matrix
@@ -337,7 +344,7 @@ class TurboQuant(_Codec):
         u_hat = jnp.asarray(self.centroids)[idx] @ jnp.asarray(self.rotation_matrix)
         if self.qjl:
             u_hat = u_hat + _qjl_decode(encoded, self.qjl_matrix)
-        return u_hat * encoded["norms"][..., None]
+        return u_hat * encoded["norms"].astype(jnp.float32)[..., None]
 
 
 # -- the split-group (hybrid) format ---------------------------------------------------------------
@@ -368,7 +375,7 @@ class SplitTurboQuant(_Codec):
         head_dim: vector dimension (a power of two, at least 16).
         bits: half-integer average bits per coordinate, 1.5..7.5.
         seed: seeds the two rotations (and the QJL transform).
-        qjl: add the QJL residual (d sign bits + a float32 norm per vector).
+        qjl: add the QJL residual (d sign bits + a float16 norm per vector).
     """
 
     head_dim: int
@@ -407,10 +414,9 @@ class SplitTurboQuant(_Codec):
         [..., 2]} (+ "qjl_signs", "qjl_norms" with QJL)."""
         x = _vectors(x, self.head_dim)
         parts = [g.encode(x[..., c]) for c, g in zip(self.channels, self.groups, strict=True)]
-        norms = jnp.stack([p["norms"] for p in parts], axis=-1)
         out = {
             "codes": jnp.concatenate([p["codes"] for p in parts], axis=-1),
-            "group_norms": jnp.minimum(norms, float(np.finfo(np.float16).max)).astype(jnp.float16),
+            "group_norms": jnp.stack([p["norms"] for p in parts], axis=-1),
         }
         if self.qjl:
             out |= _qjl_encode(x - self._decode_groups(out), self.qjl_matrix)

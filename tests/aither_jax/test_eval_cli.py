@@ -15,15 +15,15 @@ def test_capacity_json_rows(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [r["kv_cache_dtype"] for r in rows] == ["bf16", "tq4", "tq-k6v4"]
     by = {r["kv_cache_dtype"]: r for r in rows}
-    assert by["bf16"]["bytes_per_token"] == 23040 and by["tq4"]["bytes_per_token"] == 6480
-    assert by["tq4"]["compression_vs_bf16"] == pytest.approx(23040 / 6480, abs=1e-3)
-    assert by["tq4"]["tokens_in_budget"] == (2 << 30) // 6480
+    assert by["bf16"]["bytes_per_token"] == 23040 and by["tq4"]["bytes_per_token"] == 6120
+    assert by["tq4"]["compression_vs_bf16"] == pytest.approx(23040 / 6120, abs=1e-3)
+    assert by["tq4"]["tokens_in_budget"] == (2 << 30) // 6120
 
 
 def test_capacity_table(capsys):
     assert aj_eval.main(["capacity"]) == 0
     out = capsys.readouterr().out
-    assert "tq4" in out and "3.56x" in out and "46,603" in out
+    assert "tq4" in out and "3.77x" in out and "46,603" in out
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,9 @@ def test_perplexity_json_plot_and_reference_row(tmp_path, capsys):
     assert rows["bf16"]["perplexity_change_pct"] == pytest.approx(0, abs=1e-9)
     assert rows["bf16"]["kl_divergence"] == pytest.approx(0, abs=1e-9) and rows["bf16"]["top1_agreement"] == 1
     assert rows["tq8"]["kl_divergence"] < rows["tq2"]["kl_divergence"]
-    assert rows["tq2"]["top1_agreement"] < 1 and rows["tq2"]["compression_vs_bf16"] == pytest.approx(6.4)
+    assert rows["tq2"]["top1_agreement"] < 1 and rows["tq2"]["compression_vs_bf16"] == pytest.approx(
+        23040 / 3240, abs=1e-3
+    )
     assert rows["tq8"]["num_tokens"] == 48
     assert plot.stat().st_size > 1000
 
@@ -106,7 +108,7 @@ def test_codec_report_beats_the_anchor(capsys):
     assert aj_eval.main(["codec", "--head-dim", "128", "--bits", "2", "4", "--num-vectors", "2000", "--json"]) == 0
     rows = {r["bits"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
     assert rows[2]["mse"] < 0.1175 and rows[4]["mse"] < 0.0095
-    assert rows[4]["bytes_per_vector"] == 68 and rows[2]["mse_ratio"] > 1
+    assert rows[4]["bytes_per_vector"] == 66 and rows[2]["mse_ratio"] > 1
 
 
 def test_codec_reports_the_split_group_format(capsys):
@@ -114,7 +116,7 @@ def test_codec_reports_the_split_group_format(capsys):
         aj_eval.main(["codec", "--head-dim", "64", "--bits", "3", "3.5", "4", "--num-vectors", "2000", "--json"]) == 0
     )
     rows = {r["bits"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
-    assert [rows[b]["bytes_per_vector"] for b in (3, 3.5, 4)] == [28, 32, 36]
+    assert [rows[b]["bytes_per_vector"] for b in (3, 3.5, 4)] == [26, 32, 34]
     assert rows[4]["mse"] < rows[3.5]["mse"] < rows[3]["mse"]
 
 
@@ -142,7 +144,7 @@ def test_allocate_rejects_a_budget_below_the_minimum_widths_before_probing(tmp_p
             ["allocate", "--text-file", str(text), "--compression", "6", "--min-bits", "4", "--dtype", "float32"]
         )
     assert exc.value.code == 2
-    assert "below the 6480 B/token of --min-bits 4 everywhere" in capsys.readouterr().err
+    assert "below the 6120 B/token of --min-bits 4 everywhere" in capsys.readouterr().err
 
 
 def test_auto_is_the_models_measured_default(capsys):
@@ -151,7 +153,7 @@ def test_auto_is_the_models_measured_default(capsys):
     assert aj_eval.main(["capacity", "--kv-cache-dtype", "auto", "--json"]) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert row["kv_cache_dtype"] == SMOLLM2_KV == default_kv_cache_dtype("smollm2-135m")
-    assert row["bytes_per_token"] == 8208 and row["compression_vs_bf16"] == pytest.approx(2.807, abs=1e-3)
+    assert row["bytes_per_token"] == 7944 and row["compression_vs_bf16"] == pytest.approx(2.900, abs=1e-3)
     assert default_kv_cache_dtype("/some/other/model.gguf") == "bf16"
 
 

@@ -7,7 +7,7 @@ import pytest
 from aither_jax.kv_allocation import allocate_bits, probe_name, spec_name
 from models.kv_spec import parse_kv_spec
 
-VECTOR_BYTES = {side: {b: 64 * b // 8 + 4 for b in range(2, 9)} for side in "kv"}
+VECTOR_BYTES = {side: {b: 64 * b // 8 + 2 for b in range(2, 9)} for side in "kv"}
 
 
 def test_budget_is_respected_and_bits_go_to_the_sensitive_layers():

@@ -71,10 +71,10 @@ def test_chunk_size_does_not_change_logits(llm_tq4, llm_fp32):
     chunk's own fresh keys) both see quantized keys and values.
 
     Not bit-identical: float rounding differs with the chunk shape (~1e-6 in the keys), which
-    flips a rare code at a cell boundary, and a flipped code moves later logits. So: the stored
-    codes agree almost everywhere, and the logit gap between the two runs stays well below the
-    gap quantization itself makes (a chunk that saw unquantized fresh keys would show the
-    latter).
+    flips a rare code at a cell boundary or a norm's float16 rounding, and a flip moves later
+    layers' inputs, so flips cascade with depth. So: the stored codes of the first layers agree
+    almost everywhere, and the logit gap between the two runs stays well below the gap
+    quantization itself makes (a chunk that saw unquantized fresh keys would show the latter).
     """
     ids = llm_tq4.tokenizer.encode(TEXT)[:200]
     small = llm_tq4.logits(ids)
@@ -86,9 +86,11 @@ def test_chunk_size_does_not_change_logits(llm_tq4, llm_fp32):
     codes_a = np.asarray(llm_tq4.engine.cache.k[0]["codes"][1:14])  # [13, L, 16, Hkv, 32]
     codes_b = np.asarray(other.engine.cache.k[0]["codes"][1:14])
     stored = (np.arange(13)[:, None] * 16 + np.arange(16)[None, :]) < len(ids)  # [page, slot]
-    same = (codes_a == codes_b).transpose(0, 2, 1, 3, 4)[stored]
-    assert same.mean() > 0.98  # measured ~0.99: flips cascade through later layers
-    assert np.abs(small - big).mean() < 0.3 * np.abs(small - exact).mean()
+    same = (codes_a == codes_b).transpose(0, 2, 1, 3, 4)[stored]  # [token, layer, Hkv, bytes]
+    assert same[:, :8].mean() > 0.999  # measured 1.0
+    assert same.mean() > 0.85  # measured 0.93: flips cascade through later layers
+    # Measured 0.30 of it; a chunk that saw unquantized fresh keys would be near exact: ~1.
+    assert np.abs(small - big).mean() < 0.5 * np.abs(small - exact).mean()
     assert (small.argmax(-1) == big.argmax(-1)).mean() > 0.98
 
 
@@ -116,9 +118,9 @@ def test_batch_equals_alone_with_quantized_cache(llm_tq4):
 def test_quantized_pool_layout_and_size(llm_tq4):
     cache = llm_tq4.engine.cache
     leaves = jax.tree_util.tree_leaves(cache.k)
-    assert {a.dtype for a in leaves} == {jnp.dtype(jnp.uint8), jnp.dtype(jnp.float32)}
+    assert {a.dtype for a in leaves} == {jnp.dtype(jnp.uint8), jnp.dtype(jnp.float16)}
     per_page = sum(a[0].nbytes for a in jax.tree_util.tree_leaves((cache.k, cache.v)))
-    assert per_page == llm_tq4.kv_spec.bytes_per_token(llm_tq4.config) * cache.page_size == 6480 * 16
+    assert per_page == llm_tq4.kv_spec.bytes_per_token(llm_tq4.config) * cache.page_size == 6120 * 16
 
 
 def test_bad_kv_cache_dtype():
@@ -157,8 +159,8 @@ def test_mixed_layers_store_each_group_in_its_own_pool():
     assert cache.v_groups.groups == (tuple(range(1, 29)), (0, 29))
     assert [c.bits if c else None for c in cache.k_groups.codecs] == [5, 8, None]
     per_page = sum(a[0].nbytes for a in jax.tree_util.tree_leaves((cache.k, cache.v)))
-    # keys: 26 layers x (40 + 4) + 2 x (64 + 4) + 2 x 128; values: 28 x (32 + 4) + 2 x 128; x 3 heads
-    expected = 3 * (26 * 44 + 2 * 68 + 2 * 128 + 28 * 36 + 2 * 128)
+    # keys: 26 layers x (40 + 2) + 2 x (64 + 2) + 2 x 128; values: 28 x (32 + 2) + 2 x 128; x 3 heads
+    expected = 3 * (26 * 42 + 2 * 66 + 2 * 128 + 28 * 34 + 2 * 128)
     assert per_page == llm.kv_spec.bytes_per_token(llm.config) * cache.page_size == expected * 16
     # Each layer is encoded by its group's codec and read back through its group's pool.
     rng = np.random.default_rng(1)
@@ -229,8 +231,8 @@ def test_xla_attention_path_matches_reference_path(short_ids, monkeypatch):
     gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention_xla")
     # Layers 13..16 quantized (as in the Pallas test: flips from rounding differences cascade
     # through every quantized layer); layer 14's keys and layer 15's values are split-group,
-    # which only the reference reads.
-    kv, ids = "tq3-b13-k8@13-k3.5@14-v2.5@15-s2", short_ids[:40]
+    # which only the reference reads. Keys go through the -pc transform.
+    kv, ids = "tq3-b13-k8@13-k3.5@14-v2.5@15-s2-pc", short_ids[:40]
     ref, fast = small_llm(kv, "reference"), small_llm(kv, "xla")
     a, b = fast.logits(ids), ref.logits(ids)
     assert len(gaps) == 2 * 2 and max(gaps) < 1e-4  # 2 chunks x layers 13 and 16

@@ -39,7 +39,7 @@ def test_bad_names_list_the_accepted_forms(name):
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("bf16", 23040), ("fp32", 46080), ("tq4", 6480), ("tq2", 3600), ("tq3", 5040), ("tq3.5", 5760), ("tq2.5", 4320)],
+    [("bf16", 23040), ("fp32", 46080), ("tq4", 6120), ("tq2", 3240), ("tq3", 4680), ("tq3.5", 5760), ("tq2.5", 4320)],
 )
 def test_smollm2_bytes_per_token_match_spec(name, expected):
     assert parse_kv_spec(name).bytes_per_token(SMOLLM2) == expected
@@ -59,8 +59,8 @@ def test_boundary_layers_and_overrides_resolve_per_layer():
     assert k[:3] == (None, 3, 8) and k[10] == 8 and k[28:] == (None, None) and k[5] == 5
     assert k[27] == 5  # only the last two layers are boundary layers
     assert v[:2] == (None, None) and v[15] is None and v[2] == 4 and v[28:] == (None, None)
-    # bf16 layers cost 128 B per vector; TurboQuant ones codes + a float32 norm.
-    expected = 3 * sum((64 * 2 if b is None else 64 * b // 8 + 4) for b in k + v)
+    # bf16 layers cost 128 B per vector; TurboQuant ones codes + a float16 norm.
+    expected = 3 * sum((64 * 2 if b is None else 64 * b // 8 + 2) for b in k + v)
     assert spec.bytes_per_token(SMOLLM2) == expected
 
 
