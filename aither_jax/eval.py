@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec_or_auto
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
-from models.kv_spec import KVSpec, parse_kv_spec
+from models.kv_spec import MAX_SINK_TOKENS, KVSpec, parse_kv_spec
 from models.registry import resolve_model
 
 
@@ -187,9 +187,13 @@ KV_FORMATS_HELP = (
 )
 
 
-def add_text_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of commands that score KV formats on a text (checked by `run_on_text`)."""
-    parser.add_argument("--text-file", required=True, help="UTF-8 text to score")
+def add_text_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """The arguments of commands that score KV formats on a text (checked by `run_on_text`);
+    with `several`, --text-file takes one or more texts."""
+    if several:
+        parser.add_argument("--text-file", nargs="+", required=True, help="UTF-8 texts to fit on")
+    else:
+        parser.add_argument("--text-file", required=True, help="UTF-8 text to score")
     parser.add_argument(
         "--max-tokens", type=int_in("--max-tokens", 2, 8192), default=1024, help="tokens of the text to use"
     )
@@ -214,7 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
     alloc = sub.add_parser("allocate", help="per-layer key/value bits for a compression target, from measurements")
     add_model_argument(alloc)
-    add_text_arguments(alloc)
+    add_text_arguments(alloc, several=True)
+    alloc.add_argument(
+        "--held-out-file",
+        nargs="+",
+        default=[],
+        help="texts the plans are also scored on, never used to fit them",
+    )
     alloc.add_argument(
         "--compression",
         type=float_in("--compression", 1.0, 8.0),
@@ -227,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     alloc.add_argument("--probe-value-bits", type=int_in("--probe-value-bits", 2, 8), default=3)
     alloc.add_argument(
         "--key-transform", action="store_true", help="allocate for the -pc formats (keys through the fitted transform)"
+    )
+    alloc.add_argument(
+        "--sink-tokens",
+        type=int_in("--sink-tokens", 0, MAX_SINK_TOKENS),
+        default=0,
+        help="probe and plan with the first N tokens of each sequence unquantized (the -s<N> suffix)",
     )
     alloc.add_argument("--json", action="store_true", help="print one JSON object")
     codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
@@ -405,8 +421,11 @@ def codec_main(parser: argparse.ArgumentParser, args) -> int:
 
 def run_on_text(parser: argparse.ArgumentParser, args, run):
     """Checks the text-scoring arguments, then `run(args)`; bad input exits with code 2."""
-    if not os.path.isfile(args.text_file):
-        parser.error(f"--text-file {args.text_file!r} does not exist")
+    files = args.text_file if isinstance(args.text_file, list) else [args.text_file]
+    for flag, paths in (("--text-file", files), ("--held-out-file", getattr(args, "held_out_file", []))):
+        for path in paths:
+            if not os.path.isfile(path):
+                parser.error(f"{flag} {path!r} does not exist")
     if args.chunk & (args.chunk - 1):
         parser.error(f"--chunk must be a power of two, got {args.chunk}")
     try:
@@ -422,18 +441,25 @@ def allocate_main(parser: argparse.ArgumentParser, args) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.model}: {report['plans'][0]['num_tokens']} tokens of {args.text_file}")
-    print(f"per-layer KL at the probe widths (keys {args.probe_key_bits} bits, values {args.probe_value_bits} bits):")
+    print(f"{args.model}: fitted on the first {args.max_tokens} tokens of {', '.join(report['texts'])}")
+    print(
+        f"per-layer KL at the probe widths (keys {args.probe_key_bits} bits, values {args.probe_value_bits} bits),"
+        " mean over the texts:"
+    )
     for side in ("k", "v"):
         kls = [p["kl_divergence"] for p in report["probes"] if p["side"] == side]
         print(f"  {side}: " + " ".join(f"{x:.4f}" for x in kls))
     for plan in report["plans"]:
         print(
             f"{plan['kv_cache_dtype']}\n  target {plan['target_compression']:g}x: {plan['bytes_per_token']:,} B/token "
-            f"({plan['compression_vs_bf16']:.2f}x), predicted KL {plan['predicted_kl_divergence']:.4f}, measured KL "
-            f"{plan['kl_divergence']:.4f}, perplexity change {plan['perplexity_change_pct']:+.2f}%, "
-            f"top-1 {plan['top1_agreement']:.1%}"
+            f"({plan['compression_vs_bf16']:.2f}x), predicted KL {plan['predicted_kl_divergence']:.4f}"
         )
+        for row in plan["by_text"]:
+            print(
+                f"    {'held out' if row['held_out'] else 'fitted':8s} {os.path.basename(row['text_file'])}: KL "
+                f"{row['kl_divergence']:.4f}, perplexity change {row['perplexity_change_pct']:+.2f}%, "
+                f"top-1 {row['top1_agreement']:.1%}"
+            )
     return 0
 
 

@@ -2,12 +2,14 @@
 
 Layers differ a lot in how much their keys and values can be rounded: on SmolLM2 one layer's
 4-bit keys cost more KL than twenty others together. This measures each layer side alone
-(that side quantized at a probe width, everything else bf16), then spends a bytes-per-token
-budget greedily, and scores the resulting format on the same text.
+(that side quantized at a probe width, everything else bf16) on one or more texts, then spends
+a bytes-per-token budget greedily on the mean, and scores the resulting format on those texts
+and on held-out ones.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.eval import FormatScorer
@@ -78,30 +80,59 @@ def probe_name(side: str, layer: int, bits: int, num_layers: int) -> str:
 
 
 def run_allocate(args) -> dict:
-    scorer = FormatScorer(args.model, args.dtype, args.text_file, args.max_tokens, args.chunk)
-    cfg = scorer.llm.config
+    """Probes every layer side on each --text-file, allocates from the mean KL, and scores each
+    plan on the fitted texts and on the --held-out-file texts.
+
+    Returns {"texts", "held_out", "probes": [{side, layer, bits, kl_divergence (mean),
+    kl_by_text}], "plans": [{format fields, target_compression, predicted_kl_divergence,
+    kl_divergence / perplexity_change_pct / top1_agreement (means over the fitted texts),
+    by_text: [the scorer's row per text, with held_out]}]}.
+    """
+    fitted = [FormatScorer(args.model, args.dtype, path, args.max_tokens, args.chunk) for path in args.text_file]
+    cfg = fitted[0].llm.config
     n = cfg.num_layers
     probe = {"k": args.probe_key_bits, "v": args.probe_value_bits}
     vector_bytes = {side: {b: tq_vector_bytes(cfg.head_dim, b) for b in range(2, 9)} for side in "kv"}
+    bf16_bytes = fitted[0].bf16_bytes
     floor = 2 * n * cfg.num_kv_heads * vector_bytes["k"][args.min_bits]
     for compression in args.compression:
-        if scorer.bf16_bytes / compression < floor:
+        if bf16_bytes / compression < floor:
             raise ValueError(
-                f"--compression {compression:g} needs at most {int(scorer.bf16_bytes / compression)} B/token, "
+                f"--compression {compression:g} needs at most {int(bf16_bytes / compression)} B/token, "
                 f"below the {floor} B/token of --min-bits {args.min_bits} everywhere"
             )
-    suffix = "-pc" if args.key_transform else ""  # probes and plans read keys through the transform
+    held_out = [FormatScorer(args.model, args.dtype, path, args.max_tokens, args.chunk) for path in args.held_out_file]
+    # Probes and plans read keys through the transform, and keep the sinks, as the plan will run.
+    suffix = ("-pc" if args.key_transform else "") + (f"-s{args.sink_tokens}" if args.sink_tokens else "")
     sensitivity, probes = {}, []
     for side, layer in tqdm([(s, i) for s in "kv" for i in range(n)], desc="per-layer sensitivity", unit="probe"):
-        row = scorer.score(parse_kv_spec(probe_name(side, layer, probe[side], n) + suffix))
-        sensitivity[(side, layer)] = row["kl_divergence"]
-        probes.append({"side": side, "layer": layer, "bits": probe[side], "kl_divergence": row["kl_divergence"]})
+        spec = parse_kv_spec(probe_name(side, layer, probe[side], n) + suffix)
+        kls = [scorer.score(spec)["kl_divergence"] for scorer in fitted]
+        sensitivity[(side, layer)] = float(np.mean(kls))
+        probes.append(
+            {"side": side, "layer": layer, "bits": probe[side], "kl_divergence": sensitivity[(side, layer)]}
+            | {"kl_by_text": kls}
+        )
     plans = []
     for compression in args.compression:
-        budget = int(scorer.bf16_bytes / compression)
+        budget = int(bf16_bytes / compression)
         bits, predicted, _ = allocate_bits(
             sensitivity, probe, {"k": args.min_bits, "v": args.min_bits}, vector_bytes, budget, cfg.num_kv_heads
         )
-        measured = scorer.score(parse_kv_spec(spec_name(bits, n) + suffix))
-        plans.append({**measured, "target_compression": compression, "predicted_kl_divergence": predicted})
-    return {"plans": plans, "probes": probes}
+        spec = parse_kv_spec(spec_name(bits, n) + suffix)
+        rows = [scorer.score(spec) | {"held_out": False} for scorer in fitted]
+        rows += [scorer.score(spec) | {"held_out": True} for scorer in held_out]
+        means = {key: float(np.mean([r[key] for r in rows[: len(fitted)]])) for key in _MEAN_FIELDS}
+        fields = {key: rows[0][key] for key in ("model", "kv_cache_dtype", "bytes_per_token", "compression_vs_bf16")}
+        plans.append(
+            fields | means | {"target_compression": compression, "predicted_kl_divergence": predicted, "by_text": rows}
+        )
+    return {
+        "texts": [s.text_file for s in fitted],
+        "held_out": [s.text_file for s in held_out],
+        "probes": probes,
+        "plans": plans,
+    }
+
+
+_MEAN_FIELDS = ("kl_divergence", "perplexity_change_pct", "top1_agreement")

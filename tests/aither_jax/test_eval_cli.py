@@ -36,6 +36,8 @@ def test_capacity_table(capsys):
         (["allocate", "--text-file", "/nonexistent.txt"], "does not exist"),
         (["allocate", "--text-file", "/etc/hostname", "--compression", "0.5"], "--compression must be in [1, 8]"),
         (["allocate", "--text-file", "/etc/hostname", "--min-bits", "9"], "--min-bits must be in [2, 8]"),
+        (["allocate", "--text-file", "/etc/hostname", "/nonexistent.txt"], "--text-file '/nonexistent.txt' does not"),
+        (["allocate", "--text-file", "/etc/hostname", "--held-out-file", "/nope.txt"], "--held-out-file '/nope.txt'"),
         ([], "command"),
     ],
 )

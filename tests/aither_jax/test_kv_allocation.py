@@ -46,3 +46,70 @@ def test_probe_quantizes_exactly_one_layer_side():
     assert spec.layer_bits("k", 30) == (None,) * 30
     v = spec.layer_bits("v", 30)
     assert v[3] == 3 and sum(b is not None for b in v) == 1
+
+
+class _FakeScorer:
+    """Stands in for `eval.FormatScorer`: a format's KL on a text is the sum over its quantized
+    layer sides of that text's weight for the side, times 4^-(bits - 4)."""
+
+    weights = {}  # text path -> {(side, layer): KL at 4 bits}
+    scored = []  # (text path, format name), in order
+
+    def __init__(self, model, dtype, text_file, max_tokens, chunk):
+        from models.kv_spec import parse_kv_spec as parse
+
+        self.text_file, self.parse = text_file, parse
+        self.llm = type("L", (), {"config": type("C", (), {"num_layers": 2, "num_kv_heads": 1, "head_dim": 64})})()
+        self.bf16_bytes = 2 * 2 * 64 * 2
+
+    def score(self, spec):
+        _FakeScorer.scored.append((self.text_file, spec.name))
+        kl = 0.0
+        for side in "kv":
+            for layer, bits in enumerate(spec.layer_bits(side, 2)):
+                if bits is not None:
+                    kl += self.weights[self.text_file][(side, layer)] * 4.0 ** (4 - bits)
+        row = {"model": "m", "kv_cache_dtype": spec.name, "bytes_per_token": 1, "compression_vs_bf16": 1.0}
+        return row | {
+            "kl_divergence": kl,
+            "perplexity_change_pct": 0.0,
+            "top1_agreement": 1.0,
+            "text_file": self.text_file,
+        }
+
+
+def test_run_allocate_fits_on_the_mean_of_its_texts_and_only_scores_held_out_ones(monkeypatch):
+    from types import SimpleNamespace
+
+    import aither_jax.kv_allocation as alloc
+
+    # Text a finds key layer 0 sensitive, text b value layer 1; the held-out text would pull
+    # every bit to key layer 1 if it were used for fitting.
+    _FakeScorer.weights = {
+        "a": {("k", 0): 0.08, ("k", 1): 0.001, ("v", 0): 0.001, ("v", 1): 0.001},
+        "b": {("k", 0): 0.001, ("k", 1): 0.001, ("v", 0): 0.001, ("v", 1): 0.04},
+        "held": {("k", 0): 0.0, ("k", 1): 1.0, ("v", 0): 0.0, ("v", 1): 0.0},
+    }
+    _FakeScorer.scored = []
+    monkeypatch.setattr(alloc, "FormatScorer", _FakeScorer)
+    args = SimpleNamespace(
+        model="m", dtype="float32", text_file=["a", "b"], held_out_file=["held"], max_tokens=16, chunk=16,
+        probe_key_bits=4, probe_value_bits=4, min_bits=3, key_transform=False, sink_tokens=0, compression=[512 / 144],
+    )  # fmt: skip
+    report = alloc.run_allocate(args)
+    assert report["texts"] == ["a", "b"] and report["held_out"] == ["held"]
+    # Probes ran on the fitted texts only, and their KL is the mean over them.
+    probed = {text for text, name in _FakeScorer.scored[:-3]}
+    assert probed == {"a", "b"} and len(_FakeScorer.scored) == 4 * 2 + 3
+    by_probe = {(p["side"], p["layer"]): p for p in report["probes"]}
+    assert by_probe[("k", 0)]["kl_divergence"] == pytest.approx((0.08 + 0.001) / 2)
+    assert by_probe[("v", 1)]["kl_by_text"] == pytest.approx([0.001, 0.04])
+    (plan,) = report["plans"]
+    bits = parse_kv_spec(plan["kv_cache_dtype"])
+    k_bits, v_bits = bits.layer_bits("k", 2), bits.layer_bits("v", 2)
+    # 144 B/token buys five 8-byte steps over 3 bits everywhere: by the mean, three go to key
+    # layer 0 and two to value layer 1 (the held-out text would have sent them to key layer 1).
+    assert (k_bits, v_bits) == ((6, 3), (3, 5))
+    rows = plan["by_text"]
+    assert [(r["text_file"], r["held_out"]) for r in rows] == [("a", False), ("b", False), ("held", True)]
+    assert plan["kl_divergence"] == pytest.approx((rows[0]["kl_divergence"] + rows[1]["kl_divergence"]) / 2)
