@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="probe and plan with the first N tokens of each sequence unquantized (the -s<N> suffix)",
     )
+    alloc.add_argument(
+        "--probes-file",
+        help="JSON lines file: each probe's result is appended as it is measured, and a rerun with the "
+        "same texts and settings reuses the ones found (resumes an interrupted run)",
+    )
     alloc.add_argument("--json", action="store_true", help="print one JSON object")
     codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
     codec.add_argument("--head-dim", type=int_in("--head-dim", 4, 1024), default=128)

@@ -9,6 +9,10 @@ and on held-out ones.
 
 from __future__ import annotations
 
+import json
+import os
+
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -105,9 +109,24 @@ def run_allocate(args) -> dict:
     # Probes and plans read keys through the transform, and keep the sinks, as the plan will run.
     suffix = ("-pc" if args.key_transform else "") + (f"-s{args.sink_tokens}" if args.sink_tokens else "")
     sensitivity, probes = {}, []
+    setting = {
+        "model": args.model,
+        "dtype": fitted[0].dtype,
+        "texts": [s.text_file for s in fitted],
+        "max_tokens": args.max_tokens,
+        "chunk": args.chunk,
+    }
+    done = _load_probes(args.probes_file, setting) if args.probes_file else {}
     for side, layer in tqdm([(s, i) for s in "kv" for i in range(n)], desc="per-layer sensitivity", unit="probe"):
         spec = parse_kv_spec(probe_name(side, layer, probe[side], n) + suffix)
-        kls = [scorer.score(spec)["kl_divergence"] for scorer in fitted]
+        kls = done.get(spec.name)
+        if kls is None:
+            kls = [scorer.score(spec)["kl_divergence"] for scorer in fitted]
+            # Each probe format compiles its own steps and is never run again: dropping them
+            # keeps a 60-probe run from exhausting the process's memory maps.
+            jax.clear_caches()
+            if args.probes_file:
+                _save_probe(args.probes_file, setting | {"kv_cache_dtype": spec.name, "kl_by_text": kls})
         sensitivity[(side, layer)] = float(np.mean(kls))
         probes.append(
             {"side": side, "layer": layer, "bits": probe[side], "kl_divergence": sensitivity[(side, layer)]}
@@ -136,3 +155,27 @@ def run_allocate(args) -> dict:
 
 
 _MEAN_FIELDS = ("kl_divergence", "perplexity_change_pct", "top1_agreement")
+
+
+def _load_probes(path: str, setting: dict) -> dict[str, list[float]]:
+    """Probe results an earlier run appended to `path` (JSON lines) under the same setting, by
+    format name. A missing file is an empty record; a torn last line (a crash mid-write) is skipped."""
+    if not os.path.exists(path):
+        return {}
+    found = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if all(row.get(key) == value for key, value in setting.items()):
+                found[row["kv_cache_dtype"]] = row["kl_by_text"]
+    return found
+
+
+def _save_probe(path: str, row: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -58,7 +58,7 @@ class _FakeScorer:
     def __init__(self, model, dtype, text_file, max_tokens, chunk):
         from models.kv_spec import parse_kv_spec as parse
 
-        self.text_file, self.parse = text_file, parse
+        self.text_file, self.parse, self.dtype = text_file, parse, dtype
         self.llm = type("L", (), {"config": type("C", (), {"num_layers": 2, "num_kv_heads": 1, "head_dim": 64})})()
         self.bf16_bytes = 2 * 2 * 64 * 2
 
@@ -79,8 +79,6 @@ class _FakeScorer:
 
 
 def test_run_allocate_fits_on_the_mean_of_its_texts_and_only_scores_held_out_ones(monkeypatch):
-    from types import SimpleNamespace
-
     import aither_jax.kv_allocation as alloc
 
     # Text a finds key layer 0 sensitive, text b value layer 1; the held-out text would pull
@@ -92,11 +90,7 @@ def test_run_allocate_fits_on_the_mean_of_its_texts_and_only_scores_held_out_one
     }
     _FakeScorer.scored = []
     monkeypatch.setattr(alloc, "FormatScorer", _FakeScorer)
-    args = SimpleNamespace(
-        model="m", dtype="float32", text_file=["a", "b"], held_out_file=["held"], max_tokens=16, chunk=16,
-        probe_key_bits=4, probe_value_bits=4, min_bits=3, key_transform=False, sink_tokens=0, compression=[512 / 144],
-    )  # fmt: skip
-    report = alloc.run_allocate(args)
+    report = alloc.run_allocate(_allocate_args())
     assert report["texts"] == ["a", "b"] and report["held_out"] == ["held"]
     # Probes ran on the fitted texts only, and their KL is the mean over them.
     probed = {text for text, name in _FakeScorer.scored[:-3]}
@@ -113,3 +107,31 @@ def test_run_allocate_fits_on_the_mean_of_its_texts_and_only_scores_held_out_one
     rows = plan["by_text"]
     assert [(r["text_file"], r["held_out"]) for r in rows] == [("a", False), ("b", False), ("held", True)]
     assert plan["kl_divergence"] == pytest.approx((rows[0]["kl_divergence"] + rows[1]["kl_divergence"]) / 2)
+
+
+def _allocate_args(**changes):
+    from types import SimpleNamespace
+
+    args = dict(model="m", dtype="float32", text_file=["a", "b"], held_out_file=["held"], max_tokens=16, chunk=16)
+    args |= dict(probe_key_bits=4, probe_value_bits=4, min_bits=3, key_transform=False, sink_tokens=0)
+    return SimpleNamespace(**(args | dict(compression=[512 / 144], probes_file=None) | changes))
+
+
+def test_run_allocate_resumes_from_its_probes_file(monkeypatch, tmp_path):
+    import aither_jax.kv_allocation as alloc
+
+    monkeypatch.setattr(alloc, "FormatScorer", _FakeScorer)
+    _FakeScorer.weights = {t: {(s, i): 0.01 * (i + 1) for s in "kv" for i in range(2)} for t in ("a", "b", "held")}
+    probes = tmp_path / "probes.jsonl"
+    _FakeScorer.scored = []
+    first = alloc.run_allocate(_allocate_args(probes_file=str(probes)))
+    assert len(_FakeScorer.scored) == 4 * 2 + 3 and len(probes.read_text().splitlines()) == 4
+    # A crash mid-write leaves a torn line; another setting's rows must not be reused.
+    lines = probes.read_text().splitlines()
+    other = lines[0].replace('"max_tokens": 16', '"max_tokens": 32').replace("0.01", "0.5")
+    probes.write_text("\n".join([other, *lines[:3], lines[3][:20]]) + "\n")
+    _FakeScorer.scored = []
+    second = alloc.run_allocate(_allocate_args(probes_file=str(probes)))
+    # Three probes reused, the torn one measured again, then the plan on three texts.
+    assert [t for t, _ in _FakeScorer.scored] == ["a", "b", "a", "b", "held"]
+    assert second["probes"] == first["probes"] and second["plans"] == first["plans"]
