@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from aither_jax.sampling import SamplingBatch, SamplingParams
 from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
-from aither_jax.steps import CompileCounter, copy_pages, model_step, verify_step, write_step
+from aither_jax.steps import CompileCounter, copy_pages, model_step, refill_sinks, verify_step, write_step
 from models.config import ModelConfig
 from models.kv_cache import init_cache
 from models.kv_spec import parse_kv_spec
@@ -112,11 +112,8 @@ class Engine:
             fill_value=cache_fill_value,
             key_transform=key_transform,
         )
-        if enable_prefix_caching is None:  # on where the format allows it
-            enable_prefix_caching = not self.cache.num_sinks
-        if enable_prefix_caching and self.cache.num_sinks:
-            # Sink tokens live in per-slot buffers, not in the shared pages.
-            raise ValueError("prefix caching does not support KV formats with sink tokens (-s<n>)")
+        if enable_prefix_caching is None:
+            enable_prefix_caching = True
         self.scheduler = Scheduler(
             num_pages=num_pages,
             page_size=page_size,
@@ -126,6 +123,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             max_pinned_fraction=max_pinned_fraction,
+            sink_tokens=self.cache.num_sinks,
         )
         self.speculative = SpeculativeConfig.parse(speculative)
         self.drafter: DFlashProposer | None = None
@@ -159,6 +157,8 @@ class Engine:
         # (see `models.llama.forward`); counted in num_shared_prefix_steps.
         self.shared_prefix_attention = bool(shared_prefix_attention)
         self.num_shared_prefix_steps = 0
+        # Slots admitted on cached pages whose sink tokens were recomputed (-s<n> formats).
+        self.num_sink_refills = 0
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self._seen_shapes: set[tuple] = set()
@@ -245,6 +245,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.copies:
             self._copy_pages(plan.copies)
+        if plan.sink_refills:
+            self._refill_sinks(plan.sink_refills)
         if plan.decode and self.speculative is not None:
             self._speculate(plan.decode)
         elif plan.decode:
@@ -377,6 +379,22 @@ class Engine:
             self.drafter.copy_pages(src, dst)
         self.scheduler.copies_done(copies)
 
+    def _refill_sinks(self, rows: list[tuple[Sequence, list[int]]]) -> None:
+        """Fills the sink buffers of slots admitted on cached pages (`steps.refill_sinks`)."""
+        num_rows = bucket(len(rows), 1, self.max_num_seqs)
+        num_tokens = max(MIN_TOKEN_BUCKET, 1 << (self.cache.num_sinks - 1).bit_length())
+        tokens = np.zeros((num_rows, num_tokens), np.int32)
+        slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: writes dropped
+        num_new = np.zeros(num_rows, np.int32)
+        for i, (s, toks) in enumerate(rows):
+            tokens[i, : len(toks)], slots[i], num_new[i] = toks, s.slot, len(toks)
+        self._note_shape("sinks", tokens.shape, warmed=False)
+        batch = StepBatch(slots, np.zeros(num_rows, np.int32), num_new)
+        self.cache = refill_sinks(
+            self.weights, self.cache, tokens, batch, cfg=self.cfg, num_pages=MIN_PAGE_BUCKET, attention=self.attention
+        )
+        self.num_sink_refills += len(rows)
+
     def _append(self, seq: Sequence, token: int, logits: np.ndarray | None) -> None:
         seq.output_ids.append(token)
         if seq.first_token_time is None:
@@ -442,9 +460,8 @@ class Engine:
 
     def _shared_pages(self, rows: list[tuple[Sequence, list[int]]]) -> int:
         """Leading block-table pages that every row holds and has fully stored (prefix-cache
-        hits shared by all rows: never with sink tokens, which refuse prefix caching), rounded
-        down to SHARED_PAGE_STEP; 0 below MIN_SHARED_PAGES, for a single row, or when
-        shared-prefix attention is off."""
+        hits shared by all rows), rounded down to SHARED_PAGE_STEP; 0 below MIN_SHARED_PAGES
+        or the sink tokens' pages, for a single row, or when shared-prefix attention is off."""
         if not self.shared_prefix_attention or len(rows) < 2:
             return 0
         full = min(s.num_cached for s, _ in rows) // self.page_size
@@ -454,7 +471,7 @@ class Engine:
         same = np.all(tables == tables[:1], axis=0)
         common = full if same.all() else int(np.argmin(same))
         shared = common // SHARED_PAGE_STEP * SHARED_PAGE_STEP
-        return shared if shared >= MIN_SHARED_PAGES else 0
+        return shared if shared >= MIN_SHARED_PAGES and shared * self.page_size >= self.cache.num_sinks else 0
 
     def _run(
         self, rows: list[tuple[Sequence, list[int]]], *, return_logits: str, taps: tuple[int, ...] = ()

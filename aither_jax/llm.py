@@ -87,8 +87,8 @@ class LLM:
         max_num_batched_tokens: tokens per step over all sequences (decode rows count one
             each, prefill chunks share the rest); default max(max_prefill_chunk, max_num_seqs).
         enable_prefix_caching: keep computed pages named by their tokens and start later
-            prompts from the longest cached prefix (off by default here; None: on unless the
-            KV format has sink tokens, which the server uses).
+            prompts from the longest cached prefix (off by default here; None: on, which the
+            server uses).
         max_pinned_fraction: most of the page pool that pinned prefixes may hold.
         attention: "auto" (Pallas kernels on GPU, their rotated-domain algorithm in jnp on
             CPU), "pallas", "xla" or "reference"; the reference decodes quantized pages into a

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="reuse cached KV pages of earlier prompts (default: on, except for KV formats with sink tokens)",
+        help="reuse cached KV pages of earlier prompts (default: on)",
     )
     p.add_argument(
         "--shared-prefix-attention",

@@ -21,7 +21,7 @@ from jax import monitoring
 from aither_jax.sampling import SamplingBatch, sample_tokens
 from aither_jax.speculative import verify
 from models.config import ModelConfig
-from models.kv_cache import PagedKVCache
+from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.llama import KVUpdate, StepBatch, forward
 from models.weights import ModelWeights
 
@@ -105,6 +105,31 @@ def write_step(cache: PagedKVCache, update: KVUpdate) -> PagedKVCache:
     if cache.num_sinks:
         cache = cache.write_sinks(update.slots, update.start, update.num_new, update.sink_k, update.sink_v)
     return cache.replace(seq_lens=cache.seq_lens.at[update.slots].set(update.seq_lens, mode="drop"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "attention"), donate_argnames=("cache",))
+def refill_sinks(
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: jax.Array,  # [B, T] int32: each row's first tokens
+    batch: StepBatch,  # start 0; num_new = the sink positions to fill
+    *,
+    cfg: ModelConfig,
+    num_pages: int,
+    attention: str = "reference",
+) -> PagedKVCache:
+    """Recomputes the sink keys/values of slots whose first tokens sit in prefix-cache pages.
+
+    A sink position's key and value depend only on the tokens up to it, so the rows run from
+    position 0 as a prefill would (the same `forward`), but with every block-table entry on
+    the null page: nothing is read from the pages and no page is written, since the shared
+    pages are read-only. Only the slots' sink buffers change.
+    """
+    view = cache.replace(block_tables=jnp.full_like(cache.block_tables, NULL_PAGE))
+    _, update, _ = forward(
+        weights, view, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=False, attention=attention
+    )
+    return cache.write_sinks(update.slots, update.start, update.num_new, update.sink_k, update.sink_v)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

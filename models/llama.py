@@ -104,7 +104,9 @@ def forward(
         shared_pages: leading block-table entries that every row holds (the same pages, all
             fully stored: a prefix-cache hit such as a common system prompt). Attention reads
             them once for the whole batch (`shared_prefix_attention`) and merges the result
-            with each row's attention over its own pages. 0 = none.
+            with each row's attention over its own pages. 0 = none. With sink tokens the
+            shared part leaves out the sink positions and each row's stored sinks (which
+            must lie inside the shared pages) are merged as a third part.
         all_logits: return logits for every position ([B, T, V]); otherwise only for each
             row's last valid token ([B, V]).
         attention: "pallas" quantizes new keys/values with the Pallas encoder and reads
@@ -118,8 +120,8 @@ def forward(
     """
     b, t = tokens.shape
     page_size = cache.page_size
-    if shared_pages and cache.num_sinks:
-        raise ValueError("shared-prefix attention does not support sink tokens (they live in per-slot buffers)")
+    if shared_pages and shared_pages * page_size < cache.num_sinks:
+        raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
     positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
@@ -149,6 +151,10 @@ def forward(
                 if cache.quantized(idx):
                     stored_k, stored_v = cache.sinks(batch.slots, idx)
                     sinks = Sinks(stored_k, stored_v, k16.astype(jnp.float32), v16.astype(jnp.float32))
+            # With shared pages the row's own part starts past the sinks: they become a part
+            # of their own, and the shared part leaves out their quantized copies.
+            row_sinks = None if shared_pages else sinks
+            skip = cache.num_sinks if sinks is not None else 0
             if attention != "reference" and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
                 rotated = tq_paged_attention if attention == "pallas" else tq_paged_attention_xla
@@ -163,23 +169,23 @@ def forward(
                     ki,
                     ctx_lens,
                     batch.num_new,
-                    sinks=sinks,
+                    sinks=row_sinks,
                     return_lse=bool(shared_pages),
                     **codecs,
                 )
                 if shared_pages:
                     kernel = attention == "pallas"
                     prefix = tq_shared_prefix_attention(
-                        q, k_pool, v_pool, shared, ki, shared_len, kernel=kernel, **codecs
+                        q, k_pool, v_pool, shared, ki, shared_len, skip_first=skip, kernel=kernel, **codecs
                     )
-                    attn = merge_attention([attn, prefix])
+                    attn = merge_attention([attn, prefix] + ([sinks.attend(q)] if sinks is not None else []))
             else:
                 # Every position attends to keys/values as stored, the new ones included.
                 k, v = cache.decode(k_store, v_store, idx)
                 k_ctx, v_ctx = cache.read(read_table, idx)
-                if sinks is not None:
-                    k, v = sinks.apply_new(k, v, batch.start)
-                    k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)
+                if row_sinks is not None:
+                    k, v = row_sinks.apply_new(k, v, batch.start)
+                    k_ctx, v_ctx = row_sinks.apply_ctx(k_ctx, v_ctx)
                 attn = paged_attention_reference(
                     q,
                     k.astype(q.dtype),
@@ -192,7 +198,8 @@ def forward(
                 )
                 if shared_pages:
                     k_sh, v_sh = cache.read(shared[None], idx)
-                    attn = merge_attention([attn, shared_prefix_attention(q, k_sh[0], v_sh[0], shared_len)])
+                    prefix = shared_prefix_attention(q, k_sh[0, skip:], v_sh[0, skip:], shared_len - skip)
+                    attn = merge_attention([attn, prefix] + ([sinks.attend(q)] if sinks is not None else []))
             x = _mlp_block(x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo), lw, cfg)
             new_k.append(k_store)
             new_v.append(v_store)

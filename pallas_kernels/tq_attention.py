@@ -66,6 +66,16 @@ class Sinks:
         n = min(self.count, k.shape[1])
         return k.at[:, :n].set(self.k[:, :n].astype(k.dtype)), v.at[:, :n].set(self.v[:, :n].astype(v.dtype))
 
+    def attend(self, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Attention of queries [B, T, Hq, Dh] that all sit past the sinks over the stored
+        sinks alone, with its log-sum-exp for `merge_attention` (the sinks' part when the rest
+        of the context is read in other parts, as in shared-prefix attention)."""
+        b, t = q.shape[:2]
+        none = jnp.zeros((b, t, *self.k.shape[2:]), q.dtype)
+        count = jnp.full((b,), self.count, jnp.int32)
+        k, v = self.k.astype(q.dtype), self.v.astype(q.dtype)
+        return paged_attention_reference(q, none, none, k, v, count, count * 0, return_lse=True)
+
 
 def tq_paged_attention_reference(
     q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens (RoPE applied)
@@ -184,6 +194,7 @@ def tq_shared_prefix_attention(
     k_codec: TurboQuant,
     v_codec: TurboQuant,
     v_layer: jax.Array | int | None = None,
+    skip_first: int = 0,
     kernel: bool = False,
     pages_per_split: int = 16,
     interpret: bool | None = None,
@@ -195,10 +206,14 @@ def tq_shared_prefix_attention(
     queries. The kernel (`kernel`) holds a program's queries in registers, so there the
     (row, token) pairs go `rows_per_program` at a time (default: as many as make
     SHARED_QUERY_ROWS query rows with the group's heads) and the pages are read once per
-    such chunk. Returns the output and its log-sum-exp for `paged_attention.merge_attention`.
+    such chunk. Positions below `skip_first` are left out (sink tokens, which every row
+    reads unquantized from its own buffer). Returns the output and its log-sum-exp for
+    `paged_attention.merge_attention`.
     """
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
+    if not 0 <= skip_first <= length:
+        raise ValueError(f"skip_first must be in [0, length={length}], got {skip_first}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     n = b * t
@@ -211,13 +226,18 @@ def tq_shared_prefix_attention(
     table = jnp.broadcast_to(pages[None], (r, pages.shape[0]))
     args = (qs, none, none_v, k_pool, v_pool, table, layer, zero + length, zero)
     kernel_split = pages_per_split if kernel else None
-    out, lse = _checked_call(args, k_codec, v_codec, v_layer, None, pages_per_split, kernel_split, interpret, True)
+    out, lse = _checked_call(
+        args, k_codec, v_codec, v_layer, None, pages_per_split, kernel_split, interpret, True, skip_first
+    )
     return out.reshape(r * per, hq, dh)[:n].reshape(b, t, hq, dh), lse.reshape(r * per, hq)[:n].reshape(b, t, hq)
 
 
-def _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, kernel_split, interpret, return_lse=False):
+def _checked_call(
+    args, k_codec, v_codec, v_layer, sinks, pages_per_split, kernel_split, interpret, return_lse=False, skip_first=0
+):
     """Validates the public arguments and runs the jitted body; `kernel_split` None reads the
-    stored context with the jnp path instead of the kernel."""
+    stored context with the jnp path instead of the kernel; stored positions below
+    `skip_first` (or the sinks' count) are left out."""
     q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new = args
     _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
@@ -232,6 +252,7 @@ def _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, kerne
         pages_per_split=kernel_split,
         interpret=interpret,
         return_lse=return_lse,
+        skip_first=skip_first,
     )
 
 
@@ -262,7 +283,7 @@ def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new,
         raise ValueError(f"pages_per_split must be a positive int, got {pps!r}")
 
 
-_STATIC = ("k_codec", "v_codec", "pages_per_split", "interpret", "return_lse")
+_STATIC = ("k_codec", "v_codec", "pages_per_split", "interpret", "return_lse", "skip_first")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -283,6 +304,7 @@ def _tq_paged_attention(
     pages_per_split,
     interpret,
     return_lse=False,
+    skip_first=0,
 ):
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
@@ -298,7 +320,7 @@ def _tq_paged_attention(
     # Stored context: one query block per (row, KV head) holding its T x G queries.
     num_q = t * group
     q_blocks = jnp.moveaxis(q_rot, 2, 1).reshape(b, hkv, num_q, dh)
-    num_sinks = 0 if sinks is None else sinks.count
+    num_sinks = skip_first if sinks is None else sinks.count
     if pages_per_split is None:  # the jnp path: the whole context as one split
         acc, m, sums = _context_partials_jnp(
             q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks

@@ -293,6 +293,11 @@ class AsyncEngine:
                 "Decode calls that read their rows' common prefix pages once for the batch.",
                 lambda: eng.num_shared_prefix_steps,
             ),
+            (
+                "aither:sink_refills_total",
+                "Requests admitted on cached pages whose unquantized sink tokens were recomputed (-s<n> formats).",
+                lambda: eng.num_sink_refills,
+            ),
             ("vllm:spec_decode_num_drafts", "Speculative verify passes that carried drafts.", lambda: eng.num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", lambda: eng.num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda: eng.num_accepted_tokens),

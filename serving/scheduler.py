@@ -10,7 +10,10 @@ recomputed from its prompt and the tokens it already produced.
 With prefix caching a sequence starts from the longest run of cached pages of its tokens (and a
 copy of a cached partial page after it), and every page it fills is named and kept for later
 requests. A waiting sequence whose next page is being computed right now by a running one waits
-for it instead of computing it twice.
+for it instead of computing it twice. With sink tokens (KV formats ending in -s<n>) the first n
+keys/values also live unquantized in a per-slot buffer that cached pages do not carry, so a
+sequence admitted on cached pages comes with a sink refill: its first tokens, which the engine
+runs once more to fill that buffer.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ class StepPlan:
     prefill: list[tuple[Sequence, list[int]]]
     decode: list[tuple[Sequence, list[int]]]
     copies: list[tuple[int, int]]  # (source page, destination page)
+    # Sequences admitted on cached pages that cover sink positions, with the tokens whose
+    # sink keys/values their slot needs recomputed before they run (see `Scheduler`).
+    sink_refills: list[tuple[Sequence, list[int]]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -110,6 +116,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = False,
         max_pinned_fraction: float = MAX_PINNED_FRACTION,
+        sink_tokens: int = 0,
     ):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -118,6 +125,7 @@ class Scheduler:
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
         self.page_size = page_size
+        self.sink_tokens = sink_tokens
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunk = max_prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -204,9 +212,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self) -> list[tuple[int, int]]:
-        """Moves waiting sequences to running while slots and pages allow; returns page copies."""
-        copies = []
+    def _admit(self) -> tuple[list[tuple[int, int]], list[tuple[Sequence, list[int]]]]:
+        """Moves waiting sequences to running while slots and pages allow; returns page copies
+        and sink refills."""
+        copies, refills = [], []
         budget = self.num_free_pages
         deferred = []
         while self.waiting and self._free_slots:
@@ -242,8 +251,10 @@ class Scheduler:
             self._set_row(seq)
             self.running.append(seq)
             self._computing.update(names[len(cached) :])  # later arrivals in this pass wait for these
+            if self.sink_tokens and num_cached:
+                refills.append((seq, seq.token_slice(0, min(self.sink_tokens, num_cached))))
         self.waiting.extendleft(reversed(deferred))
-        return copies
+        return copies, refills
 
     def _lookup(self, seq: Sequence) -> tuple[list[int], list[bytes], tuple[int, int] | None]:
         """(cached full pages, names of the full pages of everything but the last token, a
@@ -289,7 +300,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Admits what fits and picks this step's rows: every decode, then prefill chunks."""
-        copies = self._admit()
+        copies, refills = self._admit()
         budget = self.max_num_batched_tokens
         decode, prefill = [], []
         for seq in [s for s in self.running if not s.prefilling]:
@@ -308,12 +319,13 @@ class Scheduler:
         # A preempted sequence may have been picked before a later one preempted it.
         decode = [(s, t) for s, t in decode if s.slot >= 0]
         prefill = [(s, t) for s, t in prefill if s.slot >= 0]
+        refills = [(s, t) for s, t in refills if s.slot >= 0]
         self._computing = set()
         if self.prefix_cache is not None:
             for s, _ in prefill:
                 rest = s.prompt_ids[len(s.names) * self.page_size :]
                 self._computing.update(hash_chain(s.salt, rest, self.page_size, s.names[-1] if s.names else None))
-        return StepPlan(prefill, decode, copies)
+        return StepPlan(prefill, decode, copies, refills)
 
     def copies_done(self, copies: list[tuple[int, int]]) -> None:
         """Drops the references that kept copy sources alive until the copies were made."""

@@ -218,6 +218,51 @@ def test_sink_tokens_are_read_unquantized(impl, t, ctx_lens, n):
     assert np.abs(out - plain).max() > 1e-2  # the sinks changed what was read
 
 
+@pytest.mark.parametrize("t", [1, 3])
+@both_impls
+def test_shared_pages_with_sinks_merge_three_parts(impl, t):
+    """With sink tokens, the shared part skips the sink positions (`skip_first`) and each
+    row's stored sinks are a third part (`Sinks.attend`): merged with the rows' own parts they
+    equal the reference reading whole tables with the sinks. Skipping nothing counts the
+    quantized copies of the sinks twice over and differs."""
+    page_size, shared, n = 8, 3, 4
+    args, codecs = make_case(k_bits=4, v_bits=3, page_size=page_size, ctx_lens=(24, 29, 45), t=t)
+    table = np.array(args[5])
+    table[:, :shared] = table[0, :shared]
+    ctx_lens, num_new = np.array([24, 29, 45], np.int32), np.full(3, t, np.int32)
+    q, k_new, v_new, k_pool, v_pool, _, layer = args[:7]
+    rng = np.random.default_rng(9)
+    stored = [jnp.asarray(rng.standard_normal((3, n, 3, 64)).astype(np.float32)) for _ in range(2)]
+    fresh = [jnp.asarray(rng.standard_normal((3, t, 3, 64)).astype(np.float32)) for _ in range(2)]
+    sinks = Sinks(*stored, *fresh)  # the new tokens sit past the sinks: `fresh` is never read
+    whole = (q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), layer, jnp.asarray(ctx_lens), jnp.asarray(num_new))
+    ref = np.asarray(tq_paged_attention_reference(*whole, **codecs, sinks=sinks))
+    own = IMPLS[impl](
+        *whole[:5],
+        jnp.asarray(table[:, shared:]),
+        layer,
+        jnp.asarray(ctx_lens - shared * page_size),
+        jnp.asarray(num_new),
+        **codecs,
+        pages_per_split=2,
+        return_lse=True,
+    )
+
+    def prefix(skip):
+        pages = jnp.asarray(table[0, :shared])
+        kernel = impl == "pallas"
+        return tq_shared_prefix_attention(
+            q, k_pool, v_pool, pages, layer, shared * page_size, skip_first=skip, kernel=kernel, **codecs
+        )
+
+    out = np.asarray(merge_attention([own, prefix(n), sinks.attend(q)]))
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+    doubled = np.asarray(merge_attention([own, prefix(0), sinks.attend(q)]))
+    assert np.abs(doubled - ref).max() > 1e-3
+    with pytest.raises(ValueError, match="skip_first"):
+        prefix(shared * page_size + 1)
+
+
 @pytest.mark.parametrize("k_bits, v_bits, t", [(4, 4, 1), (6, 4, 1), (3, 3, 16)])
 def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t):
     """Without a GPU, at least the Pallas -> Triton lowering must accept the kernel body

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 import aither_jax as aj
@@ -182,8 +183,41 @@ def test_seeded_sampling_is_the_same_with_caching_on_and_off(cached, plain):
     assert cached.engine.scheduler.num_prefix_hits - hits >= 4 * 3 * PAGE
 
 
-def test_kv_formats_with_sink_tokens_refuse_prefix_caching():
-    small = dict(dtype="float32", kv_cache_dtype="tq4-s4", max_model_len=64, num_pages=8, progress=False)
-    with pytest.raises(ValueError, match="sink tokens"):
-        aj.LLM(MODEL, enable_prefix_caching=True, **small)
-    assert aj.LLM(MODEL, enable_prefix_caching=None, **small).engine.scheduler.prefix_cache is None
+def test_sink_formats_refill_their_sinks_on_cached_pages(share_small_prefixes, monkeypatch):
+    """A -s<n> format keeps the first n keys/values unquantized per slot, which cached pages do
+    not carry: each admission on cached pages recomputes them (a sink refill), and every slot
+    then holds the sinks that a full prefill of the same first tokens stores. Shared-prefix
+    attention (sinks as a third part) on and off agree. Without the refills the slots admitted
+    on cached pages keep their NaN fill and the outputs change."""
+    kw = {**EXACT, "kv_cache_dtype": "tq4-s4", "num_pages": 64}
+    plain = aj.LLM(MODEL, enable_prefix_caching=False, **kw)
+    prompts = token_ids(plain, SHARED[:4])
+    generate(plain, prompts, GREEDY)
+
+    def sinks(llm: aj.LLM) -> np.ndarray:  # [slots, L, n, Hkv, Dh] float32 of the bf16 bits
+        bits = np.asarray(llm.engine.cache.sink_k).astype(np.uint32) << 16
+        return bits.view(np.float32)
+
+    expected = sinks(plain)
+    assert np.isfinite(expected).all() and np.abs(expected).max() > 0
+    cached = aj.LLM(MODEL, enable_prefix_caching=True, **kw)
+    eng = cached.engine
+    outs = []
+    for on in (True, False):
+        eng.shared_prefix_attention = on
+        refills, shared = eng.num_sink_refills, eng.num_shared_prefix_steps
+        outs.append([s.output_ids for s in generate(cached, prompts, GREEDY)])
+        assert eng.num_sink_refills - refills >= len(prompts) - 1
+        assert (
+            eng.num_shared_prefix_steps - shared >= GREEDY.max_tokens - 1
+            if on
+            else eng.num_shared_prefix_steps == shared
+        )
+        np.testing.assert_allclose(sinks(cached), expected, rtol=1e-2, atol=1e-2)
+    assert outs[0] == outs[1]
+    assert aj.LLM(MODEL, enable_prefix_caching=None, **kw).engine.scheduler.prefix_cache is not None
+
+    unfilled = aj.LLM(MODEL, enable_prefix_caching=True, **kw)
+    monkeypatch.setattr(unfilled.engine, "_refill_sinks", lambda rows: None)
+    assert [s.output_ids for s in generate(unfilled, prompts, GREEDY)] != outs[0]
+    assert not np.isfinite(sinks(unfilled)).all()

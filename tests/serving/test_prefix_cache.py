@@ -575,3 +575,30 @@ def test_adopting_the_last_idle_page_by_copy_does_not_run_out_of_pages():
     sched.add(follow_up)
     device.run_until_done()
     check_drained(sched, [first, busy, follow_up])
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 3, 6])
+def test_admission_on_cached_pages_comes_with_a_sink_refill(sink_tokens):
+    """With sink tokens a sequence admitted on cached pages (full ones, or a partial page by
+    copy) gets its first min(n, cached) tokens to recompute; one computed from scratch and
+    every sequence of a format without sinks get none."""
+    sched = make_scheduler(sink_tokens=sink_tokens)
+    device = FakeDevice(sched)
+    seqs = []
+    # (prompt computed first, prompt admitted on its pages, tokens found cached)
+    for done, later, cached in (
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 9, 70], 8),
+        ([5, 6], [5, 6, 80], 2),
+    ):
+        first = make_seq(done, max_tokens=1)
+        sched.add(first)
+        assert device.step().sink_refills == []
+        device.run_until_done()
+        seq = make_seq(later)
+        sched.add(seq)
+        plan = device.step()
+        assert seq.num_cached_prompt == cached
+        assert plan.sink_refills == ([(seq, later[: min(sink_tokens, cached)])] if sink_tokens else [])
+        device.run_until_done()
+        seqs += [first, seq]
+    check_drained(sched, seqs)
