@@ -45,6 +45,7 @@ def capacity_rows(cfg: ModelConfig, specs: list[KVSpec], memory_bytes: int) -> l
             {
                 "kv_cache_dtype": spec.name,
                 "bytes_per_token": per_token,
+                "bytes_per_sequence": spec.bytes_per_sequence(cfg),  # sink tokens, per slot
                 "compression_vs_bf16": round(bf16 / per_token, 3),
                 "tokens_in_budget": memory_bytes // per_token,
                 "budget_bytes": memory_bytes,
@@ -378,11 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         f"budget {args.memory_gib:g} GiB"
     )
     w = max(16, *(len(r["kv_cache_dtype"]) for r in rows))
-    print(f"{'kv_cache_dtype':<{w}} {'bytes/token':>12} {'vs bf16':>8} {'tokens in budget':>17}")
+    print(f"{'kv_cache_dtype':<{w}} {'bytes/token':>12} {'vs bf16':>8} {'tokens in budget':>17} {'bytes/sequence':>15}")
     for r in rows:
         print(
             f"{r['kv_cache_dtype']:<{w}} {r['bytes_per_token']:>12,} {r['compression_vs_bf16']:>7.2f}x "
-            f"{r['tokens_in_budget']:>17,}"
+            f"{r['tokens_in_budget']:>17,} {r['bytes_per_sequence']:>15,}"
         )
     return 0
 

@@ -104,6 +104,10 @@ class KVSpec:
             total += sum(self.vector_bytes(cfg.head_dim, side, b) for b in self.layer_bits(side, cfg.num_layers))
         return total * cfg.num_kv_heads
 
+    def bytes_per_sequence(self, cfg: ModelConfig) -> int:
+        """Fixed bytes per sequence slot: the sink tokens' bf16 keys and values."""
+        return self.sink_tokens * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 2
+
 
 def parse_kv_spec(name: str) -> KVSpec:
     """Parses a `--kv-cache-dtype` name. Raises ValueError listing the accepted forms."""

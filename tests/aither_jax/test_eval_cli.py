@@ -11,11 +11,15 @@ from aither_jax import eval as aj_eval
 
 
 def test_capacity_json_rows(capsys):
-    assert aj_eval.main(["capacity", "--kv-cache-dtype", "bf16", "tq4", "tq-k6v4", "--memory-gib", "2", "--json"]) == 0
+    argv = ["capacity", "--kv-cache-dtype", "bf16", "tq4", "tq-k6v4", "tq4-s2", "--memory-gib", "2", "--json"]
+    assert aj_eval.main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
-    assert [r["kv_cache_dtype"] for r in rows] == ["bf16", "tq4", "tq-k6v4"]
+    assert [r["kv_cache_dtype"] for r in rows] == ["bf16", "tq4", "tq-k6v4", "tq4-s2"]
     by = {r["kv_cache_dtype"]: r for r in rows}
     assert by["bf16"]["bytes_per_token"] == 23040 and by["tq4"]["bytes_per_token"] == 6120
+    # Sinks are a fixed cost per sequence: n tokens of bf16 keys and values, 23,040 B each here.
+    assert by["tq4-s2"]["bytes_per_token"] == 6120 and by["tq4-s2"]["bytes_per_sequence"] == 2 * 23040
+    assert by["tq4"]["bytes_per_sequence"] == by["bf16"]["bytes_per_sequence"] == 0
     assert by["tq4"]["compression_vs_bf16"] == pytest.approx(23040 / 6120, abs=1e-3)
     assert by["tq4"]["tokens_in_budget"] == (2 << 30) // 6120
 
@@ -155,7 +159,8 @@ def test_auto_is_the_models_measured_default(capsys):
     assert aj_eval.main(["capacity", "--kv-cache-dtype", "auto", "--json"]) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert row["kv_cache_dtype"] == SMOLLM2_KV == default_kv_cache_dtype("smollm2-135m")
-    assert row["bytes_per_token"] == 7944 and row["compression_vs_bf16"] == pytest.approx(2.900, abs=1e-3)
+    assert row["bytes_per_token"] == 7680 and row["compression_vs_bf16"] == pytest.approx(3.000, abs=1e-3)
+    assert row["bytes_per_sequence"] == 2 * 23040  # two sink tokens
     assert default_kv_cache_dtype("/some/other/model.gguf") == "bf16"
 
 
