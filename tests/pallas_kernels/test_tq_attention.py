@@ -120,6 +120,15 @@ def test_padding_row_gives_zeros_and_layer_index_selects_the_layer(impl):
     assert np.abs(other_layer[0] - out[0]).max() > 1e-3
 
 
+def past_shared_pages(impl, whole, codecs, shared_len):
+    """Each row's attention over its pages past the first `shared_len` positions of its table
+    (page aligned) and its new tokens, with the log-sum-exp, from the reference's arguments."""
+    q, k_new, v_new, k_pool, v_pool, table, layer, ctx_lens, num_new = whole
+    page_size = k_pool["codes"].shape[2]
+    rest = (table[:, shared_len // page_size :], layer, ctx_lens - shared_len, num_new)
+    return IMPLS[impl](q, k_new, v_new, k_pool, v_pool, *rest, **codecs, pages_per_split=2, return_lse=True)
+
+
 @pytest.mark.parametrize("t, rows_per_program", [(1, None), (3, None), (3, 5)])
 @both_impls
 def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t, rows_per_program):
@@ -137,16 +146,7 @@ def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t, row
     q, k_new, v_new, k_pool, v_pool, _, layer = args[:7]
     whole = (q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), layer, jnp.asarray(ctx_lens), jnp.asarray(num_new))
     ref = np.asarray(tq_paged_attention_reference(*whole, **codecs))
-    own = IMPLS[impl](
-        *whole[:5],
-        jnp.asarray(table[:, shared:]),
-        layer,
-        jnp.asarray(ctx_lens - shared * page_size),
-        jnp.asarray(num_new),
-        **codecs,
-        pages_per_split=2,
-        return_lse=True,
-    )
+    own = past_shared_pages(impl, whole, codecs, shared * page_size)
     prefix = tq_shared_prefix_attention(
         q,
         k_pool,
@@ -237,16 +237,7 @@ def test_shared_pages_with_sinks_merge_three_parts(impl, t):
     sinks = Sinks(*stored, *fresh)  # the new tokens sit past the sinks: `fresh` is never read
     whole = (q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), layer, jnp.asarray(ctx_lens), jnp.asarray(num_new))
     ref = np.asarray(tq_paged_attention_reference(*whole, **codecs, sinks=sinks))
-    own = IMPLS[impl](
-        *whole[:5],
-        jnp.asarray(table[:, shared:]),
-        layer,
-        jnp.asarray(ctx_lens - shared * page_size),
-        jnp.asarray(num_new),
-        **codecs,
-        pages_per_split=2,
-        return_lse=True,
-    )
+    own = past_shared_pages(impl, whole, codecs, shared * page_size)
 
     def prefix(skip):
         pages = jnp.asarray(table[0, :shared])
