@@ -23,7 +23,7 @@ from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_prop
 from aither_jax.steps import CompileCounter, copy_pages, model_step, refill_sinks, verify_step, write_step
 from models.config import ModelConfig
 from models.kv_cache import init_cache
-from models.kv_spec import parse_kv_spec
+from models.kv_spec import MAX_SINK_TOKENS, parse_kv_spec
 from models.kv_transform import load_key_transforms
 from models.llama import ATTENTION_IMPLS, StepBatch
 from models.tokenizer import Tokenizer
@@ -382,8 +382,7 @@ class Engine:
     def _refill_sinks(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         """Fills the sink buffers of slots admitted on cached pages (`steps.refill_sinks`)."""
         num_rows = bucket(len(rows), 1, self.max_num_seqs)
-        num_tokens = max(MIN_TOKEN_BUCKET, 1 << (self.cache.num_sinks - 1).bit_length())
-        tokens = np.zeros((num_rows, num_tokens), np.int32)
+        tokens = np.zeros((num_rows, bucket(self.cache.num_sinks, MIN_TOKEN_BUCKET, MAX_SINK_TOKENS)), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: writes dropped
         num_new = np.zeros(num_rows, np.int32)
         for i, (s, toks) in enumerate(rows):

@@ -178,7 +178,6 @@ def forward(
                     prefix = tq_shared_prefix_attention(
                         q, k_pool, v_pool, shared, ki, shared_len, skip_first=skip, kernel=kernel, **codecs
                     )
-                    attn = merge_attention([attn, prefix] + ([sinks.attend(q)] if sinks is not None else []))
             else:
                 # Every position attends to keys/values as stored, the new ones included.
                 k, v = cache.decode(k_store, v_store, idx)
@@ -199,7 +198,8 @@ def forward(
                 if shared_pages:
                     k_sh, v_sh = cache.read(shared[None], idx)
                     prefix = shared_prefix_attention(q, k_sh[0, skip:], v_sh[0, skip:], shared_len - skip)
-                    attn = merge_attention([attn, prefix] + ([sinks.attend(q)] if sinks is not None else []))
+            if shared_pages:
+                attn = merge_attention([attn, prefix] + ([sinks.attend(q)] if sinks is not None else []))
             x = _mlp_block(x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo), lw, cfg)
             new_k.append(k_store)
             new_v.append(v_store)
