@@ -39,20 +39,29 @@ def few_query_rows(num_rows: int, context: int) -> bool:
     return num_rows <= FEW_QUERY_ROWS and context >= LONG_CONTEXT and jax.default_backend() == "cpu"
 
 
-def context_scores(q: jax.Array, k: jax.Array, precision=None) -> jax.Array:
-    """q [B, H, Q, Dh] . k [B, S, H, Dh] -> [B, H, Q, S] float32."""
-    if few_query_rows(q.shape[2], k.shape[1]):
-        prod = q.astype(jnp.float32)[:, None] * k.astype(jnp.float32)[:, :, :, None]  # [B, S, H, Q, Dh]
+def context_scores(q: jax.Array, k: jax.Array, precision=None, *, heads_first: bool = False) -> jax.Array:
+    """q [B, H, Q, Dh] . k [B, S, H, Dh] (or [B, H, S, Dh] with `heads_first`) -> [B, H, Q, S] float32."""
+    if few_query_rows(q.shape[2], k.shape[2 if heads_first else 1]):
+        kf = k.astype(jnp.float32)
+        if heads_first:
+            return jnp.sum(q.astype(jnp.float32)[:, :, :, None] * kf[:, :, None], axis=-1)
+        prod = q.astype(jnp.float32)[:, None] * kf[:, :, :, None]  # [B, S, H, Q, Dh]
         return jnp.moveaxis(jnp.sum(prod, axis=-1), 1, -1)
-    return jnp.einsum("bhqd,bshd->bhqs", q, k, preferred_element_type=jnp.float32, precision=precision)
+    spec = "bhqd,bhsd->bhqs" if heads_first else "bhqd,bshd->bhqs"
+    return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32, precision=precision)
 
 
-def context_sum(p: jax.Array, v: jax.Array, precision=None) -> jax.Array:
-    """Weights p [B, H, Q, S] times values v [B, S, H, Dh] summed over S -> [B, H, Q, Dh] float32."""
-    if few_query_rows(p.shape[2], v.shape[1]):
-        prod = jnp.moveaxis(p.astype(jnp.float32), -1, 1)[..., None] * v.astype(jnp.float32)[:, :, :, None]
+def context_sum(p: jax.Array, v: jax.Array, precision=None, *, heads_first: bool = False) -> jax.Array:
+    """Weights p [B, H, Q, S] times values v [B, S, H, Dh] (or [B, H, S, Dh] with
+    `heads_first`) summed over S -> [B, H, Q, Dh] float32."""
+    if few_query_rows(p.shape[2], v.shape[2 if heads_first else 1]):
+        vf = v.astype(jnp.float32)
+        if heads_first:
+            return jnp.sum(p.astype(jnp.float32)[..., None] * vf[:, :, None], axis=3)
+        prod = jnp.moveaxis(p.astype(jnp.float32), -1, 1)[..., None] * vf[:, :, :, None]
         return jnp.sum(prod, axis=1)  # [B, S, H, Q, Dh] -> [B, H, Q, Dh]
-    return jnp.einsum("bhqs,bshd->bhqd", p, v, preferred_element_type=jnp.float32, precision=precision)
+    spec = "bhqs,bhsd->bhqd" if heads_first else "bhqs,bshd->bhqd"
+    return jnp.einsum(spec, p, v, preferred_element_type=jnp.float32, precision=precision)
 
 
 def paged_attention_reference(

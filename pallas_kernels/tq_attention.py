@@ -368,18 +368,19 @@ def _tq_paged_attention(
         parts.append((m_sink[:, :, None], jnp.sum(p_sink, axis=-1)[:, :, None], acc_sink[:, :, None]))
 
     # Merge the splits, the new tokens' part and the sinks, normalize, rotate back once.
-    m_all = jnp.concatenate([p[0] for p in parts], axis=2)  # [B, Hkv, parts, T, G]
-    sums_all = jnp.concatenate([p[1] for p in parts], axis=2)
-    acc_all = jnp.concatenate([p[2] for p in parts], axis=2)
-    m_max = jnp.max(m_all, axis=2, keepdims=True)
-    w = jnp.exp(m_all - m_max)
-    denom = jnp.sum(w * sums_all, axis=2)  # [B, Hkv, T, G]
-    out_rot = jnp.sum(w[..., None] * acc_all, axis=2) / jnp.maximum(denom, 1e-30)[..., None]
+    # Elementwise over the few parts (not a reduction over a stacked axis): XLA's CPU backend
+    # hands small reductions to a library call that costs more than the attention around it.
+    pieces = [(x[:, :, i], s[:, :, i], a[:, :, i]) for x, s, a in parts for i in range(x.shape[2])]
+    m_max = functools.reduce(jnp.maximum, [x for x, _, _ in pieces])  # [B, Hkv, T, G]
+    w = [jnp.exp(x - m_max) for x, _, _ in pieces]
+    denom = sum(wi * s for wi, (_, s, _) in zip(w, pieces, strict=True))
+    out_rot = sum(wi[..., None] * a for wi, (_, _, a) in zip(w, pieces, strict=True))
+    out_rot = out_rot / jnp.maximum(denom, 1e-30)[..., None]
     out = jnp.einsum("bhtgd,de->bthge", out_rot, rv, precision=hi)  # [B, T, Hkv, G, Dh]
     out = out.reshape(b, t, hq, dh).astype(q.dtype)
     if not return_lse:
         return out
-    lse = m_max[:, :, 0] + jnp.log(jnp.maximum(denom, 1e-30))  # [B, Hkv, T, G]
+    lse = m_max + jnp.log(jnp.maximum(denom, 1e-30))  # [B, Hkv, T, G]
     return out, jnp.moveaxis(lse, 2, 1).reshape(b, t, hq)
 
 
@@ -396,23 +397,25 @@ def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_co
     b, num_pages = table.shape
     hi = jax.lax.Precision.HIGHEST
 
-    def gather(pool, index, codec):  # -> rotated-domain unit vectors [B, C, Hkv, Dh], norms [B, Hkv, C]
-        codes = pool["codes"][table, index]  # [B, NP, S, Hkv, bytes]
-        codes = codes.reshape(b, num_pages * codes.shape[2], *codes.shape[3:])
-        norms = pool["norms"][table, index].reshape(codes.shape[:3]).astype(jnp.float32)
-        return jnp.asarray(codec.centroids)[unpack_bits(codes, codec.bits, codec.head_dim)], jnp.moveaxis(norms, 1, 2)
+    def gather(pool, index, codec):  # -> rotated-domain unit vectors [B, Hkv, C, Dh], norms [B, Hkv, C]
+        # Heads go in front while still packed (a few bytes per vector), so the codebook
+        # values come out in the layout the products read: no copy of them is transposed.
+        codes = jnp.moveaxis(pool["codes"][table, index], 3, 1)  # [B, Hkv, NP, S, bytes]
+        codes = codes.reshape(b, codes.shape[1], -1, codes.shape[4])
+        norms = jnp.moveaxis(pool["norms"][table, index], 3, 1).reshape(codes.shape[:3]).astype(jnp.float32)
+        return jnp.asarray(codec.centroids)[unpack_bits(codes, codec.bits, codec.head_dim)], norms
 
     k_vals, k_norms = gather(k_pool, layer[0], k_codec)
-    pos = jnp.arange(k_vals.shape[1], dtype=jnp.int32)
+    pos = jnp.arange(k_vals.shape[2], dtype=jnp.int32)
     valid = ((pos >= num_sinks)[None, :] & (pos[None, :] < ctx_lens[:, None]))[:, None, None, :]  # [B, 1, 1, C]
-    scores = context_scores(q_blocks, k_vals, hi) * k_norms[:, :, None]
+    scores = context_scores(q_blocks, k_vals, hi, heads_first=True) * k_norms[:, :, None]
     # Replace (not add): garbage in unused pages may be NaN.
     scores = jnp.where(valid, scores, MASK_VALUE)
     m = jnp.max(scores, axis=-1)
     p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
     v_vals, v_norms = gather(v_pool, layer[1], v_codec)
     weights = p * jnp.where(valid, v_norms[:, :, None], 0.0)
-    acc = context_sum(weights, v_vals, hi)
+    acc = context_sum(weights, v_vals, hi, heads_first=True)
     return acc[:, :, None], m[:, :, None], jnp.sum(p, axis=-1)[:, :, None]
 
 

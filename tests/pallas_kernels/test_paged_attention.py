@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,18 +103,20 @@ def test_reference_matches_dense(page_size, ctx_lens, num_new):
         np.testing.assert_allclose(out[r, :n], ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("context", [40, LONG_CONTEXT])
 @pytest.mark.parametrize("rows", [1, 3, FEW_QUERY_ROWS, FEW_QUERY_ROWS + 1, 24])
-def test_context_products_match_numpy(rows, context):
+def test_context_products_match_numpy(rows, context, heads_first):
     """Both forms of the context products (multiply-reduce for few query rows over a long
-    context on CPU, matmul otherwise) against float64 numpy."""
+    context on CPU, matmul otherwise), in both context layouts, against float64 numpy."""
     rng = np.random.default_rng(rows)
     q = rng.standard_normal((2, 3, rows, 16)).astype(np.float32)
     k = rng.standard_normal((2, context, 3, 16)).astype(np.float32)
     p = rng.random((2, 3, rows, context)).astype(np.float32)
     hi = jax.lax.Precision.HIGHEST
-    scores = np.asarray(jax.jit(context_scores, static_argnums=2)(q, k, hi))
-    summed = np.asarray(jax.jit(context_sum, static_argnums=2)(p, k, hi))
+    kk = np.ascontiguousarray(np.swapaxes(k, 1, 2)) if heads_first else k
+    scores = np.asarray(jax.jit(partial(context_scores, heads_first=heads_first), static_argnums=2)(q, kk, hi))
+    summed = np.asarray(jax.jit(partial(context_sum, heads_first=heads_first), static_argnums=2)(p, kk, hi))
     np.testing.assert_allclose(scores, np.einsum("bhqd,bshd->bhqs", q.astype(np.float64), k), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(summed, np.einsum("bhqs,bshd->bhqd", p.astype(np.float64), k), rtol=1e-5, atol=1e-5)
 
