@@ -10,6 +10,8 @@ never reach the output, even multiplied by a zero weight.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -143,8 +145,10 @@ def merge_attention(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
     """Combines attention outputs [B, T, Hq, Dh] over disjoint sets of keys, each with its
     log-sum-exp [B, T, Hq], into the attention over their union. A part that saw no valid key
     (log-sum-exp near MASK_VALUE) gets weight zero."""
-    lse = jnp.stack([p[1] for p in parts])  # [N, B, T, Hq]
-    w = jnp.exp(lse - jnp.max(lse, axis=0))
-    w = w / jnp.sum(w, axis=0)
-    out = sum(w[i][..., None] * parts[i][0].astype(jnp.float32) for i in range(len(parts)))
+    # Elementwise over the parts rather than reductions over a stacked axis, which XLA's CPU
+    # backend runs as library calls costing more than the attention they merge.
+    top = functools.reduce(jnp.maximum, [lse for _, lse in parts])  # [B, T, Hq]
+    w = [jnp.exp(lse - top) for _, lse in parts]
+    total = sum(w)
+    out = sum((wi / total)[..., None] * o.astype(jnp.float32) for wi, (o, _) in zip(w, parts, strict=True))
     return out.astype(parts[0][0].dtype)
