@@ -10,7 +10,6 @@ to a bucket (powers of two) of rows, tokens per row and pages read.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -28,7 +27,7 @@ from models.kv_transform import load_key_transforms
 from models.llama import ATTENTION_IMPLS, StepBatch
 from models.tokenizer import Tokenizer
 from models.weights import ModelWeights
-from serving.scheduler import Scheduler, Sequence
+from serving.scheduler import Scheduler, Sequence, bucket
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +38,6 @@ MIN_PAGE_BUCKET = 8
 # of SHARED_PAGE_STEP to bound the number of compiled step shapes.
 MIN_SHARED_PAGES = 32
 SHARED_PAGE_STEP = 16
-
-
-def bucket(n: int, minimum: int, maximum: int) -> int:
-    """Smallest power of two >= n, clamped to [minimum, maximum]."""
-    return max(minimum, min(maximum, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
 class Engine:
@@ -124,6 +118,7 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
             max_pinned_fraction=max_pinned_fraction,
             sink_tokens=self.cache.num_sinks,
+            min_token_bucket=MIN_TOKEN_BUCKET,
         )
         self.speculative = SpeculativeConfig.parse(speculative)
         self.drafter: DFlashProposer | None = None

@@ -3,6 +3,9 @@
 Sequences wait in arrival order and are admitted while a cache slot is free and the pages for
 their uncomputed prompt fit. Each step runs every decoding sequence (one token each) and then
 prefill chunks of the others within a token budget (chunked prefill interleaved with decode).
+The prefill call pads its rows to power-of-two buckets of rows and tokens, and that padded
+size is held within the budget too: five 50-token prompts would make an 8 x 64 call that
+costs twice a 4 x 64 one, so the fifth waits for the next step.
 Pages are taken as tokens need them; when none are left the newest running sequence is
 preempted: its pages go back (the full ones stay in the prefix cache) and it waits to be
 recomputed from its prompt and the tokens it already produced.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -33,6 +37,11 @@ if TYPE_CHECKING:  # aither_jax's engine imports this module
     from aither_jax.sampling import SamplingParams
 
 MAX_PINNED_FRACTION = 0.5
+
+
+def bucket(n: int, minimum: int, maximum: int) -> int:
+    """Smallest power of two >= n, clamped to [minimum, maximum]."""
+    return max(minimum, min(maximum, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,6 +126,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         max_pinned_fraction: float = MAX_PINNED_FRACTION,
         sink_tokens: int = 0,
+        min_token_bucket: int = 1,
     ):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -129,6 +139,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunk = max_prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.min_token_bucket = min_token_bucket
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = (
             PrefixCache(self.allocator, page_size, max_pinned_pages=int(max_pinned_fraction * (num_pages - 1)))
@@ -309,13 +320,20 @@ class Scheduler:
             if seq in self.running and self._grow(seq, seq.num_cached + 1 + extra):
                 decode.append((seq, seq.token_slice(seq.num_cached, seq.num_tokens)))
                 budget -= 1 + extra
+        longest = 0  # the widest prefill chunk so far: the call pads every row to its bucket
         for seq in [s for s in self.running if s.prefilling]:
             n = min(seq.num_pending, self.max_prefill_chunk, budget)
+            if prefill:  # a further row must keep the padded call (rows x width) within the budget
+                width = self._row_width(len(prefill) + 1)
+                if width < self._token_bucket(longest):
+                    break
+                n = min(n, width)
             if n <= 0:
                 break
             if seq in self.running and self._grow(seq, seq.num_cached + n):
                 prefill.append((seq, seq.token_slice(seq.num_cached, seq.num_cached + n)))
                 budget -= n
+                longest = max(longest, n)
         # A preempted sequence may have been picked before a later one preempted it.
         decode = [(s, t) for s, t in decode if s.slot >= 0]
         prefill = [(s, t) for s, t in prefill if s.slot >= 0]
@@ -326,6 +344,17 @@ class Scheduler:
                 rest = s.prompt_ids[len(s.names) * self.page_size :]
                 self._computing.update(hash_chain(s.salt, rest, self.page_size, s.names[-1] if s.names else None))
         return StepPlan(prefill, decode, copies, refills)
+
+    def _token_bucket(self, num_tokens: int) -> int:
+        """The width the engine pads a prefill call's rows to (its token bucket)."""
+        return bucket(num_tokens, self.min_token_bucket, self.max_prefill_chunk)
+
+    def _row_width(self, num_rows: int) -> int:
+        """The widest token bucket a prefill call of `num_rows` rows may have: the padded call
+        (row bucket x token bucket) stays within max_num_batched_tokens. 0 if none fits."""
+        per_row = self.max_num_batched_tokens // bucket(num_rows, 1, self.max_num_seqs)
+        width = 1 << (per_row.bit_length() - 1) if per_row else 0
+        return width if width >= self.min_token_bucket else 0
 
     def copies_done(self, copies: list[tuple[int, int]]) -> None:
         """Drops the references that kept copy sources alive until the copies were made."""

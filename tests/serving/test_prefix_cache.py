@@ -17,7 +17,7 @@ from aither_jax.sampling import SamplingParams
 from models.kv_cache import NULL_PAGE
 from serving.page_allocator import PageAllocator
 from serving.prefix_cache import PrefixCache, hash_chain, page_hash, tenant_salt
-from serving.scheduler import Scheduler, Sequence, StepPlan
+from serving.scheduler import Scheduler, Sequence, StepPlan, bucket
 
 PAGE = 4
 SECRET = b"test-secret"
@@ -356,12 +356,48 @@ def test_rows_respect_the_token_budget_and_decodes_go_first(batched, chunk, cach
         plan = sched.schedule()
         scheduled = {s for s, _ in plan.decode + plan.prefill}
         assert sum(len(t) for _, t in plan.decode + plan.prefill) <= batched
+        if len(plan.prefill) > 1:  # the padded prefill call fits the budget as well
+            width = bucket(max(len(t) for _, t in plan.prefill), 1, chunk)
+            assert bucket(len(plan.prefill), 1, sched.max_num_seqs) * width <= batched
         assert all(len(t) == 1 and not s.prefilling for s, t in plan.decode)
         assert all(1 <= len(t) <= min(chunk, s.num_pending) for s, t in plan.prefill)
         assert all(s.prefilling for s in sched.running if s not in scheduled)  # no decode is left out
         device.run(plan)
     assert sched.num_preemptions == 0
     check_drained(sched, seqs)
+
+
+@pytest.mark.parametrize("min_token_bucket", [1, 4])
+def test_prefill_rows_are_chosen_so_the_padded_call_fits_the_budget(min_token_bucket):
+    # Five 5-token prompts, 32 tokens a step: five rows would pad to 8 x 8 = 64 slots, so a
+    # step takes four (4 x 8 = 32); the fifth starts in the next one.
+    sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=32, num_pages=64, min_token_bucket=min_token_bucket)
+    device = FakeDevice(sched)
+    seqs = [make_seq([i + 1] * 5, max_tokens=2) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()
+    assert [s for s, _ in plan.prefill] == seqs[:4] and all(len(t) == 5 for _, t in plan.prefill)
+    device.run(plan)
+    plan = sched.schedule()
+    assert [s for s, _ in plan.prefill] == seqs[4:] and len(plan.decode) == 4
+    device.run(plan)
+    device.run_until_done()
+    check_drained(sched, seqs)
+
+
+def test_a_later_prefill_row_takes_a_shorter_chunk_to_fit_the_padded_budget():
+    sched = make_scheduler(max_num_seqs=8, max_prefill_chunk=32, max_num_batched_tokens=32, num_pages=64)
+    device = FakeDevice(sched)
+    short, long = make_seq([7, 8, 9], max_tokens=2), make_seq([(5 * i) % 47 + 1 for i in range(40)], max_tokens=2)
+    sched.add(short)
+    sched.add(long)
+    plan = sched.schedule()
+    # 29 tokens of the long prompt would fit the 32-token budget but pad the call to 2 x 32.
+    assert [(s, len(t)) for s, t in plan.prefill] == [(short, 3), (long, 16)]
+    device.run(plan)
+    device.run_until_done()
+    check_drained(sched, [short, long])
 
 
 @pytest.mark.parametrize("length", [5, 8, 9, 12, 13, 17])
