@@ -85,7 +85,8 @@ class LLM:
         page_size: tokens per KV page.
         max_prefill_chunk: longest prefill chunk per call.
         max_num_batched_tokens: tokens per step over all sequences (decode rows count one
-            each, prefill chunks share the rest); default max(max_prefill_chunk, max_num_seqs).
+            each, prefill chunks share the rest; the prefill call padded to its row and token
+            buckets stays within it too); default max(max_prefill_chunk, max_num_seqs).
         enable_prefix_caching: keep computed pages named by their tokens and start later
             prompts from the longest cached prefix (off by default here; None: on, which the
             server uses).
