@@ -320,12 +320,11 @@ class Scheduler:
             if seq in self.running and self._grow(seq, seq.num_cached + 1 + extra):
                 decode.append((seq, seq.token_slice(seq.num_cached, seq.num_tokens)))
                 budget -= 1 + extra
-        longest = 0  # the widest prefill chunk so far: the call pads every row to its bucket
         for seq in [s for s in self.running if s.prefilling]:
             n = min(seq.num_pending, self.max_prefill_chunk, budget)
             if prefill:  # a further row must keep the padded call (rows x width) within the budget
                 width = self._row_width(len(prefill) + 1)
-                if width < self._token_bucket(longest):
+                if width < self._token_bucket(max(len(t) for _, t in prefill)):
                     break
                 n = min(n, width)
             if n <= 0:
@@ -333,7 +332,6 @@ class Scheduler:
             if seq in self.running and self._grow(seq, seq.num_cached + n):
                 prefill.append((seq, seq.token_slice(seq.num_cached, seq.num_cached + n)))
                 budget -= n
-                longest = max(longest, n)
         # A preempted sequence may have been picked before a later one preempted it.
         decode = [(s, t) for s, t in decode if s.slot >= 0]
         prefill = [(s, t) for s, t in prefill if s.slot >= 0]
@@ -350,11 +348,11 @@ class Scheduler:
         return bucket(num_tokens, self.min_token_bucket, self.max_prefill_chunk)
 
     def _row_width(self, num_rows: int) -> int:
-        """The widest token bucket a prefill call of `num_rows` rows may have: the padded call
-        (row bucket x token bucket) stays within max_num_batched_tokens. 0 if none fits."""
+        """The widest power-of-two token bucket a prefill call of `num_rows` rows may have: the
+        padded call (row bucket x token bucket) stays within max_num_batched_tokens, which is at
+        least max_num_seqs, so this is at least 1."""
         per_row = self.max_num_batched_tokens // bucket(num_rows, 1, self.max_num_seqs)
-        width = 1 << (per_row.bit_length() - 1) if per_row else 0
-        return width if width >= self.min_token_bucket else 0
+        return 1 << (per_row.bit_length() - 1)
 
     def copies_done(self, copies: list[tuple[int, int]]) -> None:
         """Drops the references that kept copy sources alive until the copies were made."""
