@@ -385,7 +385,7 @@ class Engine:
         self._note_shape("sinks", tokens.shape, warmed=False)
         batch = StepBatch(slots, np.zeros(num_rows, np.int32), num_new)
         self.cache = refill_sinks(
-            self.weights, self.cache, tokens, batch, cfg=self.cfg, num_pages=MIN_PAGE_BUCKET, attention=self.attention
+            self.weights, self.cache, tokens, batch, cfg=self.cfg, num_pages=0, attention=self.attention
         )
         self.num_sink_refills += len(rows)
 
@@ -433,6 +433,8 @@ class Engine:
         shared = self._shared_pages(rows) if share_prefix and num_tokens == 1 else 0
         end = max(s.num_cached + len(toks) for s, toks in rows)
         num_pages = bucket(self.scheduler.pages_needed(end) - shared, MIN_PAGE_BUCKET, self.max_pages_per_seq)
+        if num_tokens > 1 and all(s.num_cached == 0 for s, _ in rows):
+            num_pages = 0  # fresh prompts: nothing stored yet, so attention reads no pages
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)

@@ -121,9 +121,9 @@ def refill_sinks(
     """Recomputes the sink keys/values of slots whose first tokens sit in prefix-cache pages.
 
     A sink position's key and value depend only on the tokens up to it, so the rows run from
-    position 0 as a prefill would (the same `forward`), but with every block-table entry on
-    the null page: nothing is read from the pages and no page is written, since the shared
-    pages are read-only. Only the slots' sink buffers change.
+    position 0 as a prefill would (the same `forward`, no pages read: `num_pages` 0), with
+    every block-table entry on the null page, so no page is written either: the shared pages
+    are read-only. Only the slots' sink buffers change.
     """
     view = cache.replace(block_tables=jnp.full_like(cache.block_tables, NULL_PAGE))
     _, update, _ = forward(

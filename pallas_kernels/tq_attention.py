@@ -321,7 +321,10 @@ def _tq_paged_attention(
     num_q = t * group
     q_blocks = jnp.moveaxis(q_rot, 2, 1).reshape(b, hkv, num_q, dh)
     num_sinks = skip_first if sinks is None else sinks.count
-    if pages_per_split is None:  # the jnp path: the whole context as one split
+    if block_table.shape[1] == 0:  # nothing stored (a fresh prompt's first chunk): no context part
+        acc = jnp.zeros((b, hkv, 0, num_q, dh), jnp.float32)
+        m = sums = jnp.zeros((b, hkv, 0, num_q), jnp.float32)
+    elif pages_per_split is None:  # the jnp path: the whole context as one split
         acc, m, sums = _context_partials_jnp(
             q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks
         )

@@ -57,6 +57,18 @@ def test_long_sequence_spans_many_pages_and_matches_scoring(llm_f32):
     np.testing.assert_array_equal(logits[n - 1 :].argmax(-1), out.token_ids)
 
 
+def test_first_prefill_chunk_reads_no_pages_and_later_chunks_do(llm_f32):
+    """A prompt's first chunk has nothing stored to attend to, so its call reads no pages; the
+    next chunks read the pages the first ones wrote. (That the outputs stay right is the HF
+    parity tests' job: they score prompts through the same chunked path.)"""
+    engine = llm_f32.engine
+    engine._seen_shapes.clear()
+    llm_f32.generate([PROMPTS[-1]], GREEDY)  # spans several 64-token chunks
+    prefill = [key[1:] for key in engine._seen_shapes if key[0] == "decode" and key[2] > 1]
+    pages = {num_pages for _rows, _tokens, num_pages, *_ in prefill}
+    assert 0 in pages and max(pages) >= 8, prefill
+
+
 def test_pages_and_slots_return_after_requests_and_reuse_gives_same_output(llm_f32):
     engine = llm_f32.engine
     free_before = engine.scheduler.allocator.num_free

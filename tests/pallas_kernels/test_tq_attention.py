@@ -107,6 +107,30 @@ def test_prefill_chunk_attends_to_stored_pages_and_itself(impl, t, ctx_lens):
     np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("num_sinks", [0, 4])
+@both_impls
+def test_fresh_chunk_with_no_pages_to_read(impl, num_sinks):
+    """A first chunk (nothing stored) may pass a block table of no pages: the result equals
+    reading a table of pages that lie past every row's length, and the reference."""
+    t = 6
+    args, codecs = make_case(k_bits=5, v_bits=4, t=t, ctx_lens=(0, 0, 0))
+    num_new = jnp.asarray(np.array([t, t - 2, 1], np.int32))
+    args = (*args[:8], num_new)
+    knobs = {}
+    if num_sinks:
+        rng = np.random.default_rng(7)
+        shapes = [(3, num_sinks, 3, 64)] * 2 + [(3, t, 3, 64)] * 2
+        knobs["sinks"] = Sinks(*(jnp.asarray(rng.standard_normal(x).astype(np.float32)) for x in shapes))
+    empty = (*args[:5], args[5][:, :0], *args[6:])
+    out = np.asarray(IMPLS[impl](*empty, **codecs, **knobs, pages_per_split=2))
+    paged = np.asarray(IMPLS[impl](*args, **codecs, **knobs, pages_per_split=2))
+    ref = np.asarray(tq_paged_attention_reference(*empty, **codecs, **knobs))
+    valid = np.arange(t)[None, :] < np.asarray(num_new)[:, None]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(out[valid], paged[valid], rtol=2e-4, atol=2e-4)
+
+
 @both_impls
 def test_padding_row_gives_zeros_and_layer_index_selects_the_layer(impl):
     args, codecs = make_case(k_bits=4, v_bits=4, ctx_lens=(9, 9))
