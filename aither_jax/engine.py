@@ -431,10 +431,11 @@ class Engine:
         longest = max(len(toks) for _, toks in rows)
         num_tokens = 1 if longest == 1 and not all_logits else bucket(longest, min_tokens, self.max_prefill_chunk)
         shared = self._shared_pages(rows) if share_prefix and num_tokens == 1 else 0
-        end = max(s.num_cached + len(toks) for s, toks in rows)
-        num_pages = bucket(self.scheduler.pages_needed(end) - shared, MIN_PAGE_BUCKET, self.max_pages_per_seq)
         if num_tokens > 1 and all(s.num_cached == 0 for s, _ in rows):
             num_pages = 0  # fresh prompts: nothing stored yet, so attention reads no pages
+        else:
+            end = max(s.num_cached + len(toks) for s, toks in rows)
+            num_pages = bucket(self.scheduler.pages_needed(end) - shared, MIN_PAGE_BUCKET, self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)
