@@ -7,7 +7,10 @@ Three resumable stages, each skipped when its output exists:
    whose name hashes into the held-out tenth are never used (`--split eval` lists those).
    Then general chat requests (`aither_jax.chat_prompts`: explanations, how-tos, tips,
    stories, emails, small programs) from hand-written topic lists kept apart from
-   `scripts/data/chat_eval.jsonl`.
+   `scripts/data/chat_eval.jsonl`. Then, with `--num-self-prompts`, requests the target writes
+   itself: sampled from the chat template cut just after the user turn opens, so the
+   instruction-tuned model plays the user (unlimited, varied, in its own chat distribution);
+   near-copies of the evaluation prompts are dropped.
 2. Data: the frozen target's own greedy continuations of those prompts, then the hidden states
    of the draft's tapped target layers over prompt + continuation, stored as .npz shards.
 3. Training: random anchors in the continuations; the block is [anchor token, masks...]; the
@@ -29,6 +32,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import sys
 import sysconfig
 import time
@@ -43,6 +47,8 @@ from models.draft import MASK, DraftConfig, DraftParams, block_forward, context_
 from pallas_kernels.draft_attention import draft_attention_dense
 
 log = logging.getLogger("aither_jax.train_draft")
+
+EVAL_PROMPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "data" / "chat_eval.jsonl"
 
 TEMPLATES = (
     "Explain in simple terms what `{name}` in Python's `{module}` module does. Its documentation says:\n\n{doc}",
@@ -107,6 +113,77 @@ def build_prompts(num: int, *, seed: int, split: str = "train") -> list[list[dic
     return convs
 
 
+SELF_PROMPT_PLACEHOLDER = "\x00request\x00"
+
+
+def _word_set(text: str) -> frozenset[str]:
+    return frozenset(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+def keep_self_prompt(text: str, seen: set[frozenset[str]], held_out: list[frozenset[str]]) -> bool:
+    """Whether a sampled request is usable: 4-80 words, no chat-template markup, not a repeat
+    of one already kept (same word set), and not a near-copy of a held-out evaluation prompt
+    (word-set Jaccard similarity 0.5 or more, or containing all of its words)."""
+    words = _word_set(text)
+    if not 4 <= len(text.split()) <= 80 or "<|" in text or words in seen:
+        return False
+    for h in held_out:
+        if h <= words or len(words & h) >= 0.5 * len(words | h):
+            return False
+    return True
+
+
+def self_prompts(llm, num: int, *, seed: int, held_out_texts: list[str], batch: int = 32) -> list[list[dict]]:
+    """`num` single-turn requests written by the target itself, for training data.
+
+    The chat template is rendered around a placeholder user message and cut where the message
+    would start; sampling from there (temperature 1, top-p 0.95, one seed per request) makes
+    the instruction-tuned target write a user's request, ended by its end-of-turn token.
+    Requests cut off by the length limit, repeats and near-copies of `held_out_texts` are
+    dropped (`keep_self_prompt`). Deterministic for a given seed and machine."""
+    from aither_jax.sampling import SamplingParams
+
+    rendered = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": SELF_PROMPT_PLACEHOLDER}], add_generation_prompt=False
+    )
+    if rendered.count(SELF_PROMPT_PLACEHOLDER) != 1:
+        raise RuntimeError("the chat template does not render the user message verbatim; cannot sample requests")
+    prefix = llm.tokenizer.encode(rendered[: rendered.index(SELF_PROMPT_PLACEHOLDER)])
+    held_out = [_word_set(t) for t in held_out_texts]
+    seen: set[frozenset[str]] = set()
+    out: list[list[dict]] = []
+    tried = 0
+    with tqdm(total=num, desc="self-written prompts", leave=False) as bar:
+        while len(out) < num:
+            if tried >= 20 * num + 10 * batch:
+                raise RuntimeError(
+                    f"only {len(out)} usable requests from {tried} samples; the target rarely writes one"
+                )
+            params = [
+                SamplingParams(max_tokens=96, temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + tried + i)
+                for i in range(batch)
+            ]
+            tried += batch
+            for o in llm.generate([prefix] * batch, params, use_tqdm=False):
+                text = o.text.strip()
+                if o.finish_reason == "stop" and keep_self_prompt(text, seen, held_out) and len(out) < num:
+                    seen.add(_word_set(text))
+                    out.append([{"role": "user", "content": text}])
+                    bar.update(1)
+    log.info("%d self-written requests kept of %d sampled", len(out), tried)
+    return out
+
+
+def read_prompt_texts(path: pathlib.Path) -> list[str]:
+    """The last user message of each `{"messages": [...]}` or `{"prompt": ...}` JSON line."""
+    texts = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            texts.append(row["prompt"] if "prompt" in row else row["messages"][-1]["content"])
+    return texts
+
+
 # -- stage 2: data --------------------------------------------------------------------------
 
 
@@ -118,14 +195,10 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
     data_dir.mkdir(parents=True, exist_ok=True)
     convs = build_prompts(args.num_prompts, seed=args.seed)
     convs += chat_prompts(args.num_chat_prompts, seed=args.seed) if args.num_chat_prompts else []
-    shards = []
     llm = None
-    per_shard = args.shard_size
-    for s in range(math.ceil(len(convs) / per_shard)):
-        path = data_dir / f"shard{s:04d}.npz"
-        shards.append(path)
-        if path.exists():
-            continue
+
+    def target():
+        nonlocal llm
         if llm is None:
             llm = LLM(
                 args.model,
@@ -136,6 +209,27 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
                 progress=False,
             )
             cfg.check_target(llm.config)
+        return llm
+
+    if args.num_self_prompts:
+        saved = data_dir / "self_prompts.jsonl"  # sampled once; a resumed run reads them back
+        if saved.exists():
+            own = [[{"role": "user", "content": t}] for t in read_prompt_texts(saved)]
+        else:
+            held_out = read_prompt_texts(pathlib.Path(args.held_out_prompts))
+            own = self_prompts(target(), args.num_self_prompts, seed=args.seed, held_out_texts=held_out)
+            tmp = saved.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in own))
+            os.replace(tmp, saved)
+        convs += own
+    shards = []
+    per_shard = args.shard_size
+    for s in range(math.ceil(len(convs) / per_shard)):
+        path = data_dir / f"shard{s:04d}.npz"
+        shards.append(path)
+        if path.exists():
+            continue
+        llm = target()
         part = convs[s * per_shard : (s + 1) * per_shard]
         prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in part]
         keep = [p[: args.max_len - args.max_new_tokens] for p in prompts]
@@ -368,6 +462,14 @@ def parse_args(argv=None):
     p.add_argument("--print-prompts", type=int, default=0, help="print N prompts of --split as JSON lines and exit")
     p.add_argument("--num-prompts", type=int, default=768, help="prompts from standard-library docstrings")
     p.add_argument("--num-chat-prompts", type=int, default=768, help="general chat prompts (0: none)")
+    p.add_argument(
+        "--num-self-prompts", type=int, default=0, help="requests the target writes itself (after the others; 0: none)"
+    )
+    p.add_argument(
+        "--held-out-prompts",
+        default=str(EVAL_PROMPTS),
+        help="JSON lines whose prompts self-written requests must not copy (default: the chat evaluation set)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-len", type=int, default=640, help="longest prompt + continuation")
     p.add_argument("--gen-batch", type=int, default=32, help="sequences generated together")
@@ -412,6 +514,10 @@ def parse_args(argv=None):
     num_requests = len(all_requests())
     if not 0 <= args.num_chat_prompts <= num_requests:
         p.error(f"--num-chat-prompts must be in [0, {num_requests}]")
+    if args.num_self_prompts < 0:
+        p.error("--num-self-prompts must be >= 0")
+    if args.num_self_prompts and not pathlib.Path(args.held_out_prompts).is_file():
+        p.error(f"--held-out-prompts: no such file {args.held_out_prompts!r} (needed with --num-self-prompts)")
     if args.max_new_tokens + 16 > args.max_len:
         p.error("--max-len must leave room for a prompt beside --max-new-tokens")
     return args

@@ -11,7 +11,16 @@ import orbax.checkpoint as ocp
 import pytest
 
 from aither_jax import chat_prompts as chat_prompts_module
-from aither_jax.train_draft import Dataset, build_prompts, parse_args, position_weights, train
+from aither_jax.train_draft import (
+    Dataset,
+    build_prompts,
+    keep_self_prompt,
+    parse_args,
+    position_weights,
+    read_prompt_texts,
+    self_prompts,
+    train,
+)
 from models.draft import DraftConfig
 from models.draft_io import load_draft, save_draft
 
@@ -155,6 +164,45 @@ def test_chat_prompt_overlap_is_caught():
         chat_prompts_module.chat_prompts(len(chat_prompts_module.all_requests()) + 1, seed=0)
     with pytest.raises(SystemExit):
         parse_args(["--num-chat-prompts", "100000"])
+
+
+def test_self_written_request_filter():
+    evals = [frozenset(("what", "causes", "the", "seasons", "on", "earth"))]
+    seen: set = set()
+    assert keep_self_prompt("How do I bake sourdough bread at home?", seen, evals)
+    assert not keep_self_prompt("What causes the seasons?", seen, evals)  # Jaccard 4/6 with an eval prompt
+    assert not keep_self_prompt("So, what causes the seasons on Earth, really? Tell me.", seen, evals)  # contains it
+    assert not keep_self_prompt("Hi there", seen, evals)  # too short
+    assert not keep_self_prompt("Tell me a joke<|im_end|> please now", seen, evals)  # template markup
+    assert not keep_self_prompt("word " * 81, seen, evals)  # too long
+    seen.add(frozenset(("how", "do", "i", "bake", "sourdough", "bread", "at", "home")))
+    assert not keep_self_prompt("How do I bake sourdough bread at home", seen, evals)  # a repeat
+    with pytest.raises(SystemExit):
+        parse_args(["--num-self-prompts", "-1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--num-self-prompts", "8", "--held-out-prompts", "/nonexistent/evals.jsonl"])
+
+
+def test_the_target_writes_its_own_requests(llm_f32):
+    evals = _eval_prompts()
+    convs = self_prompts(llm_f32, 6, seed=0, held_out_texts=evals, batch=8)
+    assert len(convs) == 6 and all(len(c) == 1 and c[0]["role"] == "user" for c in convs)
+    texts = [c[0]["content"] for c in convs]
+    assert len(set(texts)) == 6
+    assert not set(texts) & set(evals)
+    for t in texts:
+        assert t == t.strip() and len(t.split()) >= 4 and "<|" not in t
+    # Requests read like requests: most end in a question mark or start with a request word.
+    asks = sum(t.endswith("?") or t.split()[0].lower() in {"can", "write", "please", "i", "how", "what"} for t in texts)
+    assert asks >= 3, texts
+    assert self_prompts(llm_f32, 6, seed=0, held_out_texts=evals, batch=8) == convs  # reproducible
+    assert self_prompts(llm_f32, 6, seed=1, held_out_texts=evals, batch=8) != convs
+
+
+def test_prompt_files_are_read_in_both_forms(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a b"}\n\n{"messages": [{"role": "user", "content": "c d"}]}\n')
+    assert read_prompt_texts(path) == ["a b", "c d"]
 
 
 def test_held_out_sequences_never_reach_training_batches(tmp_path):
