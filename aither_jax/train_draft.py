@@ -215,9 +215,15 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
         saved = data_dir / "self_prompts.jsonl"  # sampled once; a resumed run reads them back
         if saved.exists():
             own = [[{"role": "user", "content": t}] for t in read_prompt_texts(saved)]
+            if len(own) != args.num_self_prompts:
+                sys.exit(
+                    f"{saved} holds {len(own)} self-written requests, not {args.num_self_prompts}; use a new --out"
+                )
         else:
             held_out = read_prompt_texts(pathlib.Path(args.held_out_prompts))
-            own = self_prompts(target(), args.num_self_prompts, seed=args.seed, held_out_texts=held_out)
+            own = self_prompts(
+                target(), args.num_self_prompts, seed=args.seed, held_out_texts=held_out, batch=args.gen_batch
+            )
             tmp = saved.with_suffix(".tmp")
             tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in own))
             os.replace(tmp, saved)
