@@ -563,17 +563,23 @@ class Engine:
 
     def score(self, ids: list[int]) -> np.ndarray:
         """Logits [len(ids), V] float32 for every position, computed through the paged cache."""
-        return self._forward_all(ids, taps=())[0]
+        return self.forward(ids)[0]
 
     def hidden_states(self, ids: list[int], taps: tuple[int, ...]) -> np.ndarray:
         """The hidden states after each layer in `taps`, concatenated: [len(ids), len(taps) * D]."""
-        if not taps or any(not 0 <= i < self.cfg.num_layers for i in taps):
-            raise ValueError(f"taps must be non-empty layer indices in [0, {self.cfg.num_layers}), got {taps!r}")
-        return self._forward_all(ids, taps=tuple(taps))[1]
+        return self.forward(ids, taps=taps, logits=False)[1]
 
-    def _forward_all(self, ids: list[int], *, taps: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """Runs `ids` through a temporary slot: every position's logits (without taps) or tapped
-        hidden states (with them)."""
+    def forward(
+        self, ids: list[int], *, taps: tuple[int, ...] = (), logits: bool = True
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Runs `ids` through a temporary slot in one pass: (every position's logits [len(ids), V]
+        float32 or None without `logits`, the hidden states after the layers in `taps`
+        concatenated [len(ids), len(taps) * D] or None without taps)."""
+        taps = tuple(taps)
+        if any(not 0 <= i < self.cfg.num_layers for i in taps):
+            raise ValueError(f"taps must be layer indices in [0, {self.cfg.num_layers}), got {taps!r}")
+        if not taps and not logits:
+            raise ValueError("nothing to return: ask for logits, taps or both")
         if not ids:
             raise ValueError("ids is empty")
         bad = [t for t in ids if not 0 <= int(t) < self.cfg.vocab_size]
@@ -591,15 +597,15 @@ class Engine:
             while seq.num_cached < len(ids):
                 n = min(len(ids) - seq.num_cached, self.max_prefill_chunk)
                 rows = [(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])]
-                _, logits, h, _ = self._run(rows, return_logits="none" if taps else "all", taps=taps)
+                _, out, h, _ = self._run(rows, return_logits="all" if logits else "none", taps=taps)
                 if taps:
                     hidden.append(np.asarray(h[0, :n], np.float32))
-                else:
-                    chunks.append(np.asarray(logits[0, :n]))
+                if logits:
+                    chunks.append(np.asarray(out[0, :n]))
                 seq.num_cached += n
         finally:
             self.scheduler.release(seq)
-        return (None, np.concatenate(hidden)) if taps else (np.concatenate(chunks), None)
+        return (np.concatenate(chunks) if logits else None), (np.concatenate(hidden) if taps else None)
 
     @property
     def num_compiles(self) -> int:

@@ -241,23 +241,44 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
         keep = [p[: args.max_len - args.max_new_tokens] for p in prompts]
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
         outs = llm.generate(keep, params, use_tqdm=False)
-        seqs, plens, hidden = [], [], []
+        seqs, plens, hidden, top_ids, top_logp = [], [], [], [], []
         for p, o in tqdm(list(zip(keep, outs, strict=True)), desc=f"shard {s}: hidden states", leave=False):
             ids = p + o.token_ids
             seqs.append(np.asarray(ids, np.int32))
             plens.append(len(p))
-            hidden.append(llm.engine.hidden_states(ids, cfg.target_layers).astype(np.float16))
+            logits, h = llm.engine.forward(ids, taps=cfg.target_layers, logits=args.teacher_top_k > 0)
+            hidden.append(h.astype(np.float16))
+            if args.teacher_top_k:
+                i, lp = top_log_probs(logits, args.teacher_top_k)
+                top_ids.append(i)
+                top_logp.append(lp.astype(np.float16))
+        arrays = {
+            "tokens": np.concatenate(seqs),
+            "lengths": np.asarray([len(x) for x in seqs], np.int32),
+            "prompt_lengths": np.asarray(plens, np.int32),
+            "hidden": np.concatenate(hidden),
+        }
+        if args.teacher_top_k:
+            arrays |= {"top_ids": np.concatenate(top_ids), "top_log_probs": np.concatenate(top_logp)}
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(
-            tmp,
-            tokens=np.concatenate(seqs),
-            lengths=np.asarray([len(x) for x in seqs], np.int32),
-            prompt_lengths=np.asarray(plens, np.int32),
-            hidden=np.concatenate(hidden),
-        )
+        np.savez(tmp, **arrays)
         os.replace(tmp, path)  # a crash never leaves a half-written shard
         log.info("wrote %s (%d sequences, %d tokens)", path, len(seqs), sum(len(x) for x in seqs))
     return shards
+
+
+def top_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `k` most likely next tokens at every position of `logits` [T, V] and their log
+    probabilities under the full softmax: ([T, k] int32, [T, k] float32), most likely first."""
+    logits = np.asarray(logits, np.float32)
+    k = min(k, logits.shape[1])
+    top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(logits, top, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    top, vals = np.take_along_axis(top, order, axis=1), np.take_along_axis(vals, order, axis=1)
+    m = logits.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+    return top.astype(np.int32), vals - lse
 
 
 class Dataset:
@@ -265,9 +286,12 @@ class Dataset:
 
     def __init__(self, shards: list[pathlib.Path], max_len: int, block_size: int):
         rows = []  # (shard arrays, start, end, prompt length) of usable sequences
+        teacher = []  # per shard: does it hold the target's top-k log probabilities?
         for path in shards:
             with np.load(path) as z:  # each key access reads the array: read each once
-                arrays = {k: z[k] for k in ("tokens", "lengths", "prompt_lengths", "hidden")}
+                keys = ["tokens", "lengths", "prompt_lengths", "hidden"]
+                teacher.append("top_ids" in z.files)
+                arrays = {k: z[k] for k in keys + (["top_ids", "top_log_probs"] if teacher[-1] else [])}
             ends = np.cumsum(arrays["lengths"])
             for a, b, p in zip(ends - arrays["lengths"], ends, arrays["prompt_lengths"], strict=True):
                 if b - a - p >= block_size and b - a <= max_len:
@@ -284,6 +308,17 @@ class Dataset:
         for i, (arrays, a, b, _) in enumerate(rows):
             self.tokens[i, : b - a] = arrays["tokens"][a:b]
             self.hidden[i, : b - a] = arrays["hidden"][a:b]
+        # The target's top-k next-token log probabilities (soft labels), when every shard has them.
+        self.top_ids = self.top_log_probs = None
+        if all(teacher):
+            k = rows[0][0]["top_ids"].shape[1]
+            self.top_ids = np.zeros((self.num, max_len, k), np.int32)
+            self.top_log_probs = np.full((self.num, max_len, k), -np.inf, np.float16)
+            for i, (arrays, a, b, _) in enumerate(rows):
+                if arrays["top_ids"].shape[1] != k:
+                    raise RuntimeError("the data shards hold different numbers of top-k soft labels")
+                self.top_ids[i, : b - a] = arrays["top_ids"][a:b]
+                self.top_log_probs[i, : b - a] = arrays["top_log_probs"][a:b]
         self.block_size = block_size
         self.num_tokens = int(self.lengths.sum())
         self.train_rows = np.arange(self.num)
@@ -320,12 +355,18 @@ class Dataset:
         partial = rng.random((num_seqs, num_anchors, 1)) < reveal_prob
         reveal = partial & (rng.random((num_seqs, num_anchors, b)) < rng.random((num_seqs, num_anchors, 1)))
         reveal[..., 0] = True  # the anchor token is always given
-        return {
+        out = {
             "tokens": self.tokens[idx],
             "hidden": self.hidden[idx].astype(np.float32),
             "anchors": anchors.astype(np.int32),
             "reveal": reveal,
         }
+        if self.top_ids is not None:
+            # The target's distribution of the token at block position i (1..B-1) comes from position i-1.
+            pos = anchors[..., None] + np.arange(b - 1)  # [N, A, B-1]
+            out["top_ids"] = self.top_ids[idx[:, None, None], pos]
+            out["top_log_probs"] = self.top_log_probs[idx[:, None, None], pos].astype(np.float32)
+        return out
 
 
 # -- stage 3: training ----------------------------------------------------------------------
@@ -336,11 +377,14 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
     return np.exp(-np.arange(block_size - 1) / gamma).astype(np.float32)
 
 
-def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, weights, inverse=None):
+def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, weights, inverse=None, soft_weight=0.0):
     """Weighted cross-entropy at masked positions, plus metrics (accuracy, expected tau).
 
     `lm_head` holds the draft's columns; `inverse` [V] maps a token id to its column (-1 when
-    the draft cannot produce it: such labels count as wrong and carry no loss)."""
+    the draft cannot produce it: such labels count as wrong and carry no loss). With
+    `soft_weight` w > 0 the per-position loss is (1 - w) x cross-entropy with the target's greedy
+    token + w x cross-entropy with the target's own next-token distribution (its top-k, within
+    the draft's head, renormalized; the batch's `top_ids` and `top_log_probs`)."""
     tokens, hidden, anchors, reveal = batch["tokens"], batch["hidden"], batch["anchors"], batch["reveal"]
     n, length = tokens.shape
     a, b = anchors.shape[1], cfg.block_size
@@ -362,7 +406,17 @@ def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, wei
         target = inverse[target]
     known = target >= 0
     target = jnp.maximum(target, 0)
-    ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    ce = lse - jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+    if soft_weight:
+        ids = batch["top_ids"].reshape(n * a, b - 1, -1)
+        if inverse is not None:
+            ids = inverse[ids]
+        usable = ids >= 0
+        teacher = jax.nn.softmax(jnp.where(usable, batch["top_log_probs"].reshape(ids.shape), -1e30), axis=-1)
+        student = jnp.take_along_axis(logits, jnp.maximum(ids, 0), axis=-1) - lse[..., None]
+        soft = -(teacher * jnp.where(usable, student, 0.0)).sum(axis=-1)
+        ce = (1.0 - soft_weight) * ce + soft_weight * jnp.where(usable.any(axis=-1), soft, ce)
     masked = ~reveal.reshape(n * a, b)[:, 1:]
     w = weights[None, :] * masked * known
     loss = (ce * w).sum() / jnp.maximum(w.sum(), 1e-6)
@@ -411,14 +465,23 @@ def train(
     def update(state, batch):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(
-            state["params"], batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights, inverse=inverse
+            state["params"],
+            batch,
+            cfg=cfg,
+            embed=embed,
+            lm_head=lm_head,
+            weights=weights,
+            inverse=inverse,
+            soft_weight=args.soft_weight,
         )
         updates, opt = optimizer.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}, metrics
 
     @jax.jit
     def evaluate(params, batch):
-        return loss_fn(params, batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights, inverse=inverse)[1]
+        return loss_fn(
+            params, batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights, inverse=inverse, soft_weight=0.0
+        )[1]
 
     def validate(params) -> dict[str, float]:
         """Metrics on fixed fully masked blocks of the held-out sequences."""
@@ -497,6 +560,18 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--gamma", type=float, default=7.0, help="decay length of the per-position loss weights")
+    p.add_argument(
+        "--teacher-top-k",
+        type=int,
+        default=32,
+        help="store the target's K most likely next tokens and their log probabilities with the data (0: none)",
+    )
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=0.0,
+        help="weight in [0, 1] of the cross-entropy with the target's stored distribution (the rest: its greedy token)",
+    )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=200, help="checkpoint (and validate) every N steps")
     p.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation")
@@ -515,6 +590,10 @@ def parse_args(argv=None):
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.teacher_top_k < 0:
+        p.error("--teacher-top-k must be >= 0")
+    if not 0 <= args.soft_weight <= 1:
+        p.error("--soft-weight must be in [0, 1]")
     if not 0 <= args.val_fraction < 0.5:
         p.error("--val-fraction must be in [0, 0.5)")
     num_requests = len(all_requests())
@@ -564,6 +643,10 @@ def main(argv=None) -> int:
     shards = generate_data(args, cfg, out / "data")
     dataset = Dataset(shards, args.max_len, cfg.block_size)
     dataset.hold_out(args.val_fraction, args.seed)
+    if args.soft_weight and dataset.top_ids is None:
+        sys.exit(
+            "--soft-weight needs data with the target's top-k log probabilities (--teacher-top-k > 0; use a new --out)"
+        )
     log.info("data: %d sequences, %d tokens (%.0f s)", dataset.num, dataset.num_tokens, time.time() - t0)
     vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
     weights = load_weights(gguf, target_cfg, "float32", progress=False)

@@ -15,13 +15,15 @@ from aither_jax.train_draft import (
     Dataset,
     build_prompts,
     keep_self_prompt,
+    loss_fn,
     parse_args,
     position_weights,
     read_prompt_texts,
     self_prompts,
+    top_log_probs,
     train,
 )
-from models.draft import DraftConfig
+from models.draft import DraftConfig, init_params
 from models.draft_io import load_draft, save_draft
 
 V, D, TAPS = 64, 32, 2
@@ -34,22 +36,31 @@ def _config():
     )  # fmt: skip
 
 
-def _shard(path, rng, num_seqs=24, length=48):
+def _shard(path, rng, num_seqs=24, length=48, top_k=0):
     """Sequences a small draft can learn quickly: two tokens alternating. The "hidden states"
     are a fixed code of each position's token, so the draft can also learn to continue pairs
-    it never saw by reading them from the context."""
+    it never saw by reading them from the context. With `top_k`, soft labels as the data stage
+    stores them: at position t the next token (t + 1) first, then t + 2 .. t + top_k mod V."""
     code = np.random.default_rng(99).standard_normal((V, TAPS * D))
     toks, hidden = [], []
     for _ in range(num_seqs):
         a, b = rng.integers(V, size=2)
         toks.append(np.asarray([a, b] * (length // 2), np.int32))
         hidden.append(code[toks[-1]].astype(np.float16))
+    tokens = np.concatenate(toks)
+    extra = {}
+    if top_k:
+        nxt = np.concatenate([np.roll(t, -1) for t in toks])
+        ids = (nxt[:, None] + np.arange(top_k)) % V
+        logp = np.log(np.linspace(2.0, 1.0, top_k) / (3 * top_k))
+        extra = {"top_ids": ids.astype(np.int32), "top_log_probs": np.tile(logp, (len(tokens), 1)).astype(np.float16)}
     np.savez(
         path,
-        tokens=np.concatenate(toks),
+        tokens=tokens,
         lengths=np.full(num_seqs, length, np.int32),
         prompt_lengths=np.full(num_seqs, 4, np.int32),
         hidden=np.concatenate(hidden),
+        **extra,
     )
     return path
 
@@ -216,3 +227,94 @@ def test_held_out_sequences_never_reach_training_batches(tmp_path):
     assert {tuple(t[:2]) for t in data.batch(rng, 8, 2, 0.0, val=True)["tokens"]} <= held
     with pytest.raises(ValueError, match="leaves none"):
         data.hold_out(1.0, seed=0)
+
+
+def test_top_log_probs_match_a_full_sort():
+    logits = np.random.default_rng(0).standard_normal((5, 40)).astype(np.float32) * 3
+    full = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    ids, logp = top_log_probs(logits, 6)
+    np.testing.assert_array_equal(ids, np.argsort(-logits, axis=1)[:, :6])
+    np.testing.assert_allclose(logp, np.take_along_axis(full, ids, axis=1), rtol=1e-5, atol=1e-6)
+    ids, logp = top_log_probs(logits, 100)  # more than the vocabulary: all of it
+    assert ids.shape == (5, 40)
+    np.testing.assert_allclose(np.exp(logp).sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_soft_labels_come_from_the_position_before_each_label(tmp_path):
+    data = Dataset([_shard(tmp_path / "s0.npz", np.random.default_rng(2), top_k=3)], max_len=48, block_size=6)
+    assert data.top_ids.shape == (24, 48, 3)
+    batch = data.batch(np.random.default_rng(0), 8, 4, 0.0)
+    pos = batch["anchors"][..., None] + np.arange(1, 6)  # label positions 1..B-1 of each block
+    labels = np.take_along_axis(batch["tokens"][:, None, :], pos, axis=2)
+    assert batch["top_ids"].shape == (8, 4, 5, 3)
+    np.testing.assert_array_equal(batch["top_ids"][..., 0], labels)  # the stored next token is the label
+    assert batch["top_log_probs"].dtype == np.float32 and np.isfinite(batch["top_log_probs"]).all()
+    # Shards without soft labels load as before; mixing the two leaves the dataset without any.
+    mixed = Dataset(
+        [tmp_path / "s0.npz", _shard(tmp_path / "s1.npz", np.random.default_rng(3))], max_len=48, block_size=6
+    )
+    assert mixed.top_ids is None and "top_ids" not in mixed.batch(np.random.default_rng(0), 2, 2, 0.0)
+
+
+def test_soft_loss_is_the_teacher_weighted_mix_of_hard_losses(tmp_path):
+    """Cross-entropy is linear in the label distribution: with the teacher putting 0.56 / 0.24 /
+    0.2 on ids c1 / c2 / c3 at every position, and c3 outside the draft's head (so the teacher
+    renormalizes to 0.7 / 0.3), the soft loss equals 0.7 x the hard loss with every label c1
+    plus 0.3 x the hard loss with every label c2."""
+    cfg = _config()
+    data = Dataset([_shard(tmp_path / "s0.npz", np.random.default_rng(4))], max_len=48, block_size=cfg.block_size)
+    batch = {k: jnp.asarray(v) for k, v in data.batch(np.random.default_rng(1), 6, 1, 0.0).items()}
+    c3 = int(np.setdiff1d(np.arange(V), np.asarray(batch["tokens"]))[0])  # an id no sequence uses
+    c1, c2 = [c for c in (5, 9, 13) if c != c3][:2]
+    vocab = jnp.asarray(np.setdiff1d(np.arange(V), [c3]))  # the head: every id but c3
+    inverse = jnp.full(V, -1, jnp.int32).at[vocab].set(jnp.arange(V - 1, dtype=jnp.int32))
+    shape = (6, 1, cfg.block_size - 1, 3)
+    batch["top_ids"] = jnp.broadcast_to(jnp.asarray([c1, c2, c3], jnp.int32), shape)
+    batch["top_log_probs"] = jnp.broadcast_to(jnp.log(jnp.asarray([0.56, 0.24, 0.2])), shape)
+    embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
+    params = init_params(cfg, jax.random.PRNGKey(1), final_norm=jnp.ones(D))
+    kw = dict(cfg=cfg, embed=embed, lm_head=embed.T[:, vocab], weights=jnp.asarray(position_weights(6, 7.0)))
+
+    def hard(label):  # every label position of each block (one anchor per sequence) set to `label`
+        n = jnp.arange(6)[:, None]
+        pos = batch["anchors"][:, 0, None] + jnp.arange(1, cfg.block_size)
+        return loss_fn(params, batch | {"tokens": batch["tokens"].at[n, pos].set(label)}, inverse=inverse, **kw)[0]
+
+    soft = loss_fn(params, batch, inverse=inverse, soft_weight=1.0, **kw)[0]
+    np.testing.assert_allclose(soft, 0.7 * hard(c1) + 0.3 * hard(c2), rtol=1e-5)
+    base = loss_fn(params, batch, inverse=inverse, **kw)[0]
+    half = loss_fn(params, batch, inverse=inverse, soft_weight=0.5, **kw)[0]
+    np.testing.assert_allclose(half, 0.5 * base + 0.5 * soft, rtol=1e-5)
+    assert abs(float(soft) - float(base)) > 0.1  # the teacher really changes the loss
+
+
+def test_soft_weight_trains_on_stored_soft_labels(tmp_path):
+    rng = np.random.default_rng(5)
+    cfg = _config()
+    data = Dataset([_shard(tmp_path / "s0.npz", rng, top_k=4)], max_len=48, block_size=cfg.block_size)
+    embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
+    train(_args(tmp_path, 40, soft_weight=0.5), cfg, data, embed, embed.T, jnp.ones(D), tmp_path)
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < 0.8 * log[0]["loss"] and log[-1]["accuracy"] > log[0]["accuracy"]
+
+
+@pytest.mark.parametrize(
+    "flag, message", [("--soft-weight=1.5", "soft-weight"), ("--teacher-top-k=-1", "teacher-top-k")]
+)
+def test_soft_label_flags_are_checked(tmp_path, flag, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--out", str(tmp_path), flag])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_one_pass_gives_logits_and_tapped_hidden_states(llm_f32):
+    ids = llm_f32.tokenizer.encode("Tap the hidden states and the logits in one pass. " * 3)
+    logits, hidden = llm_f32.engine.forward(ids, taps=(2, 20))
+    np.testing.assert_array_equal(logits, llm_f32.logits(ids))
+    np.testing.assert_array_equal(hidden, llm_f32.engine.hidden_states(ids, (2, 20)))
+    assert hidden.shape == (len(ids), 2 * llm_f32.config.hidden_size)
+    assert llm_f32.engine.forward(ids, taps=(2,), logits=False)[0] is None
+    with pytest.raises(ValueError, match="nothing to return"):
+        llm_f32.engine.forward(ids, logits=False)
+    with pytest.raises(ValueError, match="layer indices"):
+        llm_f32.engine.forward(ids, taps=(99,))
