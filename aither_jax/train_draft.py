@@ -11,10 +11,13 @@ Three resumable stages, each skipped when its output exists:
    itself: sampled from the chat template cut just after the user turn opens, so the
    instruction-tuned model plays the user (unlimited, varied, in its own chat distribution);
    near-copies of the evaluation prompts are dropped.
-2. Data: the frozen target's own greedy continuations of those prompts, then the hidden states
-   of the draft's tapped target layers over prompt + continuation, stored as .npz shards.
+2. Data: the frozen target's own greedy continuations of those prompts, then, in one pass over
+   prompt + continuation, the hidden states of the draft's tapped target layers and the
+   target's `--teacher-top-k` most likely next tokens with their log probabilities, stored as
+   .npz shards.
 3. Training: random anchors in the continuations; the block is [anchor token, masks...]; the
-   loss is cross-entropy at every masked position with weights decaying along the block; some
+   loss at every masked position mixes cross-entropy with the target's greedy token and with
+   its stored distribution (`--soft-weight`), with weights decaying along the block; some
    blocks reveal a random subset of positions so multi-step denoising sees partly filled
    blocks. AdamW (optax) with warm-up and cosine decay; orbax checkpoints every
    `--save-every` steps and at the end; a run restarts from its latest checkpoint.
@@ -446,6 +449,11 @@ def train(
     import optax
     import orbax.checkpoint as ocp
 
+    if args.soft_weight and dataset.top_ids is None:
+        raise ValueError(
+            "--soft-weight needs data with the target's top-k log probabilities "
+            "(made with --teacher-top-k > 0; use a new --out, or --soft-weight 0)"
+        )
     optimizer = make_optimizer(args)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), final_norm=final_norm)
     state = {"params": params, "opt": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -569,7 +577,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--soft-weight",
         type=float,
-        default=0.0,
+        default=0.5,
         help="weight in [0, 1] of the cross-entropy with the target's stored distribution (the rest: its greedy token)",
     )
     p.add_argument("--log-every", type=int, default=10)
@@ -643,14 +651,13 @@ def main(argv=None) -> int:
     shards = generate_data(args, cfg, out / "data")
     dataset = Dataset(shards, args.max_len, cfg.block_size)
     dataset.hold_out(args.val_fraction, args.seed)
-    if args.soft_weight and dataset.top_ids is None:
-        sys.exit(
-            "--soft-weight needs data with the target's top-k log probabilities (--teacher-top-k > 0; use a new --out)"
-        )
     log.info("data: %d sequences, %d tokens (%.0f s)", dataset.num, dataset.num_tokens, time.time() - t0)
     vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
     weights = load_weights(gguf, target_cfg, "float32", progress=False)
-    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab)
+    try:
+        params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab)
+    except ValueError as e:
+        sys.exit(str(e))
     if args.export:
         meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
         meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens, "steps": args.steps}

@@ -66,6 +66,8 @@ def _shard(path, rng, num_seqs=24, length=48, top_k=0):
 
 
 def _args(out, steps, **extra):
+    """Training arguments for the tiny task; hard labels only unless `soft_weight` is given."""
+    extra = {"soft_weight": 0.0} | extra
     argv = ["--out", str(out), "--steps", str(steps), "--batch-seqs", "4", "--anchors", "4", "--lr", "3e-3"]
     argv += ["--log-every", "5", "--save-every", "20", "--warmup", "5"]
     for k, v in extra.items():
@@ -291,8 +293,11 @@ def test_soft_loss_is_the_teacher_weighted_mix_of_hard_losses(tmp_path):
 def test_soft_weight_trains_on_stored_soft_labels(tmp_path):
     rng = np.random.default_rng(5)
     cfg = _config()
-    data = Dataset([_shard(tmp_path / "s0.npz", rng, top_k=4)], max_len=48, block_size=cfg.block_size)
     embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
+    hard_only = Dataset([_shard(tmp_path / "h.npz", rng)], max_len=48, block_size=cfg.block_size)
+    with pytest.raises(ValueError, match="--teacher-top-k"):  # the default weight needs soft labels
+        train(parse_args(["--out", str(tmp_path)]), cfg, hard_only, embed, embed.T, jnp.ones(D), tmp_path)
+    data = Dataset([_shard(tmp_path / "s0.npz", rng, top_k=4)], max_len=48, block_size=cfg.block_size)
     train(_args(tmp_path, 40, soft_weight=0.5), cfg, data, embed, embed.T, jnp.ones(D), tmp_path)
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < 0.8 * log[0]["loss"] and log[-1]["accuracy"] > log[0]["accuracy"]
