@@ -46,6 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.chat_prompts import all_requests, chat_prompts
+from aither_jax.eval import log_softmax
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, context_features, context_kv, init_params
 from pallas_kernels.draft_attention import draft_attention_dense
 
@@ -273,15 +274,11 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
 def top_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The `k` most likely next tokens at every position of `logits` [T, V] and their log
     probabilities under the full softmax: ([T, k] int32, [T, k] float32), most likely first."""
-    logits = np.asarray(logits, np.float32)
-    k = min(k, logits.shape[1])
-    top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-    vals = np.take_along_axis(logits, top, axis=1)
-    order = np.argsort(-vals, axis=1, kind="stable")
-    top, vals = np.take_along_axis(top, order, axis=1), np.take_along_axis(vals, order, axis=1)
-    m = logits.max(axis=1, keepdims=True)
-    lse = m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
-    return top.astype(np.int32), vals - lse
+    logp = log_softmax(np.asarray(logits, np.float32))
+    k = min(k, logp.shape[1])
+    top = np.argpartition(-logp, k - 1, axis=1)[:, :k]
+    top = np.take_along_axis(top, np.argsort(-np.take_along_axis(logp, top, axis=1), axis=1, kind="stable"), axis=1)
+    return top.astype(np.int32), np.take_along_axis(logp, top, axis=1)
 
 
 class Dataset:
@@ -289,12 +286,12 @@ class Dataset:
 
     def __init__(self, shards: list[pathlib.Path], max_len: int, block_size: int):
         rows = []  # (shard arrays, start, end, prompt length) of usable sequences
-        teacher = []  # per shard: does it hold the target's top-k log probabilities?
+        soft = ("top_ids", "top_log_probs")  # the target's top-k next tokens, when every shard has them
+        with_soft = True
         for path in shards:
             with np.load(path) as z:  # each key access reads the array: read each once
-                keys = ["tokens", "lengths", "prompt_lengths", "hidden"]
-                teacher.append("top_ids" in z.files)
-                arrays = {k: z[k] for k in keys + (["top_ids", "top_log_probs"] if teacher[-1] else [])}
+                with_soft &= all(k in z.files for k in soft)
+                arrays = {k: z[k] for k in ("tokens", "lengths", "prompt_lengths", "hidden", *soft) if k in z.files}
             ends = np.cumsum(arrays["lengths"])
             for a, b, p in zip(ends - arrays["lengths"], ends, arrays["prompt_lengths"], strict=True):
                 if b - a - p >= block_size and b - a <= max_len:
@@ -303,25 +300,22 @@ class Dataset:
             raise RuntimeError("no sequence has a continuation as long as a block")
         self.num = len(rows)
         self.max_len = max_len
-        width = rows[0][0]["hidden"].shape[1]
-        self.tokens = np.zeros((self.num, max_len), np.int32)
-        self.hidden = np.zeros((self.num, max_len, width), np.float16)
         self.lengths = np.asarray([b - a for _, a, b, _ in rows], np.int32)
         self.prompt_lengths = np.asarray([p for *_, p in rows], np.int32)
-        for i, (arrays, a, b, _) in enumerate(rows):
-            self.tokens[i, : b - a] = arrays["tokens"][a:b]
-            self.hidden[i, : b - a] = arrays["hidden"][a:b]
-        # The target's top-k next-token log probabilities (soft labels), when every shard has them.
-        self.top_ids = self.top_log_probs = None
-        if all(teacher):
-            k = rows[0][0]["top_ids"].shape[1]
-            self.top_ids = np.zeros((self.num, max_len, k), np.int32)
-            self.top_log_probs = np.full((self.num, max_len, k), -np.inf, np.float16)
+
+        def padded(key, dtype, fill=0):  # [N, max_len, ...] from every row's slice of its shard's array
+            tails = {arrays[key].shape[1:] for arrays, *_ in rows}
+            if len(tails) > 1:
+                raise RuntimeError(f"the data shards hold {key} of different shapes: {sorted(tails)}")
+            out = np.full((self.num, max_len, *tails.pop()), fill, dtype)
             for i, (arrays, a, b, _) in enumerate(rows):
-                if arrays["top_ids"].shape[1] != k:
-                    raise RuntimeError("the data shards hold different numbers of top-k soft labels")
-                self.top_ids[i, : b - a] = arrays["top_ids"][a:b]
-                self.top_log_probs[i, : b - a] = arrays["top_log_probs"][a:b]
+                out[i, : b - a] = arrays[key][a:b]
+            return out
+
+        self.tokens = padded("tokens", np.int32)
+        self.hidden = padded("hidden", np.float16)
+        self.top_ids = padded("top_ids", np.int32) if with_soft else None
+        self.top_log_probs = padded("top_log_probs", np.float16, -np.inf) if with_soft else None
         self.block_size = block_size
         self.num_tokens = int(self.lengths.sum())
         self.train_rows = np.arange(self.num)
@@ -434,6 +428,15 @@ def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, wei
     return loss, metrics
 
 
+def check_soft_labels(args, dataset: Dataset) -> None:
+    """Raises ValueError when `--soft-weight` asks for soft labels the data does not hold."""
+    if args.soft_weight and dataset.top_ids is None:
+        raise ValueError(
+            "--soft-weight needs data with the target's top-k log probabilities "
+            "(made with --teacher-top-k > 0; use a new --out, or --soft-weight 0)"
+        )
+
+
 def make_optimizer(args):
     import optax
 
@@ -449,11 +452,7 @@ def train(
     import optax
     import orbax.checkpoint as ocp
 
-    if args.soft_weight and dataset.top_ids is None:
-        raise ValueError(
-            "--soft-weight needs data with the target's top-k log probabilities "
-            "(made with --teacher-top-k > 0; use a new --out, or --soft-weight 0)"
-        )
+    check_soft_labels(args, dataset)
     optimizer = make_optimizer(args)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), final_norm=final_norm)
     state = {"params": params, "opt": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -487,9 +486,8 @@ def train(
 
     @jax.jit
     def evaluate(params, batch):
-        return loss_fn(
-            params, batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights, inverse=inverse, soft_weight=0.0
-        )[1]
+        # Hard labels only: validation figures compare across --soft-weight.
+        return loss_fn(params, batch, cfg=cfg, embed=embed, lm_head=lm_head, weights=weights, inverse=inverse)[1]
 
     def validate(params) -> dict[str, float]:
         """Metrics on fixed fully masked blocks of the held-out sequences."""
@@ -652,12 +650,13 @@ def main(argv=None) -> int:
     dataset = Dataset(shards, args.max_len, cfg.block_size)
     dataset.hold_out(args.val_fraction, args.seed)
     log.info("data: %d sequences, %d tokens (%.0f s)", dataset.num, dataset.num_tokens, time.time() - t0)
-    vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
-    weights = load_weights(gguf, target_cfg, "float32", progress=False)
     try:
-        params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab)
+        check_soft_labels(args, dataset)  # before loading the target's weights
     except ValueError as e:
         sys.exit(str(e))
+    vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
+    weights = load_weights(gguf, target_cfg, "float32", progress=False)
+    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab)
     if args.export:
         meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
         meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens, "steps": args.steps}
