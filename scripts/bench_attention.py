@@ -1,0 +1,282 @@
+"""Decode attention over paged KV: the TurboQuant rotated-domain kernel against bf16 paged attention.
+
+For each case (batch x context tokens) and each K/V bit pair, one layer of SmolLM2's shape
+(3 KV heads of 64, 9 query heads, pages of 16 tokens) is filled with random vectors and every
+row owns `context / page_size` pages in a shuffled order, as the allocator hands them out.
+One decode token per row attends to its context and to itself. Three ways are timed:
+
+* `pallas`: `tq_paged_attention`, the Pallas kernel over the packed pages (interpreted on
+  CPU, so CPU figures of this path say nothing about speed), once per `--pages-per-split`;
+* `xla`: `tq_paged_attention_xla`, the same rotated-domain algorithm in jnp;
+* `bf16`: what the engine does for an unquantized layer: gather the row's bf16 pages through
+  the block table, then `paged_attention_reference` in bf16.
+
+Before any timing, each TurboQuant path is checked against `tq_paged_attention_reference`
+(which decodes the pages) and bf16 against a float32 run of the same reference; the largest
+differences are in the report. A time is the median over `--repeats` of (`--inner` calls
+dispatched back to back, then one wait) / `--inner`, after a warm-up call, so compilation and
+most dispatch overhead stay out. Memory bandwidth is measured in the same run as the time of
+summing a large uint32 array (`--bandwidth-mib`); each path's effective bandwidth is the bytes
+of context it must read (codes and norms, or bf16 values) over its time.
+
+Writes JSON (`--out`) and, unless `--no-record`, one row per case and bit pair to
+docs/BENCHMARKS.md.
+
+    python scripts/bench_attention.py                          # GPU: 32x8192 and 1x512
+    python scripts/bench_attention.py --cases 2x64 --repeats 2 --inner 1 --no-record   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `python scripts/bench_attention.py` without installing the package
+
+from bench_serving import append_row, environment  # noqa: E402
+
+from pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
+from pallas_kernels.tq_attention import (  # noqa: E402
+    tq_paged_attention,
+    tq_paged_attention_reference,
+    tq_paged_attention_xla,
+)
+from pallas_kernels.turboquant import TurboQuant  # noqa: E402
+
+HEADER = "## Decode attention (scripts/bench_attention.py)"
+COLUMNS = (
+    "| date | device | batch x context | K/V bits | TurboQuant kernel (us) | TurboQuant xla (us) | bf16 (us) | "
+    "kernel vs bf16 | kernel GB/s (of measured) | versions | command |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def _case(text: str) -> tuple[int, int]:
+    try:
+        batch, context = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a case is BATCHxCONTEXT, e.g. 32x8192, got {text!r}") from None
+    if batch < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"batch and context must be positive, got {text!r}")
+    return batch, context
+
+
+def _bits(text: str) -> tuple[int, int]:
+    try:
+        k, v = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bits are K:V, e.g. 4:4, got {text!r}") from None
+    if not (1 <= k <= 8 and 1 <= v <= 8):
+        raise argparse.ArgumentTypeError(f"bits must be in 1..8, got {text!r}")
+    return k, v
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", type=_case, nargs="+", default=[(32, 8192), (1, 512)], help="BATCHxCONTEXT ...")
+    p.add_argument("--bits", type=_bits, nargs="+", default=[(4, 4), (6, 5), (3, 3)], help="K:V bit pairs")
+    p.add_argument("--head-dim", type=_positive, default=64)
+    p.add_argument("--kv-heads", type=_positive, default=3)
+    p.add_argument("--group", type=_positive, default=3, help="query heads per KV head")
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--pages-per-split", type=_positive, nargs="+", default=[1, 4, 16], help="kernel split-K sizes")
+    p.add_argument("--no-kernel", action="store_true", help="skip the Pallas kernel (slow when interpreted)")
+    p.add_argument("--repeats", type=_positive, default=20)
+    p.add_argument("--inner", type=_positive, default=10, help="calls dispatched per timed repeat")
+    p.add_argument("--bandwidth-mib", type=_positive, default=None, help="default: 2048 on GPU, 256 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_attention.json")
+    p.add_argument("--no-record", action="store_true", help="do not append rows to docs/BENCHMARKS.md")
+    args = p.parse_args(argv)
+    for _, context in args.cases:
+        if context % args.page_size:
+            p.error(f"context {context} is not a multiple of --page-size {args.page_size}")
+    if args.head_dim % 8:
+        p.error("--head-dim must be a multiple of 8 (the packed layout's chunk)")
+    return args
+
+
+def time_call(fn, *, repeats: int, inner: int) -> float:
+    """Median seconds per call (see the module doc); `fn` takes no arguments."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [fn() for _ in range(inner)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def measure_bandwidth(mib: int, *, repeats: int) -> float:
+    """Bytes per second of a read-only reduction over `mib` MiB of device memory."""
+    n = mib * (1 << 20) // 4
+    x = jax.random.bits(jax.random.key(0), (n,), jnp.uint32)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.uint32))
+    return x.nbytes / time_call(lambda: total(x), repeats=repeats, inner=3)
+
+
+def make_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
+    """One layer's pools (TurboQuant and bf16) and a decode step's inputs."""
+    rng = np.random.default_rng(args.seed)
+    hkv, dh, s = args.kv_heads, args.head_dim, args.page_size
+    pages_per_row = context // s
+    num_pages = 1 + batch * pages_per_row  # page 0 is the allocator's null page
+    table = rng.permutation(np.arange(1, num_pages)).reshape(batch, pages_per_row).astype(np.int32)
+    key = jax.random.key(args.seed)
+    kk, kv, kq, kn = jax.random.split(key, 4)
+    k_f32 = jax.random.normal(kk, (num_pages, 1, s, hkv, dh), jnp.float32) * 2
+    v_f32 = jax.random.normal(kv, (num_pages, 1, s, hkv, dh), jnp.float32)
+    k_codec = TurboQuant(head_dim=dh, bits=k_bits, seed=args.seed)
+    v_codec = TurboQuant(head_dim=dh, bits=v_bits, seed=args.seed + 1)
+    new = jax.random.normal(kn, (2, batch, 1, hkv, dh), jnp.float32)
+    case = {
+        "q": jax.random.normal(kq, (batch, 1, hkv * args.group, dh), jnp.float32),
+        "k_pool": k_codec.encode(k_f32),
+        "v_pool": v_codec.encode(v_f32),
+        "k_new": k_codec.encode(new[0] * 2),
+        "v_new": v_codec.encode(new[1]),
+        "k_bf16": k_f32.astype(jnp.bfloat16),
+        "v_bf16": v_f32.astype(jnp.bfloat16),
+        "new_bf16": new.astype(jnp.bfloat16),
+        "table": jnp.asarray(table),
+        "ctx_lens": jnp.full((batch,), context, jnp.int32),
+        "num_new": jnp.ones((batch,), jnp.int32),
+        "codecs": {"k_codec": k_codec, "v_codec": v_codec},
+    }
+    del k_f32, v_f32
+    return case
+
+
+def tq_bytes(case: dict, batch: int, context: int) -> int:
+    """Bytes of packed context (codes and norms of keys and values) the rows must read."""
+    per_token = sum(a.nbytes // (a.shape[0] * a.shape[2]) for pool in ("k_pool", "v_pool") for a in case[pool].values())
+    return per_token * batch * context
+
+
+def bf16_attention(q, k_pool, v_pool, k_new, v_new, table, ctx_lens, num_new, dtype=jnp.bfloat16):
+    """The engine's path for an unquantized layer: gather the rows' pages, then the reference."""
+    b, np_ = table.shape
+
+    def gather(pool):
+        return pool[table, 0].reshape(b, np_ * pool.shape[2], *pool.shape[3:]).astype(dtype)
+
+    return paged_attention_reference(
+        q.astype(dtype), k_new.astype(dtype), v_new.astype(dtype), gather(k_pool), gather(v_pool), ctx_lens, num_new
+    )
+
+
+def run_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
+    c = make_case(batch, context, k_bits, v_bits, args)
+    tq_args = (c["q"], c["k_new"], c["v_new"], c["k_pool"], c["v_pool"], c["table"], 0, c["ctx_lens"], c["num_new"])
+    ref = np.asarray(jax.jit(lambda *a: tq_paged_attention_reference(*a, **c["codecs"]))(*tq_args))
+    result = {"batch": batch, "context": context, "k_bits": k_bits, "v_bits": v_bits}
+    result["tq_bytes"] = tq_bytes(c, batch, context)
+    result["bf16_bytes"] = 2 * batch * context * args.kv_heads * args.head_dim * 2
+    timed = {}
+
+    def check_and_time(name, fn, expected, tol):
+        out = np.asarray(jax.block_until_ready(fn()), np.float32)
+        err = float(np.max(np.abs(out - expected)))
+        if not np.isfinite(out).all() or err > tol:
+            raise SystemExit(f"{name} at {batch}x{context}, bits {k_bits}:{v_bits}: max |diff| {err:.3g} > {tol}")
+        seconds = time_call(fn, repeats=args.repeats, inner=args.inner)
+        timed[name] = {"seconds": seconds, "max_abs_diff": err}
+        print(f"  {name:>10}: {seconds * 1e6:10.1f} us   (max |diff| {err:.2e})", file=sys.stderr)
+
+    xla = jax.jit(lambda *a: tq_paged_attention_xla(*a, **c["codecs"]))
+    check_and_time("xla", lambda: xla(*tq_args), ref, 2e-3)
+    if not args.no_kernel:
+        for pps in args.pages_per_split:
+            kernel = jax.jit(lambda *a, pps=pps: tq_paged_attention(*a, pages_per_split=pps, **c["codecs"]))
+            check_and_time(f"pallas/{pps}", lambda kernel=kernel: kernel(*tq_args), ref, 2e-3)
+    bf_args = (c["q"], c["k_bf16"], c["v_bf16"], c["new_bf16"][0], c["new_bf16"][1], c["table"], c["ctx_lens"])
+    bf16 = jax.jit(bf16_attention, static_argnames="dtype")
+    bf_ref = np.asarray(bf16(*bf_args, c["num_new"], dtype=jnp.float32))
+    check_and_time("bf16", lambda: bf16(*bf_args, c["num_new"]), bf_ref, 0.05)
+    result["timings"] = timed
+    kernels = {k: v for k, v in timed.items() if k.startswith("pallas/")}
+    if kernels:
+        best = min(kernels, key=lambda k: kernels[k]["seconds"])
+        result["kernel_best"] = best
+        result["kernel_seconds"] = kernels[best]["seconds"]
+        result["kernel_speedup_vs_bf16"] = timed["bf16"]["seconds"] / kernels[best]["seconds"]
+        result["kernel_bytes_per_second"] = result["tq_bytes"] / kernels[best]["seconds"]
+    result["xla_speedup_vs_bf16"] = timed["bf16"]["seconds"] / timed["xla"]["seconds"]
+    result["bf16_bytes_per_second"] = result["bf16_bytes"] / timed["bf16"]["seconds"]
+    return result
+
+
+def record(report: dict, command: str) -> None:
+    env, bw = report["env"], report["bandwidth_bytes_per_second"]
+    for r in report["results"]:
+        t = r["timings"]
+        kernel = f"{r['kernel_seconds'] * 1e6:.1f} ({r['kernel_best']})" if "kernel_seconds" in r else "not run"
+        speed = f"{r['kernel_speedup_vs_bf16']:.2f}x" if "kernel_seconds" in r else "-"
+        gbs = (
+            f"{r['kernel_bytes_per_second'] / 1e9:.0f} ({r['kernel_bytes_per_second'] / bw:.0%} of {bw / 1e9:.0f})"
+            if "kernel_seconds" in r
+            else "-"
+        )
+        row = (
+            f"| {env['date']} | {env['device']} | {r['batch']} x {r['context']} | {r['k_bits']}:{r['v_bits']} | "
+            f"{kernel} | {t['xla']['seconds'] * 1e6:.1f} | {t['bf16']['seconds'] * 1e6:.1f} | {speed} | {gbs} | "
+            f"jax {env['jax']}, Python {env['python']} | `{command}` |\n"
+        )
+        append_row(HEADER, COLUMNS, row)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    on_cpu = jax.default_backend() == "cpu"
+    mib = args.bandwidth_mib or (256 if on_cpu else 2048)
+    bandwidth = measure_bandwidth(mib, repeats=args.repeats)
+    print(f"memory bandwidth (sum over {mib} MiB): {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
+    results = []
+    for batch, context in args.cases:
+        for k_bits, v_bits in args.bits:
+            print(f"batch {batch} x context {context}, K/V bits {k_bits}:{v_bits}", file=sys.stderr)
+            results.append(run_case(batch, context, k_bits, v_bits, args))
+    report = {
+        "env": environment(),
+        "kernel_interpreted": on_cpu,
+        "bandwidth_bytes_per_second": bandwidth,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"{'case':>14} {'bits':>5} {'kernel us':>10} {'xla us':>9} {'bf16 us':>9} {'kernel/bf16':>11} {'% bw':>6}")
+    for r in results:
+        k = r.get("kernel_seconds")
+        print(
+            f"{r['batch']:>5} x {r['context']:<6} {r['k_bits']}:{r['v_bits']:<3} "
+            f"{k * 1e6 if k else float('nan'):>10.1f} {r['timings']['xla']['seconds'] * 1e6:>9.1f} "
+            f"{r['timings']['bf16']['seconds'] * 1e6:>9.1f} {r.get('kernel_speedup_vs_bf16', float('nan')):>10.2f}x "
+            f"{r['kernel_bytes_per_second'] / bandwidth if k else float('nan'):>6.0%}"
+        )
+    if not args.no_record:
+        record(report, "python " + shlex.join(["scripts/bench_attention.py", *(argv or sys.argv[1:])]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

