@@ -67,7 +67,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     # Draft training data made by the GPU (resumable: a later call goes on where this one stopped).
     "draft": (
         [PY, "-m", "aither_jax.train_draft", "--out", ".gpu/draft-run", "--num-prompts", "768"]
-        + ["--num-chat-prompts", "979", "--num-self-prompts", "4096", "--gen-batch", "256", "--steps", "6000"]
+        + ["--num-chat-prompts", "979", "--num-self-prompts", "4096", "--gen-batch", "256", "--shard-size", "512"]
+        + ["--steps", "6000"]
         + ["--batch-seqs", "32", "--export", "{out}/draft.npz"],
         570,
         "model",
