@@ -35,6 +35,7 @@ from models.registry import DEFAULT_MODEL, MODELS, resolve_model  # noqa: E402
 # at the version installed here, so both sides run the same code.
 MISSING = ("gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types")
 MISSING += ("typing-inspection", "opentelemetry-api", "uvicorn")
+MISSING += ("typing-extensions",)  # there, but pydantic needs a recent one; it goes first on the path
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 CARRY_LIMIT = 64 << 20  # bytes one call may carry, working tree included
 
