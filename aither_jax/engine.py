@@ -19,7 +19,15 @@ from tqdm.auto import tqdm
 
 from aither_jax.sampling import SamplingBatch, SamplingParams
 from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
-from aither_jax.steps import CompileCounter, copy_pages, model_step, refill_sinks, verify_step, write_step
+from aither_jax.steps import (
+    CompileCounter,
+    copy_pages,
+    model_step,
+    refill_sinks,
+    top_log_probs,
+    verify_step,
+    write_step,
+)
 from models.config import ModelConfig
 from models.kv_cache import init_cache
 from models.kv_spec import MAX_SINK_TOKENS, parse_kv_spec
@@ -471,17 +479,25 @@ class Engine:
         return shared if shared >= MIN_SHARED_PAGES and shared * self.page_size >= self.cache.num_sinks else 0
 
     def _run(
-        self, rows: list[tuple[Sequence, list[int]]], *, return_logits: str, taps: tuple[int, ...] = ()
+        self,
+        rows: list[tuple[Sequence, list[int]]],
+        *,
+        return_logits: str,
+        taps: tuple[int, ...] = (),
+        host_logits: bool = True,
     ) -> tuple[np.ndarray, Any, Any, StepBatch]:
         """One padded call of the jitted step over (sequence, new tokens) rows: (next tokens,
-        logits by `return_logits`, tapped hidden states or None, the padded batch)."""
+        logits by `return_logits` (a device array unless `host_logits`), tapped hidden states
+        or None, the padded batch)."""
         tokens, batch, sampling, num_pages, greedy_only, shared = self._pack(
             rows, all_logits=return_logits == "all", share_prefix=True
         )
         next_tokens, logits, hidden = self._dispatch(
             tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared
         )
-        return np.asarray(next_tokens)[: len(rows)], None if logits is None else np.asarray(logits), hidden, batch
+        if logits is not None and host_logits:
+            logits = np.asarray(logits)
+        return np.asarray(next_tokens)[: len(rows)], logits, hidden, batch
 
     def _dispatch(
         self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
@@ -570,16 +586,23 @@ class Engine:
         return self.forward(ids, taps=taps, logits=False)[1]
 
     def forward(
-        self, ids: list[int], *, taps: tuple[int, ...] = (), logits: bool = True
-    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        self, ids: list[int], *, taps: tuple[int, ...] = (), logits: bool = True, top_k: int = 0
+    ) -> tuple[Any, np.ndarray | None]:
         """Runs `ids` through a temporary slot in one pass: (every position's logits [len(ids), V]
         float32 or None without `logits`, the hidden states after the layers in `taps`
-        concatenated [len(ids), len(taps) * D] or None without taps)."""
+        concatenated [len(ids), len(taps) * D] or None without taps).
+
+        With `top_k` > 0 (and `logits`) the logits stay on the device, and the first result is
+        instead the `top_k` most likely next tokens at every position with their log
+        probabilities: ([len(ids), k] int32, [len(ids), k] float32), most likely first.
+        """
         taps = tuple(taps)
         if any(not 0 <= i < self.cfg.num_layers for i in taps):
             raise ValueError(f"taps must be layer indices in [0, {self.cfg.num_layers}), got {taps!r}")
         if not taps and not logits:
             raise ValueError("nothing to return: ask for logits, taps or both")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
         if not ids:
             raise ValueError("ids is empty")
         bad = [t for t in ids if not 0 <= int(t) < self.cfg.vocab_size]
@@ -597,15 +620,24 @@ class Engine:
             while seq.num_cached < len(ids):
                 n = min(len(ids) - seq.num_cached, self.max_prefill_chunk)
                 rows = [(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])]
-                _, out, h, _ = self._run(rows, return_logits="all" if logits else "none", taps=taps)
+                _, out, h, _ = self._run(
+                    rows, return_logits="all" if logits else "none", taps=taps, host_logits=not top_k
+                )
                 if taps:
                     hidden.append(np.asarray(h[0, :n], np.float32))
                 if logits:
-                    chunks.append(np.asarray(out[0, :n]))
+                    # Over the whole padded call (bucketed shapes compile once), then the row's part.
+                    part = jax.device_get(top_log_probs(out, top_k)) if top_k else out
+                    chunks.append(tuple(a[0, :n] for a in part) if top_k else part[0, :n])
                 seq.num_cached += n
         finally:
             self.scheduler.release(seq)
-        return (np.concatenate(chunks) if logits else None), (np.concatenate(hidden) if taps else None)
+        hidden = np.concatenate(hidden) if taps else None
+        if not logits:
+            return None, hidden
+        if top_k:
+            return tuple(np.concatenate(parts) for parts in zip(*chunks, strict=True)), hidden
+        return np.concatenate(chunks), hidden
 
     @property
     def num_compiles(self) -> int:

@@ -98,6 +98,15 @@ def verify_step(
     return accepted, next_tokens, logits if return_logits else None, update, hidden
 
 
+@functools.partial(jax.jit, static_argnames=("k",))
+def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The `k` most likely next tokens at every position of `logits` [..., V] and their log
+    probabilities under the full softmax: ([..., k] int32, [..., k] float32), most likely
+    first. On the device, so only k of every V logits reach the host."""
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), min(k, logits.shape[-1]))
+    return ids.astype(jnp.int32), logp
+
+
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def write_step(cache: PagedKVCache, update: KVUpdate) -> PagedKVCache:
     """Stores a step's keys/values and lengths in place."""

@@ -46,7 +46,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.chat_prompts import all_requests, chat_prompts
-from aither_jax.eval import log_softmax
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, context_features, context_kv, init_params
 from pallas_kernels.draft_attention import draft_attention_dense
 
@@ -250,12 +249,12 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
             ids = p + o.token_ids
             seqs.append(np.asarray(ids, np.int32))
             plens.append(len(p))
-            logits, h = llm.engine.forward(ids, taps=cfg.target_layers, logits=args.teacher_top_k > 0)
+            k = args.teacher_top_k
+            top, h = llm.engine.forward(ids, taps=cfg.target_layers, logits=k > 0, top_k=k)
             hidden.append(h.astype(np.float16))
-            if args.teacher_top_k:
-                i, lp = top_log_probs(logits, args.teacher_top_k)
-                top_ids.append(i)
-                top_logp.append(lp.astype(np.float16))
+            if k:
+                top_ids.append(top[0])
+                top_logp.append(top[1].astype(np.float16))
         arrays = {
             "tokens": np.concatenate(seqs),
             "lengths": np.asarray([len(x) for x in seqs], np.int32),
@@ -269,16 +268,6 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
         os.replace(tmp, path)  # a crash never leaves a half-written shard
         log.info("wrote %s (%d sequences, %d tokens)", path, len(seqs), sum(len(x) for x in seqs))
     return shards
-
-
-def top_log_probs(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The `k` most likely next tokens at every position of `logits` [T, V] and their log
-    probabilities under the full softmax: ([T, k] int32, [T, k] float32), most likely first."""
-    logp = log_softmax(np.asarray(logits, np.float32))
-    k = min(k, logp.shape[1])
-    top = np.argpartition(-logp, k - 1, axis=1)[:, :k]
-    top = np.take_along_axis(top, np.argsort(-np.take_along_axis(logp, top, axis=1), axis=1, kind="stable"), axis=1)
-    return top.astype(np.int32), np.take_along_axis(logp, top, axis=1)
 
 
 class Dataset:

@@ -11,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from aither_jax import chat_prompts as chat_prompts_module
+from aither_jax.steps import top_log_probs
 from aither_jax.train_draft import (
     Dataset,
     build_prompts,
@@ -20,7 +21,6 @@ from aither_jax.train_draft import (
     position_weights,
     read_prompt_texts,
     self_prompts,
-    top_log_probs,
     train,
 )
 from models.draft import DraftConfig, init_params
@@ -232,14 +232,15 @@ def test_held_out_sequences_never_reach_training_batches(tmp_path):
 
 
 def test_top_log_probs_match_a_full_sort():
-    logits = np.random.default_rng(0).standard_normal((5, 40)).astype(np.float32) * 3
-    full = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-    ids, logp = top_log_probs(logits, 6)
-    np.testing.assert_array_equal(ids, np.argsort(-logits, axis=1)[:, :6])
-    np.testing.assert_allclose(logp, np.take_along_axis(full, ids, axis=1), rtol=1e-5, atol=1e-6)
-    ids, logp = top_log_probs(logits, 100)  # more than the vocabulary: all of it
-    assert ids.shape == (5, 40)
-    np.testing.assert_allclose(np.exp(logp).sum(axis=1), 1.0, rtol=1e-5)
+    logits = np.random.default_rng(0).standard_normal((2, 5, 40)).astype(np.float32) * 3
+    full = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    ids, logp = jax.device_get(top_log_probs(jnp.asarray(logits), 6))
+    assert ids.dtype == np.int32 and ids.shape == (2, 5, 6)
+    np.testing.assert_array_equal(ids, np.argsort(-logits, axis=-1)[..., :6])
+    np.testing.assert_allclose(logp, np.take_along_axis(full, ids, axis=-1), rtol=1e-5, atol=1e-6)
+    ids, logp = top_log_probs(jnp.asarray(logits), 100)  # more than the vocabulary: all of it
+    assert ids.shape == (2, 5, 40)
+    np.testing.assert_allclose(np.exp(logp).sum(axis=-1), 1.0, rtol=1e-5)
 
 
 def test_soft_labels_come_from_the_position_before_each_label(tmp_path):
@@ -319,6 +320,14 @@ def test_one_pass_gives_logits_and_tapped_hidden_states(llm_f32):
     np.testing.assert_array_equal(hidden, llm_f32.engine.hidden_states(ids, (2, 20)))
     assert hidden.shape == (len(ids), 2 * llm_f32.config.hidden_size)
     assert llm_f32.engine.forward(ids, taps=(2,), logits=False)[0] is None
+    # top_k: the k best of the same logits, chosen on the device.
+    (top_ids, top_logp), hidden_k = llm_f32.engine.forward(ids, taps=(2, 20), top_k=5)
+    np.testing.assert_array_equal(hidden_k, hidden)
+    np.testing.assert_array_equal(top_ids, np.argsort(-logits, axis=-1, kind="stable")[:, :5])
+    full = logits - np.log(np.exp(logits.astype(np.float64)).sum(axis=-1, keepdims=True))
+    np.testing.assert_allclose(top_logp, np.take_along_axis(full, top_ids, axis=-1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="top_k"):
+        llm_f32.engine.forward(ids, top_k=-1)
     with pytest.raises(ValueError, match="nothing to return"):
         llm_f32.engine.forward(ids, logits=False)
     with pytest.raises(ValueError, match="layer indices"):
