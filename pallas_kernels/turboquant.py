@@ -192,6 +192,12 @@ def unpack_planes(planes: list[jax.Array], bits: int) -> list[jax.Array]:
 # -- the codec ---------------------------------------------------------------------------------
 
 
+def _hi_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b in full float32: on GPUs the default precision is TF32, whose 10-bit mantissa
+    moves rotated coordinates by ~1e-4 and so across codebook boundaries."""
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _vectors(x: jax.Array, dim: int) -> jax.Array:
     """x as float32, checked to be vectors [..., dim]."""
     if x.shape[-1] != dim:
@@ -201,7 +207,7 @@ def _vectors(x: jax.Array, dim: int) -> jax.Array:
 
 def _qjl_encode(residual: jax.Array, matrix: np.ndarray) -> dict[str, jax.Array]:
     """The 1-bit QJL sketch of `residual` [..., d]: sign bits of S r, and |r|."""
-    projected = residual @ jnp.asarray(matrix).T
+    projected = _hi_matmul(residual, jnp.asarray(matrix).T)
     return {
         "qjl_signs": pack_bits((projected >= 0).astype(jnp.int32), 1),
         "qjl_norms": store_norms(jnp.linalg.norm(residual, axis=-1)),
@@ -220,7 +226,7 @@ def _qjl_decode(encoded: dict[str, jax.Array], matrix: np.ndarray) -> jax.Array:
     # For an orthonormal S of d rows, E|<s_i, r>| = |r| sqrt(2/pi)/sqrt(d): scaling the sign
     # vector back by sqrt(pi/2)/sqrt(d) * |r| makes inner products unbiased.
     scale = math.sqrt(math.pi / 2) / math.sqrt(d)
-    return scale * encoded["qjl_norms"].astype(jnp.float32)[..., None] * (signs @ jnp.asarray(matrix))
+    return scale * encoded["qjl_norms"].astype(jnp.float32)[..., None] * _hi_matmul(signs, jnp.asarray(matrix))
 
 
 def tq_vector_bytes(head_dim: int, bits: float, qjl: bool = False) -> int:
@@ -329,19 +335,19 @@ class TurboQuant(_Codec):
         x = _vectors(x, self.head_dim)
         norms = jnp.linalg.norm(x, axis=-1)
         u = x / jnp.maximum(norms, 1e-30)[..., None]
-        y = u @ jnp.asarray(self.rotation_matrix).T
+        y = _hi_matmul(u, jnp.asarray(self.rotation_matrix).T)
         idx = jnp.sum(y[..., None] > jnp.asarray(self.boundaries), axis=-1)  # count of boundaries below
         out = {"codes": pack_bits(idx, self.bits), "norms": store_norms(norms)}
         if self.qjl:
             out |= _qjl_encode(
-                u - jnp.asarray(self.centroids)[idx] @ jnp.asarray(self.rotation_matrix), self.qjl_matrix
+                u - _hi_matmul(jnp.asarray(self.centroids)[idx], jnp.asarray(self.rotation_matrix)), self.qjl_matrix
             )
         return out
 
     def decode(self, encoded: dict[str, jax.Array]) -> jax.Array:
         """The reconstruction x_hat [..., d] float32."""
         idx = unpack_bits(encoded["codes"], self.bits, self.head_dim)
-        u_hat = jnp.asarray(self.centroids)[idx] @ jnp.asarray(self.rotation_matrix)
+        u_hat = _hi_matmul(jnp.asarray(self.centroids)[idx], jnp.asarray(self.rotation_matrix))
         if self.qjl:
             u_hat = u_hat + _qjl_decode(encoded, self.qjl_matrix)
         return u_hat * encoded["norms"].astype(jnp.float32)[..., None]

@@ -13,17 +13,21 @@ One decode token per row attends to its context and to itself. Three ways are ti
 
 Before any timing, each TurboQuant path is checked against `tq_paged_attention_reference`
 (which decodes the pages) and bf16 against a float32 run of the same reference; the largest
-differences are in the report. A time is the median over `--repeats` of (`--inner` calls
-dispatched back to back, then one wait) / `--inner`, after a warm-up call, so compilation and
-most dispatch overhead stay out. Memory bandwidth is measured in the same run as the time of
-summing a large uint32 array (`--bandwidth-mib`); each path's effective bandwidth is the bytes
-of context it must read (codes and norms, or bf16 values) over its time.
+differences are in the report. A time is the median over `--repeats` of one jitted run of
+`--inner` calls chained back to back (each call's query depends on the previous output, so
+none is skipped or overlapped), divided by `--inner`, after a warm-up run: compilation and
+dispatch stay out. The chained calls cycle through `--copies` independent copies of the pools,
+so that at 32 x 8192 (41-54 MB of packed context, about an H100's L2) a call reads memory, not
+the cache. At 1 x 512 a call is latency-bound: launch and the combine of the splits, not bytes.
+Memory bandwidth is measured in the same run as the time of summing a large uint32 array
+(`--bandwidth-mib`); each path's effective bandwidth is the bytes of context it must read
+(codes and norms, or bf16 values) over its time.
 
 Writes JSON (`--out`) and, unless `--no-record`, one row per case and bit pair to
 docs/BENCHMARKS.md.
 
     python scripts/bench_attention.py                          # GPU: 32x8192 and 1x512
-    python scripts/bench_attention.py --cases 2x64 --repeats 2 --inner 1 --no-record   # CPU smoke
+    python scripts/bench_attention.py --cases 2x64 --repeats 2 --inner 2 --no-record   # CPU smoke
 """
 
 from __future__ import annotations
@@ -97,10 +101,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=_positive, default=3)
     p.add_argument("--group", type=_positive, default=3, help="query heads per KV head")
     p.add_argument("--page-size", type=_positive, default=16)
-    p.add_argument("--pages-per-split", type=_positive, nargs="+", default=[1, 4, 16], help="kernel split-K sizes")
+    p.add_argument("--pages-per-split", type=_positive, nargs="+", default=[4, 16, 64], help="kernel split-K sizes")
     p.add_argument("--no-kernel", action="store_true", help="skip the Pallas kernel (slow when interpreted)")
     p.add_argument("--repeats", type=_positive, default=20)
-    p.add_argument("--inner", type=_positive, default=10, help="calls dispatched per timed repeat")
+    p.add_argument("--inner", type=_positive, default=8, help="calls chained in one jitted run per timed repeat")
+    p.add_argument(
+        "--copies", type=_positive, default=4, help="pool copies the chained calls cycle through (L2 is 50-60 MB)"
+    )
     p.add_argument("--bandwidth-mib", type=_positive, default=None, help="default: 2048 on GPU, 256 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_attention.json")
@@ -135,40 +142,41 @@ def measure_bandwidth(mib: int, *, repeats: int) -> float:
 
 
 def make_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
-    """One layer's pools (TurboQuant and bf16) and a decode step's inputs."""
+    """One layer's pools, `--copies` times (TurboQuant and bf16), and a decode step's inputs."""
     rng = np.random.default_rng(args.seed)
     hkv, dh, s = args.kv_heads, args.head_dim, args.page_size
     pages_per_row = context // s
     num_pages = 1 + batch * pages_per_row  # page 0 is the allocator's null page
     table = rng.permutation(np.arange(1, num_pages)).reshape(batch, pages_per_row).astype(np.int32)
-    key = jax.random.key(args.seed)
-    kk, kv, kq, kn = jax.random.split(key, 4)
-    k_f32 = jax.random.normal(kk, (num_pages, 1, s, hkv, dh), jnp.float32) * 2
-    v_f32 = jax.random.normal(kv, (num_pages, 1, s, hkv, dh), jnp.float32)
     k_codec = TurboQuant(head_dim=dh, bits=k_bits, seed=args.seed)
     v_codec = TurboQuant(head_dim=dh, bits=v_bits, seed=args.seed + 1)
+    kq, kn, *pool_keys = jax.random.split(jax.random.key(args.seed), 2 + args.copies)
+    tq_copies, bf16_copies = [], []
+    for key in pool_keys:
+        kk, kv = jax.random.split(key)
+        k_f32 = jax.random.normal(kk, (num_pages, 1, s, hkv, dh), jnp.float32) * 2
+        v_f32 = jax.random.normal(kv, (num_pages, 1, s, hkv, dh), jnp.float32)
+        tq_copies.append((k_codec.encode(k_f32), v_codec.encode(v_f32)))
+        bf16_copies.append((k_f32.astype(jnp.bfloat16), v_f32.astype(jnp.bfloat16)))
+        del k_f32, v_f32
     new = jax.random.normal(kn, (2, batch, 1, hkv, dh), jnp.float32)
-    case = {
+    return {
         "q": jax.random.normal(kq, (batch, 1, hkv * args.group, dh), jnp.float32),
-        "k_pool": k_codec.encode(k_f32),
-        "v_pool": v_codec.encode(v_f32),
+        "tq_copies": tq_copies,
+        "bf16_copies": bf16_copies,
         "k_new": k_codec.encode(new[0] * 2),
         "v_new": v_codec.encode(new[1]),
-        "k_bf16": k_f32.astype(jnp.bfloat16),
-        "v_bf16": v_f32.astype(jnp.bfloat16),
         "new_bf16": new.astype(jnp.bfloat16),
         "table": jnp.asarray(table),
         "ctx_lens": jnp.full((batch,), context, jnp.int32),
         "num_new": jnp.ones((batch,), jnp.int32),
         "codecs": {"k_codec": k_codec, "v_codec": v_codec},
     }
-    del k_f32, v_f32
-    return case
 
 
 def tq_bytes(case: dict, batch: int, context: int) -> int:
     """Bytes of packed context (codes and norms of keys and values) the rows must read."""
-    per_token = sum(a.nbytes // (a.shape[0] * a.shape[2]) for pool in ("k_pool", "v_pool") for a in case[pool].values())
+    per_token = sum(a.nbytes // (a.shape[0] * a.shape[2]) for pool in case["tq_copies"][0] for a in pool.values())
     return per_token * batch * context
 
 
@@ -184,34 +192,56 @@ def bf16_attention(q, k_pool, v_pool, k_new, v_new, table, ctx_lens, num_new, dt
     )
 
 
+def chained(step, inner: int):
+    """A jitted run of `inner` calls of `step(q, pools)` back to back, over the pool copies in
+    turn. Each call's query depends on the previous call's output, so no call can be skipped,
+    hoisted or overlapped with the next, and the run's time over `inner` is one call's."""
+
+    @jax.jit
+    def run(q, copies):
+        out = step(q, copies[0])
+        for i in range(1, inner):
+            out = step(q + out.astype(q.dtype) * 1e-30, copies[i % len(copies)])
+        return out
+
+    return run
+
+
 def run_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
     c = make_case(batch, context, k_bits, v_bits, args)
-    tq_args = (c["q"], c["k_new"], c["v_new"], c["k_pool"], c["v_pool"], c["table"], 0, c["ctx_lens"], c["num_new"])
-    ref = np.asarray(jax.jit(lambda *a: tq_paged_attention_reference(*a, **c["codecs"]))(*tq_args))
+    q, table, ctx_lens, num_new, codecs = c["q"], c["table"], c["ctx_lens"], c["num_new"], c["codecs"]
+
+    def tq_step(impl, **knobs):
+        return lambda q, pools: impl(q, c["k_new"], c["v_new"], *pools, table, 0, ctx_lens, num_new, **codecs, **knobs)
+
+    ref = np.asarray(jax.jit(tq_step(tq_paged_attention_reference))(q, c["tq_copies"][0]))
     result = {"batch": batch, "context": context, "k_bits": k_bits, "v_bits": v_bits}
     result["tq_bytes"] = tq_bytes(c, batch, context)
     result["bf16_bytes"] = 2 * batch * context * args.kv_heads * args.head_dim * 2
     timed = {}
 
-    def check_and_time(name, fn, expected, tol):
-        out = np.asarray(jax.block_until_ready(fn()), np.float32)
+    def check_and_time(name, step, copies, expected, tol):
+        out = np.asarray(jax.jit(step)(q, copies[0]), np.float32)
         err = float(np.max(np.abs(out - expected)))
         if not np.isfinite(out).all() or err > tol:
             raise SystemExit(f"{name} at {batch}x{context}, bits {k_bits}:{v_bits}: max |diff| {err:.3g} > {tol}")
-        seconds = time_call(fn, repeats=args.repeats, inner=args.inner)
+        run = chained(step, args.inner)
+        seconds = time_call(lambda: run(q, copies), repeats=args.repeats, inner=1) / args.inner
         timed[name] = {"seconds": seconds, "max_abs_diff": err}
         print(f"  {name:>10}: {seconds * 1e6:10.1f} us   (max |diff| {err:.2e})", file=sys.stderr)
 
-    xla = jax.jit(lambda *a: tq_paged_attention_xla(*a, **c["codecs"]))
-    check_and_time("xla", lambda: xla(*tq_args), ref, 2e-3)
+    check_and_time("xla", tq_step(tq_paged_attention_xla), c["tq_copies"], ref, 2e-3)
     if not args.no_kernel:
         for pps in args.pages_per_split:
-            kernel = jax.jit(lambda *a, pps=pps: tq_paged_attention(*a, pages_per_split=pps, **c["codecs"]))
-            check_and_time(f"pallas/{pps}", lambda kernel=kernel: kernel(*tq_args), ref, 2e-3)
-    bf_args = (c["q"], c["k_bf16"], c["v_bf16"], c["new_bf16"][0], c["new_bf16"][1], c["table"], c["ctx_lens"])
-    bf16 = jax.jit(bf16_attention, static_argnames="dtype")
-    bf_ref = np.asarray(bf16(*bf_args, c["num_new"], dtype=jnp.float32))
-    check_and_time("bf16", lambda: bf16(*bf_args, c["num_new"]), bf_ref, 0.05)
+            step = tq_step(tq_paged_attention, pages_per_split=pps)
+            check_and_time(f"pallas/{pps}", step, c["tq_copies"], ref, 2e-3)
+    k_new16, v_new16 = c["new_bf16"]
+
+    def bf16_step(dtype=jnp.bfloat16):
+        return lambda q, pools: bf16_attention(q, *pools, k_new16, v_new16, table, ctx_lens, num_new, dtype=dtype)
+
+    bf_ref = np.asarray(jax.jit(bf16_step(jnp.float32))(q, c["bf16_copies"][0]), np.float32)
+    check_and_time("bf16", bf16_step(), c["bf16_copies"], bf_ref, 0.05)
     result["timings"] = timed
     kernels = {k: v for k, v in timed.items() if k.startswith("pallas/")}
     if kernels:

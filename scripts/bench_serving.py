@@ -38,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -80,11 +81,14 @@ class Server(contextlib.AbstractContextManager):
         cmd = [sys.executable, "-m", "aither_jax.serve", "--model", args.model, "--port", str(self.port)]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs", str(args.max_num_seqs)]
         cmd += ["--max-model-len", str(args.max_model_len), "--max-queue", "256", "--log-level", "warning", *flags]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe would stall it.
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -104,6 +108,7 @@ class Server(contextlib.AbstractContextManager):
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 # -- the load generator -----------------------------------------------------------------------

@@ -29,6 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from gpu_check import CALLS, call_command  # noqa: E402
+
 from models.registry import DEFAULT_MODEL, MODELS, resolve_model  # noqa: E402
 
 # Missing on the GPU machine (its package list: /work/.library/device/KINDS.md); each goes
@@ -53,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def download_wheels(dest: pathlib.Path) -> list[pathlib.Path]:
     dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):  # two versions of one package would stop the install there
+        old.unlink()
     specs = [f"{name}=={importlib.metadata.version(name)}" for name in MISSING]
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
     cmd += ["--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]
@@ -104,17 +108,18 @@ def main(argv=None) -> int:
     print(f"{len(wheels)} wheels + model.json in {setup} ({setup_bytes / 2**20:.1f} MiB)")
     print(f"model cut into {args.parts} parts of <= {part_bytes / 2**20:.1f} MiB in {args.dir}")
     first = tree + setup_bytes + part_bytes
-    print(f"working tree {tree / 2**20:.1f} MiB; the first call carries {first / 2**20:.1f} MiB of 64")
+    print(f"working tree {tree / 2**20:.1f} MiB; a call carries {first / 2**20:.1f} MiB of 64")
     if first > CARRY_LIMIT:
         print("too much for one call: raise --parts", file=sys.stderr)
         return 1
     rel = args.dir.relative_to(ROOT) if args.dir.is_relative_to(ROOT) else args.dir
     print("\nDevice calls, back to back (the machine stays warm for 30 s after each):")
-    for i in range(args.parts):
-        carry = [f"{rel}/setup"] if i == 0 else []
-        carry.append(f"{rel}/model_{i + 1}")
-        print(f"  {i + 1}. carry {carry}: python3 scripts/gpu_check.py setup && python3 scripts/gpu_check.py run ...")
-    print("See docs/GPU_CHECKS.md for the stages each call runs.")
+    calls = CALLS + [[]] * max(0, args.parts - len(CALLS))  # more parts than calls: setup-only calls
+    for i, stages in enumerate(calls):
+        carry = [f"{rel}/setup"] + ([f"{rel}/model_{i + 1}"] if i < args.parts else [])
+        command = call_command(stages) if stages else "python3 scripts/gpu_check.py setup"
+        print(f"  {i + 1}. carry {carry}:\n     {command}")
+    print("docs/GPU_CHECKS.md says what each stage does.")
     return 0
 
 

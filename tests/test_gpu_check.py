@@ -62,7 +62,7 @@ def test_setup_refuses_a_corrupted_part(gpu_dir, capsys):
 
 
 def test_run_goes_on_past_failures_and_timeouts(gpu_dir, tmp_path, monkeypatch, capsys):
-    tiny = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "1"]
+    tiny = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "2"]
     tiny += ["--bandwidth-mib", "1", "--page-size", "8", "--no-record", "--out", "{out}/attention.json"]
     stages = {
         "fails": ([PY, "-c", "import sys; print('bad'); sys.exit(3)"], 60, ""),
@@ -139,3 +139,28 @@ def test_headlines_pick_the_goal_figures():
     conc = [{"concurrency": 1, "throughput_tok_s": 100.0}, {"concurrency": 16, "throughput_tok_s": 450.0}]
     serving = {"concurrency": conc, "shared_prefix": {"ttft_speedup": 7.25}}
     assert gpu_check.headline("serving", serving) == "4.5x tok/s at 16 vs 1 in flight; shared-prefix TTFT 7.2x"
+
+
+def test_the_budget_skips_what_it_cannot_fit_and_a_timeout_ends_the_whole_stage(monkeypatch, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    spawn = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    stages = {"spawns": ([PY, "-c", spawn], 3, ""), "next": ([PY, "-c", "pass"], 60, "")}
+    monkeypatch.setattr(gpu_check, "STAGES", stages)
+    out = tmp_path / "out"
+    assert gpu_check.run(list(stages), out, {}, budget=52) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary[0]["status"] == "timed out after 3 s"
+    assert summary[1]["status"] == "skipped: out of budget"  # 52 - 3 - 5 s left: under the 45 s minimum
+    status = pathlib.Path(f"/proc/{pid_file.read_text()}/status")
+    assert not status.exists() or "zombie" in status.read_text()  # the stage's own child went too
+
+
+def test_the_documented_calls_are_the_runners():
+    doc = (ROOT / "docs" / "GPU_CHECKS.md").read_text()
+    for stages in gpu_check.CALLS:
+        assert f"`{gpu_check.call_command(stages)}`" in doc
+        assert set(stages) <= set(gpu_check.STAGES)

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
 import bench_attention  # noqa: E402
 
-TINY = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "1"]
-TINY += ["--bandwidth-mib", "1", "--page-size", "8", "--no-record"]
+TINY = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "2"]
+TINY += ["--copies", "2", "--bandwidth-mib", "1", "--page-size", "8", "--no-record"]
 
 
 def test_tiny_run_reports_every_path(tmp_path):
@@ -26,6 +26,18 @@ def test_tiny_run_reports_every_path(tmp_path):
     assert r["tq_bytes"] == 2 * 32 * 3 * ((3 + 2) * 64 // 8 + 2 * 2)
     assert r["bf16_bytes"] == 2 * 32 * 3 * 64 * 2 * 2
     assert report["bandwidth_bytes_per_second"] > 0
+
+
+def test_chained_calls_cycle_the_copies_and_depend_on_each_other():
+    def step(q, pools):
+        return q + pools
+
+    copies = (jnp.float32(1e30), jnp.float32(5))
+    q = jnp.float32(0)
+    # 2 calls: copy 0 gives 1e30, whose 1e-30 share (1) feeds the call on copy 1: 1 + 5.
+    assert abs(float(bench_attention.chained(step, 2)(q, copies)) - 6) < 1e-5
+    # A third call is back on copy 0.
+    assert float(bench_attention.chained(step, 3)(q, copies)) == pytest.approx(1e30, rel=1e-6)
 
 
 def test_a_wrong_path_stops_before_timing(monkeypatch, tmp_path):
