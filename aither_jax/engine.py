@@ -626,18 +626,17 @@ class Engine:
                 if taps:
                     hidden.append(np.asarray(h[0, :n], np.float32))
                 if logits:
-                    # Over the whole padded call (bucketed shapes compile once), then the row's part.
-                    part = jax.device_get(top_log_probs(out, top_k)) if top_k else out
-                    chunks.append(tuple(a[0, :n] for a in part) if top_k else part[0, :n])
+                    # Top-k over the whole padded call (bucketed shapes compile once), then the row's part.
+                    parts = jax.device_get(top_log_probs(out, top_k)) if top_k else (out,)
+                    chunks.append([a[0, :n] for a in parts])
                 seq.num_cached += n
         finally:
             self.scheduler.release(seq)
         hidden = np.concatenate(hidden) if taps else None
         if not logits:
             return None, hidden
-        if top_k:
-            return tuple(np.concatenate(parts) for parts in zip(*chunks, strict=True)), hidden
-        return np.concatenate(chunks), hidden
+        joined = tuple(np.concatenate(parts) for parts in zip(*chunks, strict=True))
+        return (joined if top_k else joined[0]), hidden
 
     @property
     def num_compiles(self) -> int:

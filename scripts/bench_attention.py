@@ -259,13 +259,12 @@ def record(report: dict, command: str) -> None:
     env, bw = report["env"], report["bandwidth_bytes_per_second"]
     for r in report["results"]:
         t = r["timings"]
-        kernel = f"{r['kernel_seconds'] * 1e6:.1f} ({r['kernel_best']})" if "kernel_seconds" in r else "not run"
-        speed = f"{r['kernel_speedup_vs_bf16']:.2f}x" if "kernel_seconds" in r else "-"
-        gbs = (
-            f"{r['kernel_bytes_per_second'] / 1e9:.0f} ({r['kernel_bytes_per_second'] / bw:.0%} of {bw / 1e9:.0f})"
-            if "kernel_seconds" in r
-            else "-"
-        )
+        kernel, speed, gbs = "not run", "-", "-"
+        if "kernel_seconds" in r:
+            kbs = r["kernel_bytes_per_second"]
+            kernel = f"{r['kernel_seconds'] * 1e6:.1f} ({r['kernel_best']})"
+            speed = f"{r['kernel_speedup_vs_bf16']:.2f}x"
+            gbs = f"{kbs / 1e9:.0f} ({kbs / bw:.0%} of {bw / 1e9:.0f})"
         row = (
             f"| {env['date']} | {env['device']} | {r['batch']} x {r['context']} | {r['k_bits']}:{r['v_bits']} | "
             f"{kernel} | {t['xla']['seconds'] * 1e6:.1f} | {t['bf16']['seconds'] * 1e6:.1f} | {speed} | {gbs} | "
