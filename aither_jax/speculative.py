@@ -36,6 +36,7 @@ from models.config import ModelConfig
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, cast_params, context_features, context_kv
 from models.draft_io import load_draft
 from models.kv_cache import NULL_PAGE
+from models.llama import vocab_logits
 from pallas_kernels.draft_attention import draft_attention, draft_attention_reference
 from pallas_kernels.unmask import confidence_unmask, confidence_unmask_reference
 
@@ -229,12 +230,12 @@ def write_context(
 def propose_block(
     params: DraftParams,
     embed: jax.Array,  # [V, D]
-    lm_head: jax.Array,  # [D, V]
+    lm_head: jax.Array,  # [V, D]
     pools: DraftPools,
     table: jax.Array,  # [B, NP] int32 pages to read
     ctx_lens: jax.Array,  # [B] int32 context tokens in the draft cache (= the target's cached length)
     last: jax.Array,  # [B] int32 the last committed token (block position 0)
-    vocab: jax.Array | None,  # [Vd] int32 token ids of lm_head's columns; None: all, in order
+    vocab: jax.Array | None,  # [Vd] int32 token ids of lm_head's rows; None: all, in order
     *,
     cfg: DraftConfig,
     schedule: tuple[int, ...],  # masked positions revealed per denoising step
@@ -259,7 +260,7 @@ def propose_block(
 
     for count in schedule:
         h = block_forward(params, cfg, embed, tokens, positions, attend)
-        logits = jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)  # [B, size, V]
+        logits = vocab_logits(h, lm_head)  # [B, size, V]
         conf = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if vocab is not None:
@@ -278,7 +279,7 @@ class DFlashProposer:
         *,
         model_name: str,
         embed: jax.Array,
-        lm_head: jax.Array,  # [D, V] the target's
+        lm_head: jax.Array,  # [V, D] the target's
         num_pages: int,
         page_size: int,
         kernels: bool,
@@ -302,7 +303,7 @@ class DFlashProposer:
         self.embed = embed
         # The draft's head: the target's LM head restricted to the draft's token list.
         self.vocab = None if vocab is None else jnp.asarray(vocab)
-        self.lm_head = lm_head if vocab is None else jnp.asarray(lm_head[:, vocab])
+        self.lm_head = lm_head if vocab is None else jnp.asarray(lm_head[vocab])
         self.kernels = kernels
         shape = (self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.pools = DraftPools(jnp.zeros(shape, embed.dtype), jnp.zeros(shape, embed.dtype))

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from aither_jax.chat_prompts import all_requests, chat_prompts
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, context_features, context_kv, init_params
+from models.llama import vocab_logits
 from pallas_kernels.draft_attention import draft_attention_dense
 
 log = logging.getLogger("aither_jax.train_draft")
@@ -366,7 +367,7 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
 def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, weights, inverse=None, soft_weight=0.0):
     """Weighted cross-entropy at masked positions, plus metrics (accuracy, expected tau).
 
-    `lm_head` holds the draft's columns; `inverse` [V] maps a token id to its column (-1 when
+    `lm_head` [Vd, D] holds the draft's rows; `inverse` [V] maps a token id to its row (-1 when
     the draft cannot produce it: such labels count as wrong and carry no loss). With
     `soft_weight` w > 0 the per-position loss is (1 - w) x cross-entropy with the target's greedy
     token + w x cross-entropy with the target's own next-token distribution (its top-k, within
@@ -386,7 +387,7 @@ def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, wei
         return draft_attention_dense(q, k, v, k_ctx[i][seq_of_row], v_ctx[i][seq_of_row], ctx_lens)
 
     h = block_forward(params, cfg, embed, inputs, pos.reshape(n * a, b), attend)[:, 1:]
-    logits = jnp.matmul(h, lm_head, preferred_element_type=jnp.float32)  # [R, B-1, V]
+    logits = vocab_logits(h, lm_head)  # [R, B-1, V]
     target = labels.reshape(n * a, b)[:, 1:]
     if inverse is not None:
         target = inverse[target]
@@ -454,7 +455,7 @@ def train(
     weights = jnp.asarray(position_weights(cfg.block_size, args.gamma))
     inverse = None
     if vocab is not None:
-        lm_head = jnp.asarray(lm_head)[:, vocab]
+        lm_head = jnp.asarray(lm_head)[vocab]
         inverse = jnp.full(cfg.vocab_size, -1, jnp.int32).at[vocab].set(jnp.arange(len(vocab), dtype=jnp.int32))
 
     @jax.jit

@@ -38,7 +38,7 @@ class ModelWeights:
     embed: jax.Array  # [V, D]
     layers: tuple[LayerWeights, ...]  # one pytree per block, in order
     final_norm: jax.Array  # [D] float32
-    lm_head: jax.Array  # [D, V]; a transposed copy of the embedding when the two are tied
+    lm_head: jax.Array  # [V, D]; the embedding itself when the two are tied (see models.llama.vocab_logits)
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -133,9 +133,6 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
     embed_np = get("token_embd.weight")
     embed = dev(embed_np, jdtype)
     final_norm = dev(get("output_norm.weight"), jnp.float32)
-    # Tied heads get their own [D, V] copy: multiplying by the [V, D] embedding made XLA
-    # transpose and copy the whole matrix on every step (the embedding's layout serves the
-    # row gather of the lookup).
-    lm_head = dev((embed_np if cfg.tie_embeddings else get("output.weight")).T, jdtype)
+    lm_head = embed if cfg.tie_embeddings else dev(get("output.weight"), jdtype)
     bar.close()
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)

@@ -280,13 +280,12 @@ def ours_weights_from_hf_state(state: dict[str, np.ndarray], cfg: ModelConfig, d
         )
 
     layers = tuple(layer(f"model.layers.{i}.") for i in range(cfg.num_layers))
-    head = state["model.embed_tokens.weight"] if cfg.tie_embeddings else state["lm_head.weight"]
-    lm_head = jnp.asarray(head.T, dtype=jdtype)
+    embed = jnp.asarray(state["model.embed_tokens.weight"], dtype=jdtype)
     return ModelWeights(
-        embed=jnp.asarray(state["model.embed_tokens.weight"], dtype=jdtype),
+        embed=embed,
         layers=layers,
         final_norm=jnp.asarray(state["model.norm.weight"], dtype=jnp.float32),
-        lm_head=lm_head,
+        lm_head=embed if cfg.tie_embeddings else jnp.asarray(state["lm_head.weight"], dtype=jdtype),
     )
 
 

@@ -82,7 +82,7 @@ def test_tiny_run_learns_resumes_and_exports(tmp_path):
     data.hold_out(0.2, seed=0)
     key = jax.random.PRNGKey(0)
     embed = jax.random.normal(key, (V, D)) * 0.5
-    lm_head = embed.T
+    lm_head = embed
     final_norm = jnp.ones(D)
 
     params = train(_args(tmp_path, 80, stop_after=40), cfg, data, embed, lm_head, final_norm, tmp_path)
@@ -127,7 +127,7 @@ def test_draft_vocabulary_subset_trains_and_round_trips(tmp_path):
     counts = np.bincount(data.tokens[data.tokens > 0], minlength=V)
     assert counts[vocab].sum() >= np.sort(counts)[::-1][:16].sum() * 0.9  # the frequent ids
     embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
-    params = train(_args(tmp_path, 30), cfg, data, embed, embed.T, jnp.ones(D), tmp_path, vocab)
+    params = train(_args(tmp_path, 30), cfg, data, embed, embed, jnp.ones(D), tmp_path, vocab)
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"]
     save_draft(tmp_path / "d.npz", cfg, params, vocab=vocab)
@@ -276,7 +276,7 @@ def test_soft_loss_is_the_teacher_weighted_mix_of_hard_losses(tmp_path):
     batch["top_log_probs"] = jnp.broadcast_to(jnp.log(jnp.asarray([0.56, 0.24, 0.2])), shape)
     embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
     params = init_params(cfg, jax.random.PRNGKey(1), final_norm=jnp.ones(D))
-    kw = dict(cfg=cfg, embed=embed, lm_head=embed.T[:, vocab], weights=jnp.asarray(position_weights(6, 7.0)))
+    kw = dict(cfg=cfg, embed=embed, lm_head=embed[vocab], weights=jnp.asarray(position_weights(6, 7.0)))
 
     def hard(label):  # every label position of each block (one anchor per sequence) set to `label`
         n = jnp.arange(6)[:, None]
@@ -297,9 +297,9 @@ def test_soft_weight_trains_on_stored_soft_labels(tmp_path):
     embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
     hard_only = Dataset([_shard(tmp_path / "h.npz", rng)], max_len=48, block_size=cfg.block_size)
     with pytest.raises(ValueError, match="--teacher-top-k"):  # the default weight needs soft labels
-        train(parse_args(["--out", str(tmp_path)]), cfg, hard_only, embed, embed.T, jnp.ones(D), tmp_path)
+        train(parse_args(["--out", str(tmp_path)]), cfg, hard_only, embed, embed, jnp.ones(D), tmp_path)
     data = Dataset([_shard(tmp_path / "s0.npz", rng, top_k=4)], max_len=48, block_size=cfg.block_size)
-    train(_args(tmp_path, 40, soft_weight=0.5), cfg, data, embed, embed.T, jnp.ones(D), tmp_path)
+    train(_args(tmp_path, 40, soft_weight=0.5), cfg, data, embed, embed, jnp.ones(D), tmp_path)
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < 0.8 * log[0]["loss"] and log[-1]["accuracy"] > log[0]["accuracy"]
 
