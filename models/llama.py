@@ -70,10 +70,10 @@ def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     """Float32 logits [..., V] of hidden states x [..., D] under an LM head stored [V, D].
 
     The product is taken as head @ x^T ([V, N]) and transposed. The [V, D] layout is the
-    embedding's, so a tied head needs no second copy. It also suits XLA's CPU matmul: with 8
-    rows, SmolLM2's 49,152 x 576 head takes ~11 ms this way against ~19 ms as x @ [D, V] (16
-    rows: ~15 against ~24 ms; one row: ~4 ms either way). Written as x @ head.T instead, XLA
-    copies the transposed head on every call.
+    embedding's, so a tied head needs no second copy. It also suits XLA's CPU matmul: with
+    4-32 rows, SmolLM2's 49,152 x 576 head runs ~1.7x faster this way than as x @ [D, V], and
+    one row takes the same time (docs/BENCHMARKS.md, decode section). Written as
+    x @ head.T instead, XLA copies the transposed head on every call.
     """
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(head.dtype)
