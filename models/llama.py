@@ -167,7 +167,7 @@ def forward(
     ctx_lens = batch.start - shared_len  # stored tokens per row past the shared pages
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
 
-    transposed = _transposed_stream(b * t, weights.embed.dtype)
+    transposed = b * t <= TRANSPOSED_MAX_TOKENS
     x = _to_stream(weights.embed[tokens].reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
     new_k, new_v, sink_k, sink_v, tapped = [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
@@ -264,14 +264,6 @@ def forward(
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 
-def _transposed_stream(num_tokens: int, dtype) -> bool:
-    """Whether a call runs its layers on the transposed stream: float32 calls of at most
-    TRANSPOSED_MAX_TOKENS tokens. (XLA's CPU runtime rejects some bf16 x bf16 -> f32 products
-    of the transposed form inside the model, and bf16 is the GPU default, where the layout
-    was not measured.)"""
-    return num_tokens <= TRANSPOSED_MAX_TOKENS and jnp.dtype(dtype) == jnp.float32
-
-
 def _to_stream(x: jax.Array, transposed: bool) -> jax.Array:
     """Rows [N, D] to the residual stream's layout, or back (the same transpose)."""
     return x.T if transposed else x
@@ -330,7 +322,7 @@ def queries_and_keys(weights: ModelWeights, tokens: jax.Array, *, cfg: ModelConf
     t = tokens.shape[0]
     cos, sin = rope_tables(jnp.arange(t, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_base)
     zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
-    transposed = _transposed_stream(t, weights.embed.dtype)
+    transposed = t <= TRANSPOSED_MAX_TOKENS
     x = _to_stream(weights.embed[tokens], transposed)
     empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), x.dtype)
     queries, keys = [], []
