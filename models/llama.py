@@ -269,9 +269,7 @@ def _to_stream(x: jax.Array, transposed: bool) -> jax.Array:
     return x.T if transposed else x
 
 
-def _attention_inputs(
-    x: jax.Array, lw: LayerWeights, cfg: ModelConfig, cos: jax.Array, sin: jax.Array, b: int, transposed: bool
-):
+def _attention_inputs(x: jax.Array, lw: LayerWeights, cfg: ModelConfig, cos, sin, b: int, transposed: bool):
     """One layer's q [B, T, Hq, Dh] and k [B, T, Hkv, Dh] after RoPE, and v [B, T, Hkv, Dh],
     from the residual stream x ([B T, D], or [D, B T] when `transposed`)."""
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps, axis=0 if transposed else -1)
