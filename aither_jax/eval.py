@@ -537,6 +537,26 @@ def timed_decode(llm, ids: list[list[int]], params, batch_size: int) -> tuple[li
     return outs, time.perf_counter() - t0
 
 
+# Logit gaps (nats) below which two greedy runs may part for float rounding alone: a verify
+# pass computes many tokens per call where plain decoding computes one, XLA's CPU matmuls sum
+# in a different order for different row counts, and the last bit of a key can flip its bf16
+# or codebook rounding.
+NEAR_TIE_NATS = 0.01
+
+
+def divergence_gap(llm, plain, spec) -> float | None:
+    """The target's logit gap (nats) between the plain and the speculative token where two
+    greedy outputs first differ, from one forward pass over their shared prefix; 0.0 when
+    they are identical, None when one output is a prefix of the other (one stopped early)."""
+    if plain.token_ids == spec.token_ids:
+        return 0.0
+    i = next((j for j, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids, strict=False)) if a != b), None)
+    if i is None:
+        return None
+    logits = llm.logits(plain.prompt_token_ids + plain.token_ids[:i])[-1]
+    return float(abs(logits[plain.token_ids[i]] - logits[spec.token_ids[i]]))
+
+
 def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, float]) -> dict:
     """Decodes `ids` speculatively and compares with the plain `baseline` (outputs, seconds)."""
     llm.generate(ids[:batch_size], params, use_tqdm=False)  # compiles; its passes do not count
@@ -552,6 +572,9 @@ def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, flo
     base_tokens = sum(len(o.token_ids) for o in base_outs)
     spec_tokens = sum(len(o.token_ids) for o in spec_outs)
     spec = llm.engine.speculative
+    gaps = None
+    if params.temperature == 0:
+        gaps = [divergence_gap(llm, a, b) for a, b in zip(base_outs, spec_outs, strict=True)]
     return {
         "speculative": spec.method,
         "block_size": llm.engine.num_speculative_tokens + 1,
@@ -565,6 +588,9 @@ def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, flo
         "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         "identical_outputs": sum(a.token_ids == b.token_ids for a, b in zip(base_outs, spec_outs, strict=True)),
+        # Greedy only: the largest logit gap where an output parted from plain decoding (None
+        # if one stopped early); up to NEAR_TIE_NATS it is float rounding, not a lost token.
+        "max_divergence_gap": None if gaps is None or None in gaps else max(gaps),
         "spec_tokens": spec_tokens,
         "baseline_tokens": base_tokens,
         "spec_seconds": round(spec_s, 3),
@@ -629,6 +655,11 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
         f"drafts {r['num_drafts']}, draft tokens {r['num_draft_tokens']}, accepted {r['num_accepted_tokens']} "
         f"({100 * r['acceptance_rate']:.1f}%); identical outputs {r['identical_outputs']}/{r['num_prompts']}"
     )
+    if r["identical_outputs"] < r["num_prompts"] and r["max_divergence_gap"] is not None:
+        tie = "a near-tie (float rounding)" if r["max_divergence_gap"] <= NEAR_TIE_NATS else "NOT a near-tie"
+        print(
+            f"outputs part where the target's top choices differ by at most {r['max_divergence_gap']:.4f} nats: {tie}"
+        )
     print(
         f"speculative {r['spec_tokens_per_second']:.1f} tok/s vs plain {r['baseline_tokens_per_second']:.1f} tok/s: "
         f"{r['speedup']:.2f}x"

@@ -40,10 +40,11 @@ class StepBatch:
     num_new: jax.Array  # [B] int32 valid new tokens in the row (0 for padding rows)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, axis: int = -1) -> jax.Array:
+    """RMSNorm of the vectors laid along `axis` (the last, or 0 for a transposed stream [D, N])."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight).astype(x.dtype)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
+    return (x32 * jnp.expand_dims(weight, tuple(range(1, x.ndim - axis % x.ndim)))).astype(x.dtype)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
@@ -62,8 +63,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.matmul(x, w, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+# Token counts (rows x tokens per row) up to which a step runs its layers on the transposed
+# residual stream [D, N]. XLA's CPU matmul is much faster as W [out, in] @ h^T [in, N] with few
+# columns: SmolLM2's 30 layers' products take ~40 ms for 16 rows this way against ~62 ms as
+# h @ W^T (docs/BENCHMARKS.md, decode section). From 128 rows up the transposed form is the
+# slower one, so larger calls (prefill chunks) keep the usual [N, D] rows and h @ W^T.
+TRANSPOSED_MAX_TOKENS = 64
+
+
+def linear(h: jax.Array, w: jax.Array, *, transposed: bool) -> jax.Array:
+    """h [N, in] times a weight stored [out, in] -> [N, out]; with `transposed`, h [in, N] -> [out, N]."""
+    a, b, dims = (w, h, ((1,), (0,))) if transposed else (h, w, ((1,), (1,)))
+    out = jax.lax.dot_general(
+        a, b, (dims, ((), ())), precision=dot_precision(h.dtype), preferred_element_type=jnp.float32
+    )
+    return out.astype(h.dtype)
 
 
 def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
@@ -153,11 +167,12 @@ def forward(
     ctx_lens = batch.start - shared_len  # stored tokens per row past the shared pages
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
 
-    x = weights.embed[tokens]  # [B, T, D]
+    transposed = _transposed_stream(b * t, weights.embed.dtype)
+    x = _to_stream(weights.embed[tokens].reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
     new_k, new_v, sink_k, sink_v, tapped = [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
-            q, k, v = _attention_inputs(x, lw, cfg, cos, sin)
+            q, k, v = _attention_inputs(x, lw, cfg, cos, sin, b, transposed)
             if cache.key_transform is not None:  # the -pc formats: q . k unchanged, keys reshaped
                 q, k = _transform_query_key(q, k, cache.query_transform[idx], cache.key_transform[idx])
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
@@ -221,13 +236,14 @@ def forward(
                     prefix = shared_prefix_attention(q, k_sh[0, skip:], v_sh[0, skip:], shared_len - skip)
             if shared_pages:
                 attn = merge_attention([attn, prefix] + ([sinks.attend(q)] if sinks is not None else []))
-            x = _mlp_block(x + _matmul(attn.reshape(b, t, cfg.q_size), lw.wo), lw, cfg)
+            x = _mlp_block(_attention_output(x, attn, lw, transposed), lw, cfg, transposed)
             new_k.append(k_store)
             new_v.append(v_store)
             if idx in taps:
-                tapped.append(x)
+                tapped.append(_to_stream(x, transposed).reshape(b, t, -1))
 
-    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    x = _to_stream(rms_norm(x, weights.final_norm, cfg.rms_norm_eps, axis=0 if transposed else -1), transposed)
+    x = x.reshape(b, t, -1)
     if not all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
@@ -248,21 +264,45 @@ def forward(
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 
-def _attention_inputs(x: jax.Array, lw: LayerWeights, cfg: ModelConfig, cos: jax.Array, sin: jax.Array):
-    """One layer's q [B, T, Hq, Dh] and k [B, T, Hkv, Dh] after RoPE, and v [B, T, Hkv, Dh]."""
-    b, t = x.shape[:2]
-    h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-    q, k, v = jnp.split(_matmul(h, lw.wqkv), [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+def _transposed_stream(num_tokens: int, dtype) -> bool:
+    """Whether a call runs its layers on the transposed stream: float32 calls of at most
+    TRANSPOSED_MAX_TOKENS tokens on CPU. (XLA's CPU runtime rejects some bf16 x bf16 -> f32
+    products of the transposed form inside the model; GPU matmuls read either operand
+    transposed in place, so there the layout buys nothing.)"""
+    return num_tokens <= TRANSPOSED_MAX_TOKENS and jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
+
+
+def _to_stream(x: jax.Array, transposed: bool) -> jax.Array:
+    """Rows [N, D] to the residual stream's layout, or back (the same transpose)."""
+    return x.T if transposed else x
+
+
+def _attention_inputs(
+    x: jax.Array, lw: LayerWeights, cfg: ModelConfig, cos: jax.Array, sin: jax.Array, b: int, transposed: bool
+):
+    """One layer's q [B, T, Hq, Dh] and k [B, T, Hkv, Dh] after RoPE, and v [B, T, Hkv, Dh],
+    from the residual stream x ([B T, D], or [D, B T] when `transposed`)."""
+    h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps, axis=0 if transposed else -1)
+    qkv = _to_stream(linear(h, lw.wqkv, transposed=transposed), transposed).reshape(b, -1, lw.wqkv.shape[0])
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    t = qkv.shape[1]
     q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
     return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
 
 
-def _mlp_block(x: jax.Array, lw: LayerWeights, cfg: ModelConfig) -> jax.Array:
+def _attention_output(x: jax.Array, attn: jax.Array, lw: LayerWeights, transposed: bool) -> jax.Array:
+    """The residual stream plus the output projection of attention [B, T, Hq, Dh]."""
+    rows = attn.reshape(-1, lw.wo.shape[1])
+    return x + linear(_to_stream(rows, transposed), lw.wo, transposed=transposed)
+
+
+def _mlp_block(x: jax.Array, lw: LayerWeights, cfg: ModelConfig, transposed: bool) -> jax.Array:
     """The residual stream after one layer's SwiGLU block."""
-    h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-    gate, up = jnp.split(_matmul(h, lw.w_gate_up), 2, axis=-1)
-    return x + _matmul(jax.nn.silu(gate) * up, lw.w_down)
+    axis = 0 if transposed else -1
+    h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps, axis=axis)
+    gate, up = jnp.split(linear(h, lw.w_gate_up, transposed=transposed), 2, axis=axis)
+    return x + linear(jax.nn.silu(gate) * up, lw.w_down, transposed=transposed)
 
 
 def _transform_query_key(q: jax.Array, k: jax.Array, q_mat: jax.Array, k_mat: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -290,13 +330,14 @@ def queries_and_keys(weights: ModelWeights, tokens: jax.Array, *, cfg: ModelConf
     t = tokens.shape[0]
     cos, sin = rope_tables(jnp.arange(t, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_base)
     zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
-    x = weights.embed[tokens][None]
+    transposed = _transposed_stream(t, weights.embed.dtype)
+    x = _to_stream(weights.embed[tokens], transposed)
     empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), x.dtype)
     queries, keys = [], []
     for lw in weights.layers:
-        q, k, v = _attention_inputs(x, lw, cfg, cos, sin)
+        q, k, v = _attention_inputs(x, lw, cfg, cos, sin, 1, transposed)
         attn = paged_attention_reference(q, k, v, empty, empty, zero, length)
-        x = _mlp_block(x + _matmul(attn.reshape(1, t, cfg.q_size), lw.wo), lw, cfg)
+        x = _mlp_block(_attention_output(x, attn, lw, transposed), lw, cfg, transposed)
         queries.append(q[0])
         keys.append(k[0])
     return jnp.stack(queries), jnp.stack(keys)

@@ -2,9 +2,10 @@
 
 Each block keeps its own arrays (no per_layer [L, ...] leaves): under `lax.scan`, XLA's CPU
 backend copies a layer's slice out of a per_layer weight before every matmul, doubling the
-bytes a memory-bound decode step moves. Matrices are stored [in, out] so activations multiply on the
-left; the query/key/value projections and the gate/up projections are fused into one matrix
-each, which halves the number of matmul launches per layer.
+bytes a memory-bound decode step moves. Matrices are stored [out, in], as GGUF stores them;
+models.llama.linear multiplies them from either side of the residual stream. The query/key/value
+projections and the gate/up projections are fused into one matrix each, which halves the
+number of matmul launches per layer.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ class LayerWeights:
     """One transformer block's weights."""
 
     attn_norm: jax.Array  # [D] float32
-    wqkv: jax.Array  # [D, (Hq + 2 Hkv) Dh]
-    wo: jax.Array  # [Hq Dh, D]
+    # Projections are stored [out, in], as GGUF and HF store them (see models.llama.linear).
+    wqkv: jax.Array  # [(Hq + 2 Hkv) Dh, D]
+    wo: jax.Array  # [D, Hq Dh]
     mlp_norm: jax.Array  # [D] float32
-    w_gate_up: jax.Array  # [D, 2 F]
-    w_down: jax.Array  # [F, D]
+    w_gate_up: jax.Array  # [2 F, D]
+    w_down: jax.Array  # [D, F]
 
 
 @struct.dataclass
@@ -116,11 +118,11 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
         k = unpermute_rope_rows(get(p + "attn_k.weight"), cfg.num_kv_heads)
         v = get(p + "attn_v.weight")
         per_layer["attn_norm"].append(get(p + "attn_norm.weight"))
-        per_layer["wqkv"].append(np.concatenate([q, k, v], axis=0).T)
-        per_layer["wo"].append(get(p + "attn_output.weight").T)
+        per_layer["wqkv"].append(np.concatenate([q, k, v], axis=0))
+        per_layer["wo"].append(get(p + "attn_output.weight"))
         per_layer["mlp_norm"].append(get(p + "ffn_norm.weight"))
-        per_layer["w_gate_up"].append(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0).T)
-        per_layer["w_down"].append(get(p + "ffn_down.weight").T)
+        per_layer["w_gate_up"].append(np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0))
+        per_layer["w_down"].append(get(p + "ffn_down.weight"))
 
     def dev(x: np.ndarray, dt) -> jax.Array:
         return jnp.asarray(x, dtype=dt)

@@ -257,14 +257,14 @@ def random_hf_state(cfg: ModelConfig, seed: int = WEIGHTS_SEED) -> dict[str, np.
 
 
 def ours_weights_from_hf_state(state: dict[str, np.ndarray], cfg: ModelConfig, dtype: str) -> ModelWeights:
-    """The same weights in our layout: [in, out], fused QKV and gate/up, one pytree per layer.
+    """The same weights in our layout: [out, in] as HF has them, fused QKV and gate/up, one pytree per layer.
 
     HF's Q/K rows are already in rotate-half order (what `load_weights` restores from GGUF).
     """
     jdtype = DTYPES[dtype]
 
     def fused(p: str, names: Sequence[str]) -> np.ndarray:
-        return np.concatenate([state[p + n] for n in names]).T
+        return np.concatenate([state[p + n] for n in names])
 
     qkv = [f"self_attn.{n}_proj.weight" for n in "qkv"]
     gate_up = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
@@ -273,10 +273,10 @@ def ours_weights_from_hf_state(state: dict[str, np.ndarray], cfg: ModelConfig, d
         return LayerWeights(
             attn_norm=jnp.asarray(state[p + "input_layernorm.weight"], jnp.float32),
             wqkv=jnp.asarray(fused(p, qkv), jdtype),
-            wo=jnp.asarray(state[p + "self_attn.o_proj.weight"].T, jdtype),
+            wo=jnp.asarray(state[p + "self_attn.o_proj.weight"], jdtype),
             mlp_norm=jnp.asarray(state[p + "post_attention_layernorm.weight"], jnp.float32),
             w_gate_up=jnp.asarray(fused(p, gate_up), jdtype),
-            w_down=jnp.asarray(state[p + "mlp.down_proj.weight"].T, jdtype),
+            w_down=jnp.asarray(state[p + "mlp.down_proj.weight"], jdtype),
         )
 
     layers = tuple(layer(f"model.layers.{i}.") for i in range(cfg.num_layers))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import aither_jax as aj
+from models.llama import TRANSPOSED_MAX_TOKENS
 
 # Both sides compute in float32 from identical dequantized weights; differences come only from
 # summation order. Measured max |diff| is ~1e-4 on logits of magnitude ~30.
@@ -33,6 +34,25 @@ def test_logits_match_hf(llm_f32, hf_model, text):
     ref = hf_logits(hf_model, ids)
     assert ours.shape == ref.shape == (len(ids), llm_f32.config.vocab_size)
     assert np.isfinite(ours).all()
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+    assert np.abs(ours - ref).max() < LOGIT_ATOL
+
+
+def test_logits_match_hf_in_one_large_chunk(llm_f32, hf_model):
+    """Calls over more than TRANSPOSED_MAX_TOKENS tokens run the layers on [N, D] rows, smaller
+    ones (the test above, 64-token chunks) on the transposed stream: both layouts match HF."""
+    llm = aj.LLM(
+        llm_f32.model_name,
+        dtype="float32",
+        kv_cache_dtype="fp32",
+        max_model_len=640,
+        max_prefill_chunk=256,
+        progress=False,
+    )
+    ids = llm.tokenizer.encode(TEXTS[-1])[:200]
+    assert TRANSPOSED_MAX_TOKENS < len(ids) <= 256
+    ours = llm.logits(ids)
+    ref = hf_logits(hf_model, ids)
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
     assert np.abs(ours - ref).max() < LOGIT_ATOL
 

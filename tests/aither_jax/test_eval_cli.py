@@ -177,7 +177,9 @@ def test_acceptance_json_against_plain_decoding(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("tau_mean", "num_prompts", "spec_tokens_per_second", "baseline_tokens_per_second", "speedup"):
         assert key in r
-    assert r["num_prompts"] == 2 and r["identical_outputs"] == 2 and r["block_size"] == 5
+    assert r["num_prompts"] == 2 and r["block_size"] == 5
+    # Identical, or parted only at a near-tie that float rounding decides (aj_eval.divergence_gap).
+    assert r["identical_outputs"] == 2 or r["max_divergence_gap"] <= aj_eval.NEAR_TIE_NATS, r
     hist = {int(k): v for k, v in r["tau_histogram"].items()}
     assert sum(hist.values()) == r["num_verify_passes"] and max(hist) <= 5
     assert abs(r["tau_mean"] - sum(k * v for k, v in hist.items()) / r["num_verify_passes"]) < 1e-9
@@ -213,3 +215,25 @@ def test_fit_key_transform_rejects_a_missing_text(capsys):
     with pytest.raises(SystemExit) as exc:
         aj_eval.main(["fit-key-transform", "--text-file", "/no/such/file"])
     assert exc.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_divergence_gap_reads_the_target_logits_where_outputs_part():
+    class Out:
+        def __init__(self, ids):
+            self.prompt_token_ids, self.token_ids = [7, 8], ids
+
+    class Target:
+        def __init__(self):
+            self.seen = None
+
+        def logits(self, ids):
+            self.seen = list(ids)
+            rows = np.zeros((len(ids), 6), np.float32)
+            rows[-1, 2], rows[-1, 4] = 3.0, 2.75
+            return rows
+
+    target = Target()
+    assert aj_eval.divergence_gap(target, Out([1, 2, 3]), Out([1, 2, 3])) == 0.0
+    assert aj_eval.divergence_gap(target, Out([1, 2, 3]), Out([1, 4, 5])) == pytest.approx(0.25)
+    assert target.seen == [7, 8, 1]  # the prompt and the shared prefix, nothing past it
+    assert aj_eval.divergence_gap(target, Out([1, 2]), Out([1, 2, 3])) is None
