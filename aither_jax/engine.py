@@ -35,7 +35,7 @@ from models.kv_transform import load_key_transforms
 from models.llama import ATTENTION_IMPLS, StepBatch
 from models.tokenizer import Tokenizer
 from models.weights import ModelWeights
-from serving.scheduler import Scheduler, Sequence, bucket
+from serving.scheduler import Scheduler, Sequence, bucket, page_bucket
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,9 @@ class Engine:
         slots = np.zeros(n, np.int32)
         for i, (s, toks) in enumerate(rows):
             ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
-        num_pages = bucket(self.scheduler.pages_needed(int(ctx.max()) + 1), MIN_PAGE_BUCKET, self.max_pages_per_seq)
+        num_pages = page_bucket(
+            self.scheduler.pages_needed(int(ctx.max()) + 1), MIN_PAGE_BUCKET, self.max_pages_per_seq
+        )
         table = self.scheduler.block_tables[slots, :num_pages]
         drafts = self.drafter.propose(table, ctx, last)
         return [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
@@ -443,7 +445,7 @@ class Engine:
             num_pages = 0  # fresh prompts: nothing stored yet, so attention reads no pages
         else:
             end = max(s.num_cached + len(toks) for s, toks in rows)
-            num_pages = bucket(self.scheduler.pages_needed(end) - shared, MIN_PAGE_BUCKET, self.max_pages_per_seq)
+            num_pages = page_bucket(self.scheduler.pages_needed(end) - shared, MIN_PAGE_BUCKET, self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)
@@ -544,8 +546,8 @@ class Engine:
         if not 1 <= max_len <= self.max_model_len:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
-        max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # bucket() caps it
-        pages = sorted({bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
+        max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # page_bucket() caps it
+        pages = sorted({page_bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
         shapes = [(r, p, g) for r in rows for p in pages for g in ((True, False) if sampling else (True,))]
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             zeros = np.zeros(num_rows, np.int32)

@@ -660,6 +660,8 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
         print(
             f"outputs part where the target's top choices differ by at most {r['max_divergence_gap']:.4f} nats: {tie}"
         )
+    elif r["identical_outputs"] < r["num_prompts"] and r["temperature"] == 0:
+        print("an output stopped before the other parted from it: no logit gap to compare")
     print(
         f"speculative {r['spec_tokens_per_second']:.1f} tok/s vs plain {r['baseline_tokens_per_second']:.1f} tok/s: "
         f"{r['speedup']:.2f}x"

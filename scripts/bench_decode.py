@@ -31,6 +31,7 @@ docs/BENCHMARKS.md (unless `--no-record`) and, when matplotlib is importable, dr
     python scripts/bench_decode.py                       # defaults: batch 1 and 8, prompt 128, 64 new
     python scripts/bench_decode.py --random-weights      # no GGUF needed (e.g. on a GPU machine)
     python scripts/bench_decode.py --hf-compile          # HF with a static cache and torch.compile
+    python scripts/bench_decode.py --no-hf --kv-cache-dtype auto   # ours alone, in the model's TurboQuant format
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from aither_jax.engine import Engine  # noqa: E402
-from aither_jax.llm import LLM, default_num_pages, resolve_dtype  # noqa: E402
+from aither_jax.llm import LLM, default_num_pages, resolve_dtype, resolve_kv_cache_dtype  # noqa: E402
 from aither_jax.sampling import SamplingParams  # noqa: E402
 from aither_jax.steps import CompileCounter  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
@@ -183,6 +184,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=_positive("--decode-tokens"), default=64)
     p.add_argument("--repeats", type=_positive("--repeats"), default=3, help="timed runs per call; median reported")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers peer")
+    p.add_argument(
+        "--max-model-len",
+        type=_positive("--max-model-len"),
+        default=None,
+        help="ours' longest sequence (default: just the prompt and the new tokens); a server's "
+        "larger value lets decode steps read more pages than the context needs (page buckets)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="ours' KV cache format: default fp32 with float32 weights and bf16 otherwise (HF's cache is "
+        "unquantized too); 'auto' for the model's TurboQuant default, or any format such as tq-k6v4",
+    )
     p.add_argument(
         "--hf-compile",
         action="store_true",
@@ -304,7 +318,13 @@ class _StubTokenizer:
 
 
 def random_weights_llm(
-    cfg: ModelConfig, state: dict[str, np.ndarray], dtype: str, *, max_model_len: int, max_num_seqs: int
+    cfg: ModelConfig,
+    state: dict[str, np.ndarray],
+    dtype: str,
+    kv_cache_dtype: str,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
 ) -> LLM:
     """An `LLM` over random weights: `LLM.__init__` minus the GGUF (same engine, same generate path)."""
     llm = LLM.__new__(LLM)
@@ -315,7 +335,6 @@ def random_weights_llm(
     jax.block_until_ready(weights)
     llm.load_seconds = time.perf_counter() - t0
     page_size = 16
-    kv_cache_dtype = "fp32" if dtype == "float32" else "bf16"  # HF's cache is unquantized too
     num_pages = default_num_pages(
         parse_kv_spec(kv_cache_dtype), cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
     )
@@ -530,7 +549,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def print_table(report: dict[str, Any]) -> None:
     p = report["parameters"]
     print(
-        f"\n{report['model']} | {p['dtype']} | {report['device']['summary']} | prompt {p['prompt_len']}, "
+        f"\n{report['model']} | {p['dtype']}, KV {p['kv_cache_dtype']} | {report['device']['summary']} | "
+        f"prompt {p['prompt_len']}, "
         f"{p['decode_tokens']} new tokens, median of {p['repeats']}"
     )
     head = (
@@ -558,6 +578,8 @@ def record_markdown(report: dict[str, Any], path: Path = BENCHMARKS_MD) -> None:
     """Appends one row per batch size to the section's table, creating file, section and table as needed."""
     p, v = report["parameters"], report["versions"]
     dtype = p["dtype"] + (", random weights" if p["random_weights"] else "")
+    if p.get("kv_cache_dtype") not in (None, "fp32" if p["dtype"] == "float32" else "bf16"):
+        dtype += f" / KV {p['kv_cache_dtype']}"
     vers = f"jax {v['jax']}" + (f", torch {v['torch']}, transformers {v['transformers']}" if v["torch"] else "")
     if p["hf_compile"]:
         vers += ", HF torch.compile"
@@ -645,8 +667,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sys.exit("loading the GGUF needs the gguf package (pip install gguf); or run with --random-weights")
     if args.dtype is None:
         args.dtype = resolve_dtype("auto")
+    unquantized = "fp32" if args.dtype == "float32" else "bf16"  # HF's cache is unquantized too
+    args.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype or unquantized, args.model)
+    try:
+        parse_kv_spec(args.kv_cache_dtype)
+    except ValueError as e:
+        sys.exit(f"--kv-cache-dtype: {e}")
     max_b = max(args.batch_sizes)
-    max_model_len = args.prompt_len + args.decode_tokens + CHECK_TOKENS
+    needed = args.prompt_len + args.decode_tokens + CHECK_TOKENS
+    if args.max_model_len is not None and args.max_model_len < needed:
+        sys.exit(f"--max-model-len must be at least prompt + decode + {CHECK_TOKENS} check tokens = {needed}")
+    max_model_len = args.max_model_len or needed
     dev = jax.devices()[0]
     cpu = cpu_model()
     device_summary = f"{cpu or 'CPU'} ({os.cpu_count()} cores)" if dev.platform == "cpu" else dev.device_kind
@@ -657,12 +688,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.random_weights:
         cfg = model_config_for(args.model)
         state = random_hf_state(cfg)
-        llm = random_weights_llm(cfg, state, args.dtype, max_model_len=max_model_len, max_num_seqs=max_b)
+        llm = random_weights_llm(
+            cfg, state, args.dtype, args.kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_b
+        )
     else:
         llm = LLM(
             args.model,
             dtype=args.dtype,
-            kv_cache_dtype="fp32" if args.dtype == "float32" else "bf16",  # HF's cache is unquantized too
+            kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_b,
             progress=False,
@@ -708,6 +741,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             tokens_match &= same
         if not tokens_match:
             why = "" if args.dtype == "float32" else " (bfloat16 rounding can flip near-ties)"
+            if args.kv_cache_dtype != unquantized:
+                why = f" (ours keeps {args.kv_cache_dtype} KV, HF an unquantized cache)"
             where = {n: c["first_mismatch"] for n, c in check.items() if not c["match"]}
             warnings.warn(f"greedy tokens differ between ours and HF{why}; first mismatch at: {where}", stacklevel=1)
         hf_t = measure(run_hf, prompts, args.batch_sizes, args.decode_tokens, args.repeats, "HF")
@@ -743,6 +778,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "versions": versions(),
         "parameters": {
             "dtype": args.dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "batch_sizes": args.batch_sizes,
             "prompt_len": args.prompt_len,
             "decode_tokens": args.decode_tokens,

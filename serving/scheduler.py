@@ -44,6 +44,20 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
     return max(minimum, min(maximum, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
 
 
+def page_bucket(n: int, minimum: int, maximum: int) -> int:
+    """Smallest of 4, 6, 8, 12, 16, 24, 32, 48, ... (powers of two and the halfway points
+    3 * 2^k) >= n, clamped to [minimum, maximum]: how many pages a step reads per row.
+
+    Attention reads every page of the bucket, masked or not. Power-of-two steps read up to
+    twice the pages the longest row needs, a third more on average over context lengths;
+    halfway steps bring that to 1.5x and a sixth, for twice as many compiled decode shapes.
+    """
+    power = bucket(n, 1, 1 << 62)
+    if power >= 8 and 4 * max(n, 1) <= 3 * power:
+        power = 3 * power // 4
+    return max(minimum, min(maximum, power))
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     """One request's state on the host."""

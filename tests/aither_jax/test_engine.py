@@ -7,6 +7,7 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.engine import bucket
+from serving.scheduler import page_bucket
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -25,6 +26,13 @@ PROMPTS = [
 def test_bucket_is_power_of_two_within_bounds():
     assert [bucket(n, 16, 256) for n in (1, 16, 17, 100, 256, 900)] == [16, 16, 32, 128, 256, 256]
     assert bucket(3, 1, 8) == 4
+
+
+def test_page_bucket_adds_the_halfway_points():
+    got = [page_bucket(n, 8, 128) for n in (1, 8, 9, 12, 13, 16, 17, 24, 25, 33, 48, 49, 65, 97, 200)]
+    assert got == [8, 8, 12, 12, 16, 16, 24, 24, 32, 48, 48, 64, 96, 128, 128]
+    assert [page_bucket(n, 1, 1 << 20) for n in (1, 2, 3, 4, 5, 6, 7)] == [1, 2, 4, 4, 6, 6, 8]
+    assert page_bucket(100, 8, 100) == 100  # clamped to the table width
 
 
 def test_batch_of_different_lengths_equals_each_alone(llm_f32):
