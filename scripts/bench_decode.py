@@ -317,6 +317,11 @@ class _StubTokenizer:
         raise NotImplementedError("random-weight runs take token ids only")
 
 
+def unquantized_kv(dtype: str) -> str:
+    """Ours' default KV format: unquantized in the weights' dtype, as HF's cache is."""
+    return "fp32" if dtype == "float32" else "bf16"
+
+
 def random_weights_llm(
     cfg: ModelConfig,
     state: dict[str, np.ndarray],
@@ -578,7 +583,7 @@ def record_markdown(report: dict[str, Any], path: Path = BENCHMARKS_MD) -> None:
     """Appends one row per batch size to the section's table, creating file, section and table as needed."""
     p, v = report["parameters"], report["versions"]
     dtype = p["dtype"] + (", random weights" if p["random_weights"] else "")
-    if p.get("kv_cache_dtype") not in (None, "fp32" if p["dtype"] == "float32" else "bf16"):
+    if p.get("kv_cache_dtype") not in (None, unquantized_kv(p["dtype"])):
         dtype += f" / KV {p['kv_cache_dtype']}"
     vers = f"jax {v['jax']}" + (f", torch {v['torch']}, transformers {v['transformers']}" if v["torch"] else "")
     if p["hf_compile"]:
@@ -667,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sys.exit("loading the GGUF needs the gguf package (pip install gguf); or run with --random-weights")
     if args.dtype is None:
         args.dtype = resolve_dtype("auto")
-    unquantized = "fp32" if args.dtype == "float32" else "bf16"  # HF's cache is unquantized too
+    unquantized = unquantized_kv(args.dtype)
     args.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype or unquantized, args.model)
     try:
         parse_kv_spec(args.kv_cache_dtype)

@@ -45,8 +45,8 @@ def bucket(n: int, minimum: int, maximum: int) -> int:
 
 
 def page_bucket(n: int, minimum: int, maximum: int) -> int:
-    """Smallest of 4, 6, 8, 12, 16, 24, 32, 48, ... (powers of two and the halfway points
-    3 * 2^k) >= n, clamped to [minimum, maximum]: how many pages a step reads per row.
+    """Smallest of 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, ... (powers of two and, from 6 up, the
+    halfway points 3 * 2^k) >= n, clamped to [minimum, maximum]: how many pages a step reads per row.
 
     Attention reads every page of the bucket, masked or not. Power-of-two steps read up to
     twice the pages the longest row needs, a third more on average over context lengths;

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from aither_jax.engine import bucket
-from serving.scheduler import page_bucket
+from aither_jax.engine import bucket, page_bucket
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
