@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from aither_jax import compile_cache
 from aither_jax.sampling import SamplingBatch, SamplingParams
 from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
 from aither_jax.steps import (
@@ -76,6 +77,7 @@ class Engine:
         max_num_batched_tokens = (
             max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
         )
+        compile_cache.enable()
         for name, value, low in (
             ("max_num_seqs", max_num_seqs, 1),
             ("max_model_len", max_model_len, 1),

@@ -167,7 +167,9 @@ def model_step(
 
 
 class CompileCounter:
-    """Counts XLA backend compilations in this process (all jitted functions).
+    """Counts XLA backend compilations in this process (all jitted functions). JAX reports an
+    executable loaded from the persistent compilation cache (`aither_jax.compile_cache`) under
+    the same event, so a load counts as the compilation it replaces.
 
     The engine reads it to warn when a step recompiles after warm-up; tests use it to prove
     that steady-state decoding does not.
