@@ -10,8 +10,9 @@ this module only chooses its directory:
 - otherwise `$AITHER_JAX_COMPILATION_CACHE`, where `0`, `off` or an empty value turn it off;
 - otherwise `$XDG_CACHE_HOME/aither_jax/xla` (`~/.cache/aither_jax/xla`).
 
-The directory is created private to the user (JAX runs what it loads from there, so it must
-not be writable by others) and kept under MAX_BYTES, least recently used entries first.
+The directory is created private to the user and refused if it is not (JAX runs what it loads
+from there, so whoever can write there can run code in this process). It is kept under
+MAX_BYTES, least recently used entries first.
 Only computations that took at least a second to compile are written.
 """
 
@@ -37,7 +38,16 @@ def default_dir() -> str:
 
 def enable() -> str | None:
     """Turns the persistent cache on (see the module doc); returns its directory, or None
-    when it is off or the directory cannot be used. Safe to call more than once."""
+    when it is off or cannot be used. Safe to call more than once, and never fatal: the cache
+    only saves time, so a JAX without these options runs without it."""
+    try:
+        return _enable()
+    except Exception as e:  # noqa: BLE001 - an optional speed-up must not stop the engine
+        log.warning("compilation cache off: %s: %s", type(e).__name__, e)
+        return None
+
+
+def _enable() -> str | None:
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
@@ -52,6 +62,11 @@ def enable() -> str | None:
         return None
     if not os.access(path, os.W_OK | os.X_OK):
         log.warning("compilation cache off: %s is not writable; set %s=0 to silence this", path, ENV)
+        return None
+    st = os.stat(path)
+    if st.st_mode & 0o022 or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+        # Whoever can write there can make this process run their code.
+        log.warning("compilation cache off: %s is writable by other users or not yours; use a private directory", path)
         return None
     # The size bound needs file locks (several processes share the directory).
     if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock"):

@@ -91,3 +91,29 @@ def test_unusable_directory_turns_the_cache_off(tmp_path, monkeypatch, restore_j
     assert compile_cache.enable() is None
     assert jax.config.jax_compilation_cache_dir is None
     assert any("compilation cache off" in r.getMessage() for r in caplog.records)
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path, monkeypatch, restore_jax_cache_config, caplog):
+    jax.config.update("jax_compilation_cache_dir", None)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv(compile_cache.ENV, str(shared))
+    assert compile_cache.enable() is None
+    assert jax.config.jax_compilation_cache_dir is None
+    assert any("writable by other users" in r.getMessage() for r in caplog.records)
+    shared.chmod(0o700)
+    assert compile_cache.enable() == str(shared)
+
+
+def test_a_failure_inside_jax_config_is_not_fatal(tmp_path, monkeypatch, restore_jax_cache_config, caplog):
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "xla"))
+
+    def broken(name, value):
+        raise AttributeError(f"no option {name}")
+
+    with monkeypatch.context() as patch:  # undone before the fixture restores the options
+        patch.setattr(jax.config, "update", broken)
+        assert compile_cache.enable() is None
+    assert any("compilation cache off: AttributeError" in r.getMessage() for r in caplog.records)
