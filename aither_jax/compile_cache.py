@@ -43,8 +43,11 @@ def enable() -> str | None:
     try:
         return _enable()
     except Exception as e:  # noqa: BLE001 - an optional speed-up must not stop the engine
-        log.warning("compilation cache off: %s: %s", type(e).__name__, e)
-        return None
+        return _off(f"{type(e).__name__}: {e}")
+
+
+def _off(reason: str) -> None:
+    log.warning("compilation cache off: %s (set %s=0 to silence this)", reason, ENV)
 
 
 def _enable() -> str | None:
@@ -58,16 +61,13 @@ def _enable() -> str | None:
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
-        log.warning("compilation cache off: cannot create %s (%s); set %s=0 to silence this", path, e, ENV)
-        return None
+        return _off(f"cannot create {path} ({e})")
     if not os.access(path, os.W_OK | os.X_OK):
-        log.warning("compilation cache off: %s is not writable; set %s=0 to silence this", path, ENV)
-        return None
+        return _off(f"{path} is not writable")
     st = os.stat(path)
     if st.st_mode & 0o022 or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
         # Whoever can write there can make this process run their code.
-        log.warning("compilation cache off: %s is writable by other users or not yours; use a private directory", path)
-        return None
+        return _off(f"{path} is writable by other users or not yours; use a private directory")
     # The size bound needs file locks (several processes share the directory).
     if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock"):
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
