@@ -21,6 +21,7 @@ runs `paged_attention_reference`: the kernel must match it.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +30,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_attention import MASK_VALUE, context_scores, context_sum, paged_attention_reference
-from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
+from pallas_kernels.turboquant import TurboQuant, unpack_bits
 
-# Triton's dot wants every dimension >= 16; smaller products are done as broadcast sums.
+# Triton's dot wants every dimension >= 16: query blocks are padded to at least this.
 _MIN_DOT = 16
+# A kernel loop step reads up to this many pages, in code tiles of at most this many elements.
+TILE_PAGES = 4
+TILE_ELEMENTS = 4096
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -437,6 +441,7 @@ def _context_partials(
         head_dim=dh,
         page_size=page_size,
         pages_per_split=pages_per_split,
+        pages_per_step=pages_per_step(pages_per_split, page_size, dh),
         num_sinks=num_sinks,
     )
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
@@ -471,6 +476,7 @@ def _context_partials(
         out_shape=out_shape,
         interpret=interpret,
         # Triton parameters select the Triton lowering on GPU (Mosaic GPU is the default there).
+        # 4 warps measured best on an H100 (2 and 8 were 1.3-1.6x slower).
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
         name="tq_paged_attention",
     )(
@@ -485,6 +491,13 @@ def _context_partials(
         jnp.asarray(k_codec.centroids),
         jnp.asarray(v_codec.centroids),
     )
+
+
+def pages_per_step(pages_per_split: int, page_size: int, head_dim: int) -> int:
+    """Pages one loop step of the kernel reads: up to `TILE_PAGES`, a divisor of the split,
+    and a code tile of at most `TILE_ELEMENTS` (past that the tiles spill out of registers)."""
+    most = max(1, min(TILE_PAGES, TILE_ELEMENTS // (page_size * head_dim)))
+    return math.gcd(pages_per_split, 1 << (most.bit_length() - 1))
 
 
 def _context_kernel(
@@ -507,60 +520,63 @@ def _context_kernel(
     head_dim: int,
     page_size: int,
     pages_per_split: int,
+    pages_per_step: int,
     num_sinks: int,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    chunk = head_dim // 8
-    q = [q_ref[:, pl.ds(c * chunk, chunk)] for c in range(8)]  # the 8 planar chunks, [Qp, c] each
+    tokens = pages_per_step * page_size
+    q = q_ref[...]
     ctx_len = ctx_ref[row]
-    offsets = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+    t = jax.lax.broadcasted_iota(jnp.int32, (tokens, 1), 0)  # token of the step's tile
+    slot = t % page_size
+    dim = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
-    def chunks_of(codes_ref, norms_ref, codebook_ref, bits, page, side):
+    def tile(codes_ref, norms_ref, codebook_ref, bits, pages, side):
+        """Codebook values [T, Dh] and norms [T] of the step's tokens. In the planar layout
+        dimension d's code starts `shift` bits into byte `first` of its row (and may run into
+        the byte one plane on): one gather per plane builds the whole tile."""
         layer = layer_ref[side]
-        planes = [codes_ref[page, layer, :, head, pl.ds(r * chunk, chunk)].astype(jnp.int32) for r in range(bits)]
-        norms = norms_ref[page, layer, :, head].astype(jnp.float32)
-        return [codebook_ref[c] for c in unpack_planes(planes, bits)], norms
+        chunk = head_dim // 8
+        start = (dim // chunk) * bits
+        plane, shift, column = start // 8, start % 8, dim % chunk
+        code = codes_ref[pages, layer, slot, head, plane * chunk + column].astype(jnp.int32) >> shift
+        if 8 % bits:  # some codes straddle two planes (the last plane never does)
+            nxt = jnp.minimum(plane + 1, bits - 1) * chunk + column
+            code = code | (codes_ref[pages, layer, slot, head, nxt].astype(jnp.int32) << (8 - shift))
+        code = code & ((1 << bits) - 1)
+        norms = norms_ref[pages[:, 0], layer, slot[:, 0], head].astype(jnp.float32)
+        return codebook_ref[code], norms
 
     def body(i, carry):
         m, sums, acc = carry
-        index = split * pages_per_split + i
-        page = table_ref[row, index]
-        pos = index * page_size + offsets
-        valid = (pos >= num_sinks) & (pos < ctx_len)  # [1, S]; sinks are read unquantized outside
-        k_chunks, k_norms = chunks_of(kc_ref, kn_ref, kcb_ref, k_bits, page, 0)
-        scores = sum(_matmul_t(qc, kc) for qc, kc in zip(q, k_chunks, strict=True)) * k_norms[None, :]  # [Qp, S]
+        first = split * pages_per_split + i * pages_per_step
+        pages = table_ref[row, first + t // page_size]  # [T, 1]
+        pos = first * page_size + t[:, 0]
+        valid = ((pos >= num_sinks) & (pos < ctx_len))[None, :]  # [1, T]; sinks are read unquantized outside
+        k_vals, k_norms = tile(kc_ref, kn_ref, kcb_ref, k_bits, pages, 0)
+        scores = _dot(q, k_vals, ((1,), (1,))) * k_norms[None, :]  # [Qp, T]
         # Replace (not add): garbage in unused pages may be NaN.
         scores = jnp.where(valid, scores, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(scores, axis=1))
         alpha = jnp.exp(m - m_next)
         p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
-        v_chunks, v_norms = chunks_of(vc_ref, vn_ref, vcb_ref, v_bits, page, 1)
-        weights = p * jnp.where(valid, v_norms[None, :], 0.0)  # [Qp, S]
-        acc = [a * alpha[:, None] + _matmul(weights, vc) for a, vc in zip(acc, v_chunks, strict=True)]
+        v_vals, v_norms = tile(vc_ref, vn_ref, vcb_ref, v_bits, pages, 1)
+        weights = p * jnp.where(valid, v_norms[None, :], 0.0)
+        acc = acc * alpha[:, None] + _dot(weights, v_vals, ((1,), (0,)))
         return m_next, sums * alpha + jnp.sum(p, axis=1), acc
 
     padded_q = q_ref.shape[0]
     init = (
         jnp.full((padded_q,), MASK_VALUE, jnp.float32),
         jnp.zeros((padded_q,), jnp.float32),
-        [jnp.zeros((padded_q, chunk), jnp.float32)] * 8,
+        jnp.zeros((padded_q, head_dim), jnp.float32),
     )
-    m, sums, acc = jax.lax.fori_loop(0, pages_per_split, body, init)
-    for c in range(8):
-        acc_ref[:, pl.ds(c * chunk, chunk)] = acc[c]
+    m, sums, acc = jax.lax.fori_loop(0, pages_per_split // pages_per_step, body, init)
+    acc_ref[...] = acc
     m_ref[...] = m
     sum_ref[...] = sums
 
 
-def _matmul_t(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [M, K] . b [N, K]^T in float32."""
-    if min(a.shape + b.shape) >= _MIN_DOT:
-        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32)
-    return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
-
-
-def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [M, K] . b [K, N] in float32."""
-    if min(a.shape + b.shape) >= _MIN_DOT:
-        return jnp.dot(a, b, precision=_HI, preferred_element_type=jnp.float32)
-    return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int], tuple[int]]) -> jax.Array:
+    """A float32 product of two tiles (every dimension >= 16, as Triton's dot wants)."""
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=_HI, preferred_element_type=jnp.float32)

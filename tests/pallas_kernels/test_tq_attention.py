@@ -84,7 +84,7 @@ def test_decode_matches_reference_over_bit_widths(impl, k_bits, v_bits):
 
 @pytest.mark.parametrize(
     "head_dim, hkv, group, page_size, pages_per_split",
-    [(64, 3, 3, 8, 1), (64, 3, 3, 16, 4), (128, 2, 4, 8, 3), (64, 1, 8, 4, 16), (256, 1, 4, 8, 2)],
+    [(64, 3, 3, 8, 1), (64, 3, 3, 16, 4), (128, 2, 4, 8, 3), (64, 1, 8, 4, 16), (256, 1, 4, 8, 2), (64, 3, 3, 8, 6)],
 )
 @both_impls
 def test_decode_matches_reference_over_shapes_and_splits(impl, head_dim, hkv, group, page_size, pages_per_split):
@@ -93,6 +93,19 @@ def test_decode_matches_reference_over_shapes_and_splits(impl, head_dim, hkv, gr
     )
     out, ref = run_both(args, codecs, impl, pages_per_split=pages_per_split)
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "pages_per_split, page_size, head_dim, expected",
+    [(16, 16, 64, 4), (6, 8, 64, 2), (3, 16, 64, 1), (16, 16, 256, 1), (2, 8, 256, 2), (64, 4, 64, 4), (5, 64, 128, 1)],
+)
+def test_pages_per_step_divides_the_split_and_bounds_the_tile(pages_per_split, page_size, head_dim, expected):
+    from pallas_kernels.tq_attention import TILE_ELEMENTS, pages_per_step
+
+    step = pages_per_step(pages_per_split, page_size, head_dim)
+    assert step == expected
+    assert pages_per_split % step == 0
+    assert step == 1 or step * page_size * head_dim <= TILE_ELEMENTS
 
 
 @pytest.mark.parametrize("t, ctx_lens", [(5, (0, 11, 24)), (16, (3, 40))])
