@@ -529,7 +529,16 @@ def load_hf(
         mode = "reduce-overhead" if device.type == "cuda" else "default"  # CUDA graphs need a GPU
         gen.cache_implementation = "static"
         gen.disable_compile = True  # no second, automatic compile of the decode step inside generate
-        model.forward = torch.compile(model.forward, mode=mode)
+        compiled = torch.compile(model.forward, mode=mode)
+
+        def forward(*a, **kw):
+            # CUDA graphs replay into the same output buffers: each call starts a new step, or
+            # the static cache's in-place update reads a buffer the last replay overwrote.
+            if device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*a, **kw)
+
+        model.forward = forward
         info["compile"] = {"cache_implementation": "static", "torch_compile_mode": mode, "target": "model.forward"}
     info["load_s"] = time.perf_counter() - t0
     return model, device, info
@@ -720,6 +729,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ours_t = measure(
         run_ours, prompts, args.batch_sizes, args.decode_tokens, args.repeats, "aither-jax", CompileCounter.count
     )
+    for b, t in ours_t.items():  # printed now: a failing peer must not take these with it
+        ours_row = t.summary(b, args.prompt_len, args.decode_tokens)
+        print(f"ours, batch {b}: decode {ours_row['decode_tok_s'] or 0:.1f} tok/s", flush=True)
     ours_compiles = sum(t.compiles or 0 for t in ours_t.values())
     if ours_compiles:
         warnings.warn(f"{ours_compiles} XLA compilation(s) during timed calls: timings include them", stacklevel=1)
