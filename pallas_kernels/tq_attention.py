@@ -138,6 +138,7 @@ def tq_paged_attention(
     v_layer: jax.Array | int | None = None,
     sinks: Sinks | None = None,
     pages_per_split: int = 16,
+    pages_per_step: int | None = None,
     interpret: bool | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -148,13 +149,24 @@ def tq_paged_attention(
     Args:
         pages_per_split: pages one kernel program walks (split-K: a row's pages are shared
             among ceil(NP / pages_per_split) programs whose partial softmaxes are merged).
+        pages_per_step: pages one loop step of a program reads as one tile; must divide
+            `pages_per_split` (default: `default_pages_per_step`).
         interpret: run the kernel in the Pallas interpreter (default: on CPU).
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
     return _checked_call(
-        args, k_codec, v_codec, v_layer, sinks, pages_per_split, pages_per_split, interpret, return_lse
+        args,
+        k_codec,
+        v_codec,
+        v_layer,
+        sinks,
+        pages_per_split,
+        pages_per_split,
+        interpret,
+        return_lse,
+        pages_per_step=pages_per_step,
     )
 
 
@@ -237,13 +249,27 @@ def tq_shared_prefix_attention(
 
 
 def _checked_call(
-    args, k_codec, v_codec, v_layer, sinks, pages_per_split, kernel_split, interpret, return_lse=False, skip_first=0
+    args,
+    k_codec,
+    v_codec,
+    v_layer,
+    sinks,
+    pages_per_split,
+    kernel_split,
+    interpret,
+    return_lse=False,
+    skip_first=0,
+    pages_per_step=None,
 ):
     """Validates the public arguments and runs the jitted body; `kernel_split` None reads the
     stored context with the jnp path instead of the kernel; stored positions below
     `skip_first` (or the sinks' count) are left out."""
     q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new = args
     _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
+    if pages_per_step is not None and (
+        not isinstance(pages_per_step, int) or pages_per_step < 1 or pages_per_split % pages_per_step
+    ):
+        raise ValueError(f"pages_per_step must be a positive divisor of pages_per_split, got {pages_per_step!r}")
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
     return _tq_paged_attention(
         *args[:6],
@@ -254,6 +280,7 @@ def _checked_call(
         k_codec=k_codec,
         v_codec=v_codec,
         pages_per_split=kernel_split,
+        pages_per_step=pages_per_step,
         interpret=interpret,
         return_lse=return_lse,
         skip_first=skip_first,
@@ -287,7 +314,7 @@ def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new,
         raise ValueError(f"pages_per_split must be a positive int, got {pps!r}")
 
 
-_STATIC = ("k_codec", "v_codec", "pages_per_split", "interpret", "return_lse", "skip_first")
+_STATIC = ("k_codec", "v_codec", "pages_per_split", "pages_per_step", "interpret", "return_lse", "skip_first")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -309,6 +336,7 @@ def _tq_paged_attention(
     interpret,
     return_lse=False,
     skip_first=0,
+    pages_per_step=None,
 ):
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
@@ -339,7 +367,18 @@ def _tq_paged_attention(
         num_splits = -(-num_pages // pages_per_split)
         table = jnp.pad(block_table, ((0, 0), (0, num_splits * pages_per_split - num_pages)))
         acc, m, sums = _context_partials(
-            q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, num_sinks, interpret
+            q_blocks,
+            k_pool,
+            v_pool,
+            table,
+            layer,
+            ctx_lens,
+            k_codec,
+            v_codec,
+            pages_per_split,
+            num_sinks,
+            interpret,
+            pages_per_step,
         )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
     num_splits = acc.shape[2]
     acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
@@ -427,7 +466,18 @@ def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_co
 
 
 def _context_partials(
-    q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, pages_per_split, num_sinks, interpret
+    q_blocks,
+    k_pool,
+    v_pool,
+    table,
+    layer,
+    ctx_lens,
+    k_codec,
+    v_codec,
+    pages_per_split,
+    num_sinks,
+    interpret,
+    pages_per_step=None,
 ):
     """Runs the kernel: per (row, KV head, split) the unnormalized rotated-domain output, the
     running max and the softmax denominator over that split's stored keys."""
@@ -441,7 +491,7 @@ def _context_partials(
         head_dim=dh,
         page_size=page_size,
         pages_per_split=pages_per_split,
-        pages_per_step=pages_per_step(pages_per_split, page_size, dh),
+        pages_per_step=pages_per_step or default_pages_per_step(pages_per_split, page_size, dh),
         num_sinks=num_sinks,
     )
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
@@ -493,7 +543,7 @@ def _context_partials(
     )
 
 
-def pages_per_step(pages_per_split: int, page_size: int, head_dim: int) -> int:
+def default_pages_per_step(pages_per_split: int, page_size: int, head_dim: int) -> int:
     """Pages one loop step of the kernel reads: up to `TILE_PAGES`, a divisor of the split,
     and a code tile of at most `TILE_ELEMENTS` (past that the tiles spill out of registers)."""
     most = max(1, min(TILE_PAGES, TILE_ELEMENTS // (page_size * head_dim)))

@@ -6,7 +6,9 @@ row owns `context / page_size` pages in a shuffled order, as the allocator hands
 One decode token per row attends to its context and to itself. Three ways are timed:
 
 * `pallas`: `tq_paged_attention`, the Pallas kernel over the packed pages (interpreted on
-  CPU, so CPU figures of this path say nothing about speed), once per `--pages-per-split`;
+  CPU, so CPU figures of this path say nothing about speed), once per `--pages-per-split`
+  (`pallas/16`), and once more per `--pages-per-step` that divides it (`pallas/16x2`: tiles
+  of 2 pages);
 * `xla`: `tq_paged_attention_xla`, the same rotated-domain algorithm in jnp;
 * `bf16`: what the engine does for an unquantized layer: gather the row's bf16 pages through
   the block table, then `paged_attention_reference` in bf16.
@@ -102,6 +104,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=_positive, default=3, help="query heads per KV head")
     p.add_argument("--page-size", type=_positive, default=16)
     p.add_argument("--pages-per-split", type=_positive, nargs="+", default=[4, 16, 64], help="kernel split-K sizes")
+    p.add_argument(
+        "--pages-per-step",
+        type=_positive,
+        nargs="+",
+        default=[],
+        help="also time the kernel with these tile sizes (pages per loop step; those dividing the split), "
+        "besides its default",
+    )
     p.add_argument("--no-kernel", action="store_true", help="skip the Pallas kernel (slow when interpreted)")
     p.add_argument("--repeats", type=_positive, default=20)
     p.add_argument("--inner", type=_positive, default=8, help="calls chained in one jitted run per timed repeat")
@@ -235,6 +245,9 @@ def run_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
         for pps in args.pages_per_split:
             step = tq_step(tq_paged_attention, pages_per_split=pps)
             check_and_time(f"pallas/{pps}", step, c["tq_copies"], ref, 2e-3)
+            for tile in (n for n in args.pages_per_step if pps % n == 0):
+                step = tq_step(tq_paged_attention, pages_per_split=pps, pages_per_step=tile)
+                check_and_time(f"pallas/{pps}x{tile}", step, c["tq_copies"], ref, 2e-3)
     k_new16, v_new16 = c["new_bf16"]
 
     def bf16_step(dtype=jnp.bfloat16):

