@@ -7,9 +7,10 @@ c_v[idx_j]) @ R_v, accumulated in the rotated domain and rotated back once. No p
 decoded into a buffer.
 
 `tq_paged_attention` runs the stored context through a Pallas kernel, one program per (row,
-KV head, split of the row's pages): it walks its pages through the block table, unpacks the
-byte planes of each page with shifts and masks (pallas_kernels/turboquant.py documents the
-planar layout), scores all query heads of the group at once and keeps an online softmax. The
+KV head, split of the row's pages): it walks its pages through the block table a tile of
+pages at a time, gathers each tile's codes straight from the byte planes with per-column
+offsets and shifts (pallas_kernels/turboquant.py documents the planar layout), scores all
+query heads of the group at once with a `dot` and keeps an online softmax. The
 loop bound is the static page bucket and masking does the rest: no data-dependent control
 flow. The new tokens of the step (already encoded, not yet written) and the combination of
 the splits are small and done in jnp, also in the rotated domain.

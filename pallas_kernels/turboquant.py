@@ -177,7 +177,7 @@ def unpack_bits(packed: jax.Array, bits: int, dim: int) -> jax.Array:
 
 def unpack_planes(planes: list[jax.Array], bits: int) -> list[jax.Array]:
     """The 8 code chunks of the planar layout from its `bits` byte planes (int32 arrays of one
-    shape): shifts and masks only, so kernels use it on loaded tiles as is."""
+    shape): shifts and masks only."""
     mask = (1 << bits) - 1
     chunks = []
     for m in range(8):
