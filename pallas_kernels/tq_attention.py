@@ -26,18 +26,23 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_attention import MASK_VALUE, context_scores, context_sum, paged_attention_reference
-from pallas_kernels.turboquant import TurboQuant, unpack_bits
+from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
 
 # Triton's dot wants every dimension >= 16: query blocks are padded to at least this.
 _MIN_DOT = 16
 # A kernel loop step reads up to this many pages, in code tiles of at most this many elements.
 TILE_PAGES = 4
 TILE_ELEMENTS = 4096
+# How the kernel loads a tile's codes: "gather" reads each coordinate's byte(s) at its own
+# offset; "planes" loads each byte plane contiguously, unpacks the 8 code chunks and joins them
+# into one tile whose columns are in `joined_order` (the queries and outputs are permuted to it).
+CODE_LOADS = ("gather", "planes")
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -140,6 +145,7 @@ def tq_paged_attention(
     sinks: Sinks | None = None,
     pages_per_split: int = 16,
     pages_per_step: int | None = None,
+    code_loads: str = "gather",
     interpret: bool | None = None,
     return_lse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -152,6 +158,7 @@ def tq_paged_attention(
             among ceil(NP / pages_per_split) programs whose partial softmaxes are merged).
         pages_per_step: pages one loop step of a program reads as one tile; must divide
             `pages_per_split` (default: `default_pages_per_step`).
+        code_loads: how a tile's codes are loaded, one of `CODE_LOADS` (same result).
         interpret: run the kernel in the Pallas interpreter (default: on CPU).
     """
     if interpret is None:
@@ -168,6 +175,7 @@ def tq_paged_attention(
         interpret,
         return_lse,
         pages_per_step=pages_per_step,
+        code_loads=code_loads,
     )
 
 
@@ -261,6 +269,7 @@ def _checked_call(
     return_lse=False,
     skip_first=0,
     pages_per_step=None,
+    code_loads="gather",
 ):
     """Validates the public arguments and runs the jitted body; `kernel_split` None reads the
     stored context with the jnp path instead of the kernel; stored positions below
@@ -271,6 +280,8 @@ def _checked_call(
         not isinstance(pages_per_step, int) or pages_per_step < 1 or pages_per_split % pages_per_step
     ):
         raise ValueError(f"pages_per_step must be a positive divisor of pages_per_split, got {pages_per_step!r}")
+    if code_loads not in CODE_LOADS:
+        raise ValueError(f"code_loads must be one of {CODE_LOADS}, got {code_loads!r}")
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
     return _tq_paged_attention(
         *args[:6],
@@ -282,6 +293,7 @@ def _checked_call(
         v_codec=v_codec,
         pages_per_split=kernel_split,
         pages_per_step=pages_per_step,
+        code_loads=code_loads,
         interpret=interpret,
         return_lse=return_lse,
         skip_first=skip_first,
@@ -315,7 +327,8 @@ def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new,
         raise ValueError(f"pages_per_split must be a positive int, got {pps!r}")
 
 
-_STATIC = ("k_codec", "v_codec", "pages_per_split", "pages_per_step", "interpret", "return_lse", "skip_first")
+_STATIC = ("k_codec", "v_codec", "pages_per_split", "pages_per_step", "code_loads", "interpret", "return_lse")
+_STATIC += ("skip_first",)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -338,6 +351,7 @@ def _tq_paged_attention(
     return_lse=False,
     skip_first=0,
     pages_per_step=None,
+    code_loads="gather",
 ):
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
@@ -380,6 +394,7 @@ def _tq_paged_attention(
             num_sinks,
             interpret,
             pages_per_step,
+            code_loads,
         )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
     num_splits = acc.shape[2]
     acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
@@ -479,10 +494,15 @@ def _context_partials(
     num_sinks,
     interpret,
     pages_per_step=None,
+    code_loads="gather",
 ):
     """Runs the kernel: per (row, KV head, split) the unnormalized rotated-domain output, the
     running max and the softmax denominator over that split's stored keys."""
     b, hkv, padded_q, dh = q_blocks.shape
+    joined = code_loads == "planes"
+    if joined:  # the tiles' columns come in the joined order: the queries follow it
+        order = joined_order(dh)
+        q_blocks = q_blocks[..., order]
     num_splits = table.shape[1] // pages_per_split
     page_size = k_pool["codes"].shape[2]
     kernel = functools.partial(
@@ -494,6 +514,7 @@ def _context_partials(
         pages_per_split=pages_per_split,
         pages_per_step=pages_per_step or default_pages_per_step(pages_per_split, page_size, dh),
         num_sinks=num_sinks,
+        joined=joined,
     )
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
     in_specs = [
@@ -519,7 +540,7 @@ def _context_partials(
         jax.ShapeDtypeStruct(part, jnp.float32),
         jax.ShapeDtypeStruct(part, jnp.float32),
     ]
-    return pl.pallas_call(
+    acc, m, sums = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
         in_specs=in_specs,
@@ -542,6 +563,7 @@ def _context_partials(
         jnp.asarray(k_codec.centroids),
         jnp.asarray(v_codec.centroids),
     )
+    return (acc[..., np.argsort(order)] if joined else acc), m, sums
 
 
 def default_pages_per_step(pages_per_split: int, page_size: int, head_dim: int) -> int:
@@ -573,6 +595,7 @@ def _context_kernel(
     pages_per_split: int,
     pages_per_step: int,
     num_sinks: int,
+    joined: bool,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tokens = pages_per_step * page_size
@@ -588,6 +611,13 @@ def _context_kernel(
         the byte one plane on): one gather per plane builds the whole tile."""
         layer = layer_ref[side]
         chunk = head_dim // 8
+        norms = norms_ref[pages[:, 0], layer, slot[:, 0], head].astype(jnp.float32)
+        if joined:  # each byte plane loaded whole, its chunks unpacked and joined
+            planes = [
+                codes_ref[pages[:, 0], layer, slot[:, 0], head, pl.ds(r * chunk, chunk)].astype(jnp.int32)
+                for r in range(bits)
+            ]
+            return codebook_ref[_join(unpack_planes(planes, bits))], norms
         start = (dim // chunk) * bits
         plane, shift, column = start // 8, start % 8, dim % chunk
         code = codes_ref[pages, layer, slot, head, plane * chunk + column].astype(jnp.int32) >> shift
@@ -595,7 +625,6 @@ def _context_kernel(
             nxt = jnp.minimum(plane + 1, bits - 1) * chunk + column
             code = code | (codes_ref[pages, layer, slot, head, nxt].astype(jnp.int32) << (8 - shift))
         code = code & ((1 << bits) - 1)
-        norms = norms_ref[pages[:, 0], layer, slot[:, 0], head].astype(jnp.float32)
         return codebook_ref[code], norms
 
     def body(i, carry):
@@ -626,6 +655,22 @@ def _context_kernel(
     acc_ref[...] = acc
     m_ref[...] = m
     sum_ref[...] = sums
+
+
+def _join(chunks: list, xp=jnp):
+    """Joins equal [T, c] tiles pairwise along the last axis (Triton's join: stack, then merge
+    the new axis) until one [T, c * len(chunks)] tile is left; `joined_order` gives its columns."""
+    while len(chunks) > 1:
+        pairs = zip(chunks[0::2], chunks[1::2], strict=True)
+        chunks = [xp.stack([a, b], axis=-1).reshape(a.shape[0], 2 * a.shape[1]) for a, b in pairs]
+    return chunks[0]
+
+
+def joined_order(head_dim: int) -> np.ndarray:
+    """The coordinates of `_join`'s columns for the 8 code chunks of the planar layout: column
+    j of the joined tile holds coordinate order[j]."""
+    chunk = head_dim // 8
+    return _join([np.arange(m * chunk, (m + 1) * chunk)[None, :] for m in range(8)], np)[0]
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int], tuple[int]]) -> jax.Array:

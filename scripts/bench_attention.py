@@ -8,7 +8,8 @@ One decode token per row attends to its context and to itself. Three ways are ti
 * `pallas`: `tq_paged_attention`, the Pallas kernel over the packed pages (interpreted on
   CPU, so CPU figures of this path say nothing about speed), once per `--pages-per-split`
   (`pallas/16`), and once more per `--pages-per-step` that divides it (`pallas/16x2`: tiles
-  of 2 pages);
+  of 2 pages), for each `--code-loads` (`pallas/16-planes`; a variant that fails to build is
+  reported and skipped);
 * `xla`: `tq_paged_attention_xla`, the same rotated-domain algorithm in jnp;
 * `bf16`: what the engine does for an unquantized layer: gather the row's bf16 pages through
   the block table, then `paged_attention_reference` in bf16.
@@ -35,6 +36,7 @@ docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import shlex
@@ -54,6 +56,7 @@ from bench_serving import append_row, environment  # noqa: E402
 
 from pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
 from pallas_kernels.tq_attention import (  # noqa: E402
+    CODE_LOADS,
     tq_paged_attention,
     tq_paged_attention_reference,
     tq_paged_attention_xla,
@@ -104,6 +107,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=_positive, default=3, help="query heads per KV head")
     p.add_argument("--page-size", type=_positive, default=16)
     p.add_argument("--pages-per-split", type=_positive, nargs="+", default=[4, 16, 64], help="kernel split-K sizes")
+    p.add_argument(
+        "--code-loads",
+        nargs="+",
+        choices=CODE_LOADS,
+        default=["gather"],
+        help="how the kernel loads its code tiles (pallas_kernels/tq_attention.py: CODE_LOADS); "
+        "paths other than gather are named pallas/<split>-<loads>",
+    )
     p.add_argument(
         "--pages-per-step",
         type=_positive,
@@ -242,12 +253,19 @@ def run_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
 
     check_and_time("xla", tq_step(tq_paged_attention_xla), c["tq_copies"], ref, 2e-3)
     if not args.no_kernel:
-        for pps in args.pages_per_split:
-            step = tq_step(tq_paged_attention, pages_per_split=pps)
-            check_and_time(f"pallas/{pps}", step, c["tq_copies"], ref, 2e-3)
-            for tile in (n for n in args.pages_per_step if pps % n == 0):
-                step = tq_step(tq_paged_attention, pages_per_split=pps, pages_per_step=tile)
-                check_and_time(f"pallas/{pps}x{tile}", step, c["tq_copies"], ref, 2e-3)
+        for loads, pps in itertools.product(args.code_loads, args.pages_per_split):
+            suffix = "" if loads == "gather" else f"-{loads}"
+            for tile in [None, *(n for n in args.pages_per_step if pps % n == 0)]:
+                name = f"pallas/{pps}{'' if tile is None else f'x{tile}'}{suffix}"
+                step = tq_step(tq_paged_attention, pages_per_split=pps, pages_per_step=tile, code_loads=loads)
+                if loads == "gather":
+                    check_and_time(name, step, c["tq_copies"], ref, 2e-3)
+                    continue
+                try:  # a variant that does not build is reported, not fatal (a wrong result still is)
+                    check_and_time(name, step, c["tq_copies"], ref, 2e-3)
+                except Exception as e:  # noqa: BLE001 (compiler errors have no common type)
+                    timed[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    print(f"  {name:>10}: failed to build or run: {timed[name]['error']}", file=sys.stderr)
     k_new16, v_new16 = c["new_bf16"]
 
     def bf16_step(dtype=jnp.bfloat16):
@@ -256,7 +274,7 @@ def run_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
     bf_ref = np.asarray(jax.jit(bf16_step(jnp.float32))(q, c["bf16_copies"][0]), np.float32)
     check_and_time("bf16", bf16_step(), c["bf16_copies"], bf_ref, 0.05)
     result["timings"] = timed
-    kernels = {k: v for k, v in timed.items() if k.startswith("pallas/")}
+    kernels = {k: v for k, v in timed.items() if k.startswith("pallas/") and "seconds" in v}
     if kernels:
         best = min(kernels, key=lambda k: kernels[k]["seconds"])
         result["kernel_best"] = best

@@ -60,7 +60,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         "",
     ),
     "attention": (
-        [PY, "scripts/bench_attention.py", "--pages-per-step", "2", "--no-record", "--out", "{out}/attention.json"],
+        [PY, "scripts/bench_attention.py", "--pages-per-split", "4", "64", "--code-loads", "gather", "planes"]
+        + ["--no-record", "--out", "{out}/attention.json"],
         480,
         "",
     ),

@@ -37,6 +37,28 @@ def test_pages_per_step_adds_a_timed_path_where_it_divides_the_split(tmp_path):
     assert all(r["timings"][k]["max_abs_diff"] < 2e-3 for k in ("pallas/2x1", "pallas/2x2"))
 
 
+def test_code_loads_variants_are_timed_and_one_that_fails_to_build_is_reported(tmp_path, monkeypatch):
+    out = tmp_path / "attn.json"
+    argv = [*TINY, "--code-loads", "gather", "planes", "--out", str(out)]
+    assert bench_attention.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert set(r["timings"]) == {"xla", "pallas/1", "pallas/1-planes", "bf16"}
+    assert r["timings"]["pallas/1-planes"]["max_abs_diff"] < 2e-3
+
+    real = bench_attention.tq_paged_attention
+
+    def broken(*a, code_loads="gather", **kw):
+        if code_loads == "planes":
+            raise RuntimeError("ptxas: too many resources requested")
+        return real(*a, code_loads=code_loads, **kw)
+
+    monkeypatch.setattr(bench_attention, "tq_paged_attention", broken)
+    assert bench_attention.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert "too many resources" in r["timings"]["pallas/1-planes"]["error"]
+    assert r["kernel_best"] == "pallas/1"
+
+
 def test_chained_calls_cycle_the_copies_and_depend_on_each_other():
     def step(q, pools):
         return q + pools

@@ -117,6 +117,27 @@ def test_every_pages_per_step_matches_reference(pages_per_step):
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize(
+    "k_bits, v_bits, head_dim, page_size, pages_per_split, t",
+    [(4, 4, 64, 16, 4, 1), (3, 5, 64, 8, 2, 1), (6, 2, 128, 8, 3, 1), (8, 4, 256, 8, 2, 1), (5, 3, 64, 8, 4, 6)],
+)
+def test_plane_loads_match_reference(k_bits, v_bits, head_dim, page_size, pages_per_split, t):
+    """code_loads="planes": whole byte planes loaded, the chunks joined into one permuted tile."""
+    args, codecs = make_case(
+        k_bits=k_bits, v_bits=v_bits, head_dim=head_dim, hkv=2, group=4, page_size=page_size, ctx_lens=(7, 0, 45), t=t
+    )
+    out, ref = run_both(args, codecs, "pallas", pages_per_split=pages_per_split, code_loads="planes")
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+
+
+def test_joined_order_is_the_join_of_the_planar_chunks():
+    from pallas_kernels.tq_attention import _join, joined_order
+
+    chunks = [jnp.full((3, 8), m, jnp.int32) * 8 + jnp.arange(8) for m in range(8)]  # coordinate ids
+    np.testing.assert_array_equal(np.asarray(_join(chunks))[0], joined_order(64))
+    assert sorted(joined_order(256)) == list(range(256))
+
+
 @pytest.mark.parametrize("t, ctx_lens", [(5, (0, 11, 24)), (16, (3, 40))])
 @both_impls
 def test_prefill_chunk_attends_to_stored_pages_and_itself(impl, t, ctx_lens):
@@ -232,6 +253,8 @@ def test_bad_arguments_raise_clear_errors():
     for step in (0, 3, 2.0):
         with pytest.raises(ValueError, match="pages_per_step must be a positive divisor of pages_per_split"):
             tq_paged_attention(*args, **codecs, pages_per_split=4, pages_per_step=step)
+    with pytest.raises(ValueError, match="code_loads must be one of"):
+        tq_paged_attention(*args, **codecs, code_loads="rows")
     with pytest.raises(ValueError, match="q must be"):
         tq_paged_attention(args[0][0], *args[1:], **codecs)
     with pytest.raises(ValueError, match="QJL"):
@@ -303,8 +326,9 @@ def test_shared_pages_with_sinks_merge_three_parts(impl, t):
         prefix(shared * page_size + 1)
 
 
+@pytest.mark.parametrize("code_loads", ["gather", "planes"])
 @pytest.mark.parametrize("k_bits, v_bits, t", [(4, 4, 1), (6, 4, 1), (3, 3, 16)])
-def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t):
+def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t, code_loads):
     """Without a GPU, at least the Pallas -> Triton lowering must accept the kernel body
     (every primitive it uses has a Triton rule). Compiling and running it needs a GPU."""
     from pallas_kernels import tq_attention
@@ -314,7 +338,7 @@ def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t):
     layers = jnp.asarray([layer, layer], jnp.int32)
 
     def run(*a):
-        return tq_attention._tq_paged_attention(*a, **codecs, pages_per_split=2, interpret=False)
+        return tq_attention._tq_paged_attention(*a, **codecs, pages_per_split=2, interpret=False, code_loads=code_loads)
 
     lowered = jax.jit(run).trace(q, k_new, v_new, k_pool, v_pool, table, layers, ctx, num_new, None)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
