@@ -607,8 +607,10 @@ def _context_kernel(
 
     def tile(codes_ref, norms_ref, codebook_ref, bits, pages, side):
         """Codebook values [T, Dh] and norms [T] of the step's tokens. In the planar layout
-        dimension d's code starts `shift` bits into byte `first` of its row (and may run into
-        the byte one plane on): one gather per plane builds the whole tile."""
+        coordinate d's code starts `shift` bits into its column's byte of byte plane `plane`
+        (and may run into the next plane), so one gather of [T, Dh] bytes, two where codes
+        straddle planes, builds the whole tile. Joined: the `bits` planes are loaded whole
+        ([T, Dh / 8] each) and their 8 code chunks joined, in `joined_order`."""
         layer = layer_ref[side]
         chunk = head_dim // 8
         norms = norms_ref[pages[:, 0], layer, slot[:, 0], head].astype(jnp.float32)
