@@ -327,8 +327,16 @@ def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new,
         raise ValueError(f"pages_per_split must be a positive int, got {pps!r}")
 
 
-_STATIC = ("k_codec", "v_codec", "pages_per_split", "pages_per_step", "code_loads", "interpret", "return_lse")
-_STATIC += ("skip_first",)
+_STATIC = (
+    "k_codec",
+    "v_codec",
+    "pages_per_split",
+    "pages_per_step",
+    "code_loads",
+    "interpret",
+    "return_lse",
+    "skip_first",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

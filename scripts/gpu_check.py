@@ -184,20 +184,12 @@ NSIGHT_ROOT = pathlib.Path("/opt/nvidia")  # where the device machine keeps Nsig
 # What `profile` runs under Nsight Compute: the TurboQuant attention on one case (every path
 # of bench_attention.py once or twice), and our batch-1 decode of a few tokens (random weights).
 PROFILES = {
-    "attention": ["scripts/bench_attention.py", "--cases", "32x8192", "--bits", "4:4", "--pages-per-split", "64"]
-    + ["--repeats", "1", "--inner", "2", "--copies", "2", "--bandwidth-mib", "256", "--no-record"],
-    "decode": ["scripts/bench_decode.py", "--random-weights", "--no-hf", "--batch-sizes", "1"]
-    + [
-        "--prompt-len",
-        "32",
-        "--decode-tokens",
-        "8",
-        "--repeats",
-        "1",
-        "--no-record",
-        "--out",
-        "/tmp/profile_decode.json",
-    ],
+    "attention": ["scripts/bench_attention.py"]
+    + "--cases 32x8192 --bits 4:4 --pages-per-split 64 --repeats 1 --inner 2 --copies 2".split()
+    + "--bandwidth-mib 256 --no-record".split(),
+    "decode": ["scripts/bench_decode.py"]
+    + "--random-weights --no-hf --batch-sizes 1 --prompt-len 32 --decode-tokens 8 --repeats 1".split()
+    + "--no-record --out /tmp/profile_decode.json".split(),
 }
 
 
