@@ -46,7 +46,17 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.chat_prompts import all_requests, chat_prompts
-from models.draft import MASK, DraftConfig, DraftParams, block_forward, context_features, context_kv, init_params
+from models.config import ModelConfig
+from models.draft import (
+    MASK,
+    DraftConfig,
+    DraftParams,
+    block_forward,
+    context_features,
+    context_kv,
+    copy_target_layers,
+    init_params,
+)
 from models.llama import vocab_logits
 from pallas_kernels.draft_attention import draft_attention_dense
 
@@ -436,15 +446,26 @@ def make_optimizer(args):
 
 
 def train(
-    args, cfg: DraftConfig, dataset: Dataset, embed, lm_head, final_norm, out: pathlib.Path, vocab=None
+    args,
+    cfg: DraftConfig,
+    dataset: Dataset,
+    embed,
+    lm_head,
+    final_norm,
+    out: pathlib.Path,
+    vocab=None,
+    start_layers=None,
 ) -> DraftParams:
-    """Trains (or resumes) and returns the parameters; `vocab` restricts the head to those ids."""
+    """Trains (or resumes) and returns the parameters; `vocab` restricts the head to those ids,
+    `start_layers` (target `LayerWeights`, one per draft layer) start the layers from copies."""
     import optax
     import orbax.checkpoint as ocp
 
     check_soft_labels(args, dataset)
     optimizer = make_optimizer(args)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), final_norm=final_norm)
+    if start_layers is not None:
+        params = copy_target_layers(params, cfg, start_layers)
     state = {"params": params, "opt": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
     manager = ocp.CheckpointManager(
         (out / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
@@ -518,6 +539,26 @@ def train(
     return state["params"]
 
 
+def parse_start_layers(text: str, num_layers: int, intermediate_size: int, target: ModelConfig) -> list[int]:
+    """`--init-from-target`: 'last' or comma-separated target layer indices, one per draft layer."""
+    if text == "last":
+        layers = list(range(target.num_layers - num_layers, target.num_layers))
+    else:
+        try:
+            layers = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"expected 'last' or comma-separated layer indices, got {text!r}") from None
+    if len(layers) != num_layers:
+        raise ValueError(f"{len(layers)} layers given for a draft of {num_layers} layers (--num-layers)")
+    if any(not 0 <= i < target.num_layers for i in layers):
+        raise ValueError(f"layer indices must be in [0, {target.num_layers}), got {layers}")
+    if intermediate_size != target.ffn_size:
+        raise ValueError(
+            f"copied layers need --intermediate-size {target.ffn_size} (the target's), got {intermediate_size}"
+        )
+    return layers
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m aither_jax.train_draft", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -542,6 +583,12 @@ def parse_args(argv=None):
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--intermediate-size", type=int, default=1024)
     p.add_argument("--num-taps", type=int, default=3)
+    p.add_argument(
+        "--init-from-target",
+        metavar="LAYERS",
+        help="start the draft layers from copies of these target layers: comma-separated indices, one per "
+        "draft layer, or 'last' (needs --intermediate-size equal to the target's); default: random",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--draft-vocab-size", type=int, default=8192, help="token ids the draft proposes from (0: the whole vocabulary)"
@@ -612,7 +659,6 @@ def main(argv=None) -> int:
         for conv in build_prompts(args.print_prompts, seed=args.seed, split=args.split):
             print(json.dumps({"messages": conv}))
         return 0
-    from models.config import ModelConfig
     from models.draft_io import save_draft
     from models.gguf_file import GGUFFile
     from models.registry import resolve_model
@@ -628,6 +674,12 @@ def main(argv=None) -> int:
         block_size=args.block_size,
         draft_vocab_size=args.draft_vocab_size,
     )
+    start_layers = None
+    if args.init_from_target:
+        try:
+            start_layers = parse_start_layers(args.init_from_target, cfg.num_layers, cfg.intermediate_size, target_cfg)
+        except ValueError as e:
+            sys.exit(f"--init-from-target: {e}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "draft_config.json"
@@ -646,7 +698,8 @@ def main(argv=None) -> int:
         sys.exit(str(e))
     vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
     weights = load_weights(gguf, target_cfg, "float32", progress=False)
-    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab)
+    start = [weights.layers[i] for i in start_layers] if start_layers is not None else None
+    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab, start)
     if args.export:
         meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
         meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens, "steps": args.steps}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -182,6 +182,50 @@ def init_params(cfg: DraftConfig, key: jax.Array, *, final_norm: jax.Array | Non
     if final_norm is not None:
         params["final_norm"] = jnp.asarray(final_norm, jnp.float32)
     return params
+
+
+def copy_target_layers(params: DraftParams, cfg: DraftConfig, target_layers: Sequence[Any]) -> DraftParams:
+    """Starts the draft from target blocks instead of noise: draft layer j gets the weights of
+    `target_layers[j]` (a `models.weights.LayerWeights`), and the feature projection starts
+    as the identity on the deepest tap, normed with the first copied block's attention norm,
+    so the first layer's context keys and values start equal to that block's own over the
+    context when it follows the deepest tap. The draft needs the target's block shapes
+    (its `intermediate_size` included)."""
+    if len(target_layers) != cfg.num_layers:
+        raise ValueError(f"copy_target_layers: {len(target_layers)} target layers for {cfg.num_layers} draft layers")
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    wanted = {
+        "wqkv": (cfg.q_size + 2 * cfg.kv_size, d),
+        "wo": (d, cfg.q_size),
+        "w_gate_up": (2 * f, d),
+        "w_down": (d, f),
+    }
+    for lw in target_layers:
+        for name, shape in wanted.items():
+            if tuple(getattr(lw, name).shape) != shape:
+                raise ValueError(
+                    f"copy_target_layers: target {name} has shape {tuple(getattr(lw, name).shape)}, the draft "
+                    f"needs {shape} (same heads, head_dim and intermediate size as the target)"
+                )
+
+    def stack(fn) -> jax.Array:
+        return jnp.stack([jnp.asarray(fn(lw), jnp.float32) for lw in target_layers])
+
+    q, kv = cfg.q_size, cfg.kv_size
+    layers = {
+        "attn_norm": stack(lambda lw: lw.attn_norm),
+        "wq": stack(lambda lw: lw.wqkv[:q].T),
+        "wk": stack(lambda lw: lw.wqkv[q : q + kv].T),
+        "wv": stack(lambda lw: lw.wqkv[q + kv :].T),
+        "wo": stack(lambda lw: lw.wo.T),
+        "mlp_norm": stack(lambda lw: lw.mlp_norm),
+        "w_gate": stack(lambda lw: lw.w_gate_up[:f].T),
+        "w_up": stack(lambda lw: lw.w_gate_up[f:].T),
+        "w_down": stack(lambda lw: lw.w_down.T),
+    }
+    taps = len(cfg.target_layers)
+    fc = jnp.zeros((taps * d, d), jnp.float32).at[(taps - 1) * d :].set(jnp.eye(d, dtype=jnp.float32))
+    return params | {"layers": layers, "fc": fc, "fc_norm": layers["attn_norm"][0]}
 
 
 def cast_params(params: DraftParams, dtype) -> DraftParams:

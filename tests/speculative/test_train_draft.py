@@ -18,15 +18,23 @@ from aither_jax.train_draft import (
     keep_self_prompt,
     loss_fn,
     parse_args,
+    parse_start_layers,
     position_weights,
     read_prompt_texts,
     self_prompts,
     train,
 )
-from models.draft import DraftConfig, init_params
+from models.config import ModelConfig
+from models.draft import DraftConfig, context_features, context_kv, copy_target_layers, init_params
 from models.draft_io import load_draft, save_draft
+from models.llama import queries_and_keys
+from models.weights import LayerWeights
 
 V, D, TAPS = 64, 32, 2
+_TARGET = dict(
+    arch="llama", num_layers=4, hidden_size=D, ffn_size=96, num_heads=4, num_kv_heads=2, head_dim=8,
+    vocab_size=V, max_context=128,
+)  # fmt: skip
 
 
 def _config():
@@ -332,3 +340,49 @@ def test_one_pass_gives_logits_and_tapped_hidden_states(llm_f32):
         llm_f32.engine.forward(ids, logits=False)
     with pytest.raises(ValueError, match="layer indices"):
         llm_f32.engine.forward(ids, taps=(99,))
+
+
+def test_draft_layers_copied_from_the_target_start_as_its_blocks(llm_f32):
+    """A draft started from target layers 28 and 29: its first layer's context keys and values,
+    from the features of the deepest tap (layer 27's output), equal the target's own layer-28
+    keys and values of the same tokens."""
+    target = llm_f32.config
+    cfg = DraftConfig.for_target(target, intermediate_size=target.ffn_size)
+    layers = parse_start_layers("last", cfg.num_layers, target.ffn_size, target)
+    assert layers == [28, 29] and cfg.target_layers[-1] == 27
+    weights = llm_f32.engine.weights
+    params = copy_target_layers(init_params(cfg, jax.random.PRNGKey(0)), cfg, [weights.layers[i] for i in layers])
+
+    ids = llm_f32.tokenizer.encode("The draft starts from the target's own last blocks. " * 2)
+    _, taps = llm_f32.engine.forward(ids, taps=cfg.target_layers, logits=False)
+    feats = context_features(params, cfg, jnp.asarray(taps)[None])
+    k, v = context_kv(params, cfg, feats, jnp.arange(len(ids), dtype=jnp.int32)[None])
+    _, keys = queries_and_keys(weights, jnp.asarray(ids), cfg=target)
+    np.testing.assert_allclose(np.asarray(k[0, 0]), np.asarray(keys[28]), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(np.asarray(k[1, 0]), np.asarray(keys[28]), atol=1e-2)  # layer 29's projection
+    lw = weights.layers[28]
+    values = (np.asarray(feats[0]) @ np.asarray(lw.wqkv[target.q_size + target.kv_size :]).T).reshape(v[0, 0].shape)
+    np.testing.assert_allclose(np.asarray(v[0, 0]), values, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(params["layers"]["w_down"][1]), np.asarray(weights.layers[29].w_down).T)
+
+
+def test_copying_target_layers_checks_shapes_and_flags():
+    target = ModelConfig(**_TARGET)
+    with pytest.raises(ValueError, match="--intermediate-size 96"):
+        parse_start_layers("last", 2, 48, target)
+    with pytest.raises(ValueError, match="3 layers given for a draft of 2"):
+        parse_start_layers("0,1,2", 2, 96, target)
+    with pytest.raises(ValueError, match=r"must be in \[0, 4\)"):
+        parse_start_layers("3,4", 2, 96, target)
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_start_layers("first", 2, 96, target)
+    assert parse_start_layers("0,3", 2, 96, target) == [0, 3]
+    cfg = _config()  # intermediate 48: a target block with 96 does not fit
+    block = LayerWeights(
+        attn_norm=jnp.ones(D), wqkv=jnp.zeros((cfg.q_size + 2 * cfg.kv_size, D)), wo=jnp.zeros((D, cfg.q_size)),
+        mlp_norm=jnp.ones(D), w_gate_up=jnp.zeros((2 * 96, D)), w_down=jnp.zeros((D, 96)),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="w_gate_up"):
+        copy_target_layers(init_params(cfg, jax.random.PRNGKey(0)), cfg, [block])
+    with pytest.raises(ValueError, match="2 target layers for 1 draft layers"):
+        copy_target_layers(init_params(cfg, jax.random.PRNGKey(0)), cfg, [block, block])
