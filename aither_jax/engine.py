@@ -41,12 +41,22 @@ from serving.scheduler import Scheduler, Sequence, bucket, page_bucket
 log = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
+# Pages a step reads per row are bucketed from MIN_PAGE_BUCKET up (few compiled shapes), or
+# from MIN_WIDE_PAGE_BUCKET for steps of WIDE_STEP_ROWS rows or more, where every padding page
+# read costs more (on 2 CPU cores ~8 ms a page at 16 rows of TurboQuant pages).
 MIN_PAGE_BUCKET = 8
+MIN_WIDE_PAGE_BUCKET = 4
+WIDE_STEP_ROWS = 8
 # Shared-prefix attention: a decode step whose rows all hold at least MIN_SHARED_PAGES common
 # leading pages reads them once for the batch; the shared count is rounded down to a multiple
 # of SHARED_PAGE_STEP to bound the number of compiled step shapes.
 MIN_SHARED_PAGES = 32
 SHARED_PAGE_STEP = 16
+
+
+def min_page_bucket(num_rows: int) -> int:
+    """The smallest page bucket of a step over `num_rows` (padded) rows."""
+    return MIN_WIDE_PAGE_BUCKET if num_rows >= WIDE_STEP_ROWS else MIN_PAGE_BUCKET
 
 
 class Engine:
@@ -295,7 +305,7 @@ class Engine:
         for i, (s, toks) in enumerate(rows):
             ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
         num_pages = page_bucket(
-            self.scheduler.pages_needed(int(ctx.max()) + 1), MIN_PAGE_BUCKET, self.max_pages_per_seq
+            self.scheduler.pages_needed(int(ctx.max()) + 1), min_page_bucket(n), self.max_pages_per_seq
         )
         table = self.scheduler.block_tables[slots, :num_pages]
         drafts = self.drafter.propose(table, ctx, last)
@@ -447,7 +457,8 @@ class Engine:
             num_pages = 0  # fresh prompts: nothing stored yet, so attention reads no pages
         else:
             end = max(s.num_cached + len(toks) for s, toks in rows)
-            num_pages = page_bucket(self.scheduler.pages_needed(end) - shared, MIN_PAGE_BUCKET, self.max_pages_per_seq)
+            needed = self.scheduler.pages_needed(end) - shared
+            num_pages = page_bucket(needed, min_page_bucket(num_rows), self.max_pages_per_seq)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)
@@ -549,8 +560,14 @@ class Engine:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
         max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # page_bucket() caps it
-        pages = sorted({page_bucket(n, MIN_PAGE_BUCKET, self.max_pages_per_seq) for n in range(1, max_pages + 1)})
-        shapes = [(r, p, g) for r in rows for p in pages for g in ((True, False) if sampling else (True,))]
+        shapes = [
+            (r, p, g)
+            for r in rows
+            for p in sorted(
+                {page_bucket(n, min_page_bucket(r), self.max_pages_per_seq) for n in range(1, max_pages + 1)}
+            )
+            for g in ((True, False) if sampling else (True,))
+        ]
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             zeros = np.zeros(num_rows, np.int32)
             batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)

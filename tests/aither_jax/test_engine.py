@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from aither_jax.engine import bucket, page_bucket
+from aither_jax.engine import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS, bucket, page_bucket
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -198,6 +198,22 @@ def test_warmup_compiles_decode_shapes_and_later_new_shapes_warn(caplog):
     assert any("not compiled during warm-up" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="max_len"):
         llm.warmup(max_len=1000)
+
+
+def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
+    """Steps of WIDE_STEP_ROWS rows or more read from MIN_WIDE_PAGE_BUCKET pages up, narrower
+    ones from MIN_PAGE_BUCKET: warm-up to 8 pages compiles pages {8} for rows 1, 2 and 4 and
+    pages {4, 6, 8} for rows 8."""
+    assert MIN_WIDE_PAGE_BUCKET < MIN_PAGE_BUCKET and WIDE_STEP_ROWS == 8
+    llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=8, num_pages=40, progress=False)
+    assert llm.warmup(max_len=128, sampling=False) == 6
+    prompts = [f"Count to {i}: 1, 2," for i in range(3, 11)]
+    params = aj.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="aither_jax.engine"):
+        outs = llm.generate(prompts, params)
+    assert not caplog.records  # every decode step had a warm shape
+    for p, out in zip(prompts[:2], outs, strict=False):  # 4 pages read at 8 rows, 8 alone: same tokens
+        assert out.token_ids == llm.generate([p], params)[0].token_ids
 
 
 def test_device_seq_lens_track_the_host_after_each_step(llm_f32):
