@@ -548,8 +548,9 @@ class Engine:
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False) -> int:
         """Compiles every decode shape for sequences up to `max_len` tokens.
 
-        Covers each batch bucket (1, 2, 4, .. max_num_seqs) times each page bucket up to
-        `max_len` (default max_model_len), greedy and, with `sampling`, sampled. With
+        Covers each batch bucket (1, 2, 4, .. max_num_seqs) times each of its page buckets
+        (from `min_page_bucket` of its rows) up to `max_len` (default max_model_len), greedy
+        and, with `sampling`, sampled. With
         speculative decoding each such shape also compiles the verify pass over the draft block,
         the draft context write and (DFlash) the drafting call. The calls run on padding rows
         only, which write to the null page and change nothing. Afterwards a decode step with a
