@@ -602,7 +602,7 @@ def parse_args(argv=None):
     p.add_argument("--reveal-prob", type=float, default=0.25, help="share of blocks with positions revealed")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--gamma", type=float, default=7.0, help="decay length of the per-position loss weights")
+    p.add_argument("--gamma", type=float, default=2.0, help="decay length of the per-position loss weights")
     p.add_argument(
         "--teacher-top-k",
         type=int,
