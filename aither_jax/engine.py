@@ -54,11 +54,6 @@ MIN_SHARED_PAGES = 32
 SHARED_PAGE_STEP = 16
 
 
-def min_page_bucket(num_rows: int) -> int:
-    """The smallest page bucket of a step over `num_rows` (padded) rows."""
-    return MIN_WIDE_PAGE_BUCKET if num_rows >= WIDE_STEP_ROWS else MIN_PAGE_BUCKET
-
-
 class Engine:
     """Owns the device cache and runs the scheduler's sequences over it."""
 
@@ -304,9 +299,7 @@ class Engine:
         slots = np.zeros(n, np.int32)
         for i, (s, toks) in enumerate(rows):
             ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
-        num_pages = page_bucket(
-            self.scheduler.pages_needed(int(ctx.max()) + 1), min_page_bucket(n), self.max_pages_per_seq
-        )
+        num_pages = self._pages_to_read(self.scheduler.pages_needed(int(ctx.max()) + 1), n)
         table = self.scheduler.block_tables[slots, :num_pages]
         drafts = self.drafter.propose(table, ctx, last)
         return [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
@@ -432,6 +425,12 @@ class Engine:
         if seq.finished:
             seq.text = self.tokenizer.decode(seq.output_ids)
 
+    def _pages_to_read(self, needed: int, num_rows: int) -> int:
+        """Pages per row a step over `num_rows` (padded) rows reads when its longest row needs
+        `needed`: the page bucket, from MIN_WIDE_PAGE_BUCKET up for wide steps."""
+        minimum = MIN_WIDE_PAGE_BUCKET if num_rows >= WIDE_STEP_ROWS else MIN_PAGE_BUCKET
+        return page_bucket(needed, minimum, self.max_pages_per_seq)
+
     def _sync_tables(self) -> None:
         if self.scheduler.tables_dirty:
             self.cache = self.cache.replace(block_tables=jax.device_put(self.scheduler.block_tables))
@@ -457,8 +456,7 @@ class Engine:
             num_pages = 0  # fresh prompts: nothing stored yet, so attention reads no pages
         else:
             end = max(s.num_cached + len(toks) for s, toks in rows)
-            needed = self.scheduler.pages_needed(end) - shared
-            num_pages = page_bucket(needed, min_page_bucket(num_rows), self.max_pages_per_seq)
+            num_pages = self._pages_to_read(self.scheduler.pages_needed(end) - shared, num_rows)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
         start = np.zeros(num_rows, np.int32)
@@ -549,7 +547,7 @@ class Engine:
         """Compiles every decode shape for sequences up to `max_len` tokens.
 
         Covers each batch bucket (1, 2, 4, .. max_num_seqs) times each of its page buckets
-        (from `min_page_bucket` of its rows) up to `max_len` (default max_model_len), greedy
+        (`_pages_to_read`) up to `max_len` (default max_model_len), greedy
         and, with `sampling`, sampled. With
         speculative decoding each such shape also compiles the verify pass over the draft block,
         the draft context write and (DFlash) the drafting call. The calls run on padding rows
@@ -561,14 +559,8 @@ class Engine:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
         max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # page_bucket() caps it
-        shapes = [
-            (r, p, g)
-            for r in rows
-            for p in sorted(
-                {page_bucket(n, min_page_bucket(r), self.max_pages_per_seq) for n in range(1, max_pages + 1)}
-            )
-            for g in ((True, False) if sampling else (True,))
-        ]
+        pages = {r: sorted({self._pages_to_read(n, r) for n in range(1, max_pages + 1)}) for r in rows}
+        shapes = [(r, p, g) for r in rows for p in pages[r] for g in ((True, False) if sampling else (True,))]
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             zeros = np.zeros(num_rows, np.int32)
             batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)
