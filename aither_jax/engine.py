@@ -18,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax import compile_cache
+from aither_jax.code_maps import CodeMapBudget
 from aither_jax.sampling import SamplingBatch, SamplingParams
 from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
 from aither_jax.steps import (
@@ -174,6 +175,9 @@ class Engine:
         self._seen_shapes: set[tuple] = set()
         self.warmed_up = False
         self.num_steps = 0
+        # Compiled code is dropped when it nears the process's mapping limit (code_maps.py).
+        self.code_budget = CodeMapBudget()
+        self._compiles_checked = CompileCounter.count()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -252,6 +256,7 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Runs one scheduled step; returns the sequences that finished in it."""
+        self._release_code_if_over()
         plan = self.scheduler.schedule()
         if plan.copies:
             self._copy_pages(plan.copies)
@@ -265,6 +270,14 @@ class Engine:
             self._decode(plan.prefill)
         self.num_steps += 1
         return self.scheduler.finish()
+
+    def _release_code_if_over(self) -> None:
+        """After new compilations, drops every compiled executable if their code nears the
+        mapping limit (`CodeMapBudget`); the map count is only read when something compiled."""
+        compiles = CompileCounter.count()
+        if compiles != self._compiles_checked:
+            self._compiles_checked = compiles
+            self.code_budget.release_if_over()
 
     def _decode(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         """One call over (sequence, new tokens) rows (decode or prefill chunks); samples the
@@ -552,7 +565,9 @@ class Engine:
         speculative decoding each such shape also compiles the verify pass over the draft block,
         the draft context write and (DFlash) the drafting call. The calls run on padding rows
         only, which write to the null page and change nothing. Afterwards a decode step with a
-        shape outside this set logs a warning. Returns the number of shapes.
+        shape outside this set logs a warning. Stops early, with a warning, once compiled code
+        nears the process's memory-mapping limit (aither_jax/code_maps.py). Returns the number
+        of shapes compiled.
         """
         max_len = self.max_model_len if max_len is None else max_len
         if not 1 <= max_len <= self.max_model_len:
@@ -561,7 +576,17 @@ class Engine:
         max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # page_bucket() caps it
         pages = {r: sorted({self._pages_to_read(n, r) for n in range(1, max_pages + 1)}) for r in rows}
         shapes = [(r, p, g) for r in rows for p in pages[r] for g in ((True, False) if sampling else (True,))]
+        done, tokens = 0, None
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
+            if self.code_budget.over():
+                log.warning(
+                    "warm-up stopped after %d of %d shapes: their code nears the memory-mapping limit "
+                    "(vm.max_map_count = %s); the rest compile on first use",
+                    done,
+                    len(shapes),
+                    self.code_budget.limit,
+                )
+                break
             zeros = np.zeros(num_rows, np.int32)
             batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)
             temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
@@ -571,10 +596,11 @@ class Engine:
             self._write_draft_context(hidden, batch)
             if self.num_speculative_tokens:
                 self._warm_speculative(batch, params, num_pages, greedy_only)
-        if shapes:
+            done += 1
+        if tokens is not None:
             tokens.block_until_ready()
         self.warmed_up = True
-        return len(shapes)
+        return done
 
     def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
         """Compiles the drafting call and the verify pass of one decode shape on padding rows."""

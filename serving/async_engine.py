@@ -289,6 +289,11 @@ class AsyncEngine:
                 lambda: eng.num_compiles,
             ),
             (
+                "aither:compiled_code_releases_total",
+                "Times every compiled step was dropped because the process neared vm.max_map_count.",
+                lambda: eng.code_budget.num_releases,
+            ),
+            (
                 "aither:shared_prefix_attention_steps_total",
                 "Decode calls that read their rows' common prefix pages once for the batch.",
                 lambda: eng.num_shared_prefix_steps,

@@ -172,6 +172,7 @@ def test_overload_is_refused_fast_and_admitted_requests_complete(server_factory)
     rejected_total += len(streamed) - len(ok)
     assert httpx.get(s.url + "/health").status_code == 200
     assert s.metrics()["aither:requests_rejected_total"] == rejected_total
+    assert s.metrics()["aither:compiled_code_releases_total"] == 0  # far below vm.max_map_count
 
 
 # -- authentication, request ids, body size -------------------------------------------------

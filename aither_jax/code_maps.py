@@ -1,0 +1,93 @@
+"""Keeps the compiled steps' code under the kernel's limit on memory mappings.
+
+XLA's CPU backend loads every kernel of an executable as its own object, about three memory
+mappings each (code, constants, data). With 30 unrolled layers a SmolLM2 step shape holds
+~450 kernels, so ~900-1,200 mappings, and a server compiles a shape per (rows, tokens, pages,
+sampling) bucket it meets. Linux refuses a process more than `vm.max_map_count` mappings
+(65,530 by default): past it LLVM cannot load the next kernel ("Cannot allocate memory") and
+the process dies with a segmentation fault, on a default machine after ~60 shapes.
+
+`CodeMapBudget` watches the count after each compilation. Once it passes `high_water` of the
+limit, the engine drops every compiled executable (`jax.clear_caches`), which unmaps their
+code; the shapes still in use compile again on their next call (or load from the persistent
+cache, `aither_jax.compile_cache`). Raising `vm.max_map_count` makes that rarer.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import jax
+
+log = logging.getLogger(__name__)
+
+MAPS_PATH = "/proc/self/maps"
+LIMIT_PATH = "/proc/sys/vm/max_map_count"
+# Clear above this share of the limit; the rest is headroom for the compilations one step
+# may add before the next check (a handful of shapes, a few thousand mappings each).
+HIGH_WATER = 0.7
+
+
+def map_limit() -> int | None:
+    """`vm.max_map_count`, or None where the kernel does not say (not Linux)."""
+    try:
+        with open(LIMIT_PATH, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def map_count() -> int | None:
+    """Memory mappings of this process now, or None where /proc is missing."""
+    try:
+        with open(MAPS_PATH, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+class CodeMapBudget:
+    """Clears JAX's compiled executables when this process nears its mapping limit.
+
+    Args:
+        limit: the mapping limit (default: `vm.max_map_count`; no limit known, no clearing).
+        high_water: share of `limit` above which `release_if_over` clears.
+    """
+
+    def __init__(self, limit: int | None = None, high_water: float = HIGH_WATER):
+        if not 0.0 < high_water < 1.0:
+            raise ValueError(f"high_water must be in (0, 1), got {high_water!r}")
+        self.limit = map_limit() if limit is None else limit
+        self.high_water = high_water
+        self.num_releases = 0
+
+    @property
+    def threshold(self) -> int | None:
+        return None if self.limit is None else int(self.limit * self.high_water)
+
+    def over(self) -> bool:
+        """Whether the process holds more mappings than the threshold."""
+        count = map_count() if self.limit is not None else None
+        return count is not None and count > self.threshold
+
+    def release_if_over(self) -> bool:
+        """Drops every compiled executable if `over()`; returns whether it did."""
+        if not self.over():
+            return False
+        before = map_count()
+        jax.clear_caches()
+        gc.collect()
+        self.num_releases += 1
+        after = map_count()
+        log.warning(
+            "compiled steps held %s of %s memory mappings (vm.max_map_count): dropped them all, now %s; "
+            "shapes compile again on their next use (raise vm.max_map_count to keep more)",
+            before,
+            self.limit,
+            after,
+        )
+        if after is not None and after > self.threshold:  # not compiled code: clearing again would not help
+            log.warning("the mappings left are not compiled code: no further clearing")
+            self.limit = None
+        return True
