@@ -74,7 +74,9 @@ class LLM:
 
     Args:
         model: a registered name (`smollm2-135m`) or a path to a `.gguf` file.
-        dtype: weight and activation dtype, "bfloat16" (default) or "float32".
+        dtype: weight and activation dtype: "auto" (the default: float32 on CPU, where XLA's
+            bfloat16 matmuls run several times slower, bfloat16 elsewhere), "bfloat16" or
+            "float32".
         kv_cache_dtype: KV cache format: "auto" (the default: the model's measured TurboQuant
             format, see models/registry.py; bf16 for unregistered GGUF files), "bf16", "fp32",
             or a TurboQuant format such as "tq4" or "tq-k6v4" (README: KV cache formats).
@@ -109,7 +111,7 @@ class LLM:
     def __init__(
         self,
         model: str = DEFAULT_MODEL,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         *,
         kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
@@ -127,8 +129,9 @@ class LLM:
         progress: bool = True,
         _cache_fill_value: float = 0.0,
     ):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = resolve_dtype(dtype)
         self.model_path = resolve_model(model)
         self.model_name = model
         self.dtype = dtype

@@ -184,6 +184,16 @@ def test_bad_constructor_arguments():
         aj.LLM("nope")
 
 
+def test_default_dtype_is_float32_on_cpu_bfloat16_elsewhere():
+    """The library default is the CLI's "auto": XLA's CPU bfloat16 matmuls are slow."""
+    import jax
+
+    llm = aj.LLM("smollm2-135m", max_model_len=64, num_pages=8, progress=False)
+    want = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    assert llm.dtype == want
+    assert llm.engine.weights.embed.dtype == want
+
+
 def test_warmup_compiles_decode_shapes_and_later_new_shapes_warn(caplog):
     llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, num_pages=40, progress=False)
     assert llm.warmup(max_len=128, sampling=False) == 2  # rows {1, 2} x pages {8}
