@@ -7,10 +7,11 @@ sampling) bucket it meets. Linux refuses a process more than `vm.max_map_count` 
 (65,530 by default): past it LLVM cannot load the next kernel ("Cannot allocate memory") and
 the process dies with a segmentation fault, on a default machine after ~60 shapes.
 
-`CodeMapBudget` watches the count after each compilation. Once it passes `high_water` of the
-limit, the engine drops every compiled executable (`jax.clear_caches`), which unmaps their
-code; the shapes still in use compile again on their next call (or load from the persistent
-cache, `aither_jax.compile_cache`). Raising `vm.max_map_count` makes that rarer.
+`CodeMapBudget.release_after_compiles` (called at the start of every engine step) reads the
+count when something compiled since its last look. Once it passes `high_water` of the limit,
+it drops every compiled executable (`jax.clear_caches`), which unmaps their code; the shapes
+still in use compile again on their next call (or load from the persistent cache,
+`aither_jax.compile_cache`). Raising `vm.max_map_count` makes that rarer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import gc
 import logging
 
 import jax
+
+from aither_jax.steps import CompileCounter
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +64,35 @@ class CodeMapBudget:
         self.limit = map_limit() if limit is None else limit
         self.high_water = high_water
         self.num_releases = 0
+        self._compiles_seen = -1  # the first look always reads the count
 
     @property
     def threshold(self) -> int | None:
         return None if self.limit is None else int(self.limit * self.high_water)
 
+    def _count_if_over(self) -> int | None:
+        """The map count when it is above the threshold, else None."""
+        count = map_count() if self.limit is not None else None
+        return count if count is not None and count > self.threshold else None
+
     def over(self) -> bool:
         """Whether the process holds more mappings than the threshold."""
-        count = map_count() if self.limit is not None else None
-        return count is not None and count > self.threshold
+        return self._count_if_over() is not None
+
+    def release_after_compiles(self) -> bool:
+        """`release_if_over`, but only when something compiled since the last look (the map
+        count is a read of /proc, too slow for every decode step); returns whether it cleared."""
+        compiles = CompileCounter.count()
+        if compiles == self._compiles_seen:
+            return False
+        self._compiles_seen = compiles
+        return self.release_if_over()
 
     def release_if_over(self) -> bool:
         """Drops every compiled executable if `over()`; returns whether it did."""
-        if not self.over():
+        before = self._count_if_over()
+        if before is None:
             return False
-        before = map_count()
         jax.clear_caches()
         gc.collect()
         self.num_releases += 1

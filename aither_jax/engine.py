@@ -177,7 +177,6 @@ class Engine:
         self.num_steps = 0
         # Compiled code is dropped when it nears the process's mapping limit (code_maps.py).
         self.code_budget = CodeMapBudget()
-        self._compiles_checked = CompileCounter.count()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -256,7 +255,7 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Runs one scheduled step; returns the sequences that finished in it."""
-        self._release_code_if_over()
+        self.code_budget.release_after_compiles()
         plan = self.scheduler.schedule()
         if plan.copies:
             self._copy_pages(plan.copies)
@@ -270,14 +269,6 @@ class Engine:
             self._decode(plan.prefill)
         self.num_steps += 1
         return self.scheduler.finish()
-
-    def _release_code_if_over(self) -> None:
-        """After new compilations, drops every compiled executable if their code nears the
-        mapping limit (`CodeMapBudget`); the map count is only read when something compiled."""
-        compiles = CompileCounter.count()
-        if compiles != self._compiles_checked:
-            self._compiles_checked = compiles
-            self.code_budget.release_if_over()
 
     def _decode(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         """One call over (sequence, new tokens) rows (decode or prefill chunks); samples the

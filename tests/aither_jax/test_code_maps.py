@@ -44,7 +44,6 @@ steady = eng.num_compiles
 again = llm.generate(["The capital of France is"], params)[0].token_ids
 recompiles_unbudgeted = eng.num_compiles - steady
 eng.code_budget = OnceOver(limit=map_count() // 2)
-eng._compiles_checked = -1  # as if something had just compiled
 before = eng.num_compiles
 budgeted = llm.generate(["The capital of France is"], params)[0].token_ids
 out = {
