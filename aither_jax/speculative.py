@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aither_jax.sampling import SamplingBatch, filtered_logits
+from aither_jax.step_jit import step_jit
 from models.config import ModelConfig
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, cast_params, context_features, context_kv
 from models.draft_io import load_draft
@@ -163,7 +164,7 @@ def verify(
     return jnp.where(is_sampled, acc, greedy_acc), jnp.where(is_sampled, sampled_next, greedy_next)
 
 
-verify_jit = jax.jit(verify, static_argnames=("greedy_only",))
+verify_jit = step_jit(verify, static_argnames=("greedy_only",))
 
 
 # -- proposers ------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class DraftPools:
 jax.tree_util.register_dataclass(DraftPools, data_fields=["k", "v"], meta_fields=[])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pools",))
+@step_jit(static_argnames=("cfg",), donate_argnames=("pools",))
 def write_context(
     params: DraftParams,
     pools: DraftPools,
@@ -226,7 +227,7 @@ def write_context(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "schedule", "kernels"))
+@step_jit(static_argnames=("cfg", "schedule", "kernels"))
 def propose_block(
     params: DraftParams,
     embed: jax.Array,  # [V, D]
@@ -344,6 +345,6 @@ class DFlashProposer:
         self.pools = _copy_draft_pages(self.pools, src, dst)
 
 
-@functools.partial(jax.jit, donate_argnames=("pools",))
+@step_jit(donate_argnames=("pools",))
 def _copy_draft_pages(pools: DraftPools, src: jax.Array, dst: jax.Array) -> DraftPools:
     return DraftPools(pools.k.at[:, dst].set(pools.k[:, src]), pools.v.at[:, dst].set(pools.v[:, src]))

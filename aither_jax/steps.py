@@ -11,7 +11,6 @@ reuses compiled executables.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import jax
@@ -20,6 +19,7 @@ from jax import monitoring
 
 from aither_jax.sampling import SamplingBatch, sample_tokens
 from aither_jax.speculative import verify
+from aither_jax.step_jit import step_jit
 from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.llama import KVUpdate, StepBatch, forward
@@ -28,9 +28,7 @@ from models.weights import ModelWeights
 RETURN_LOGITS = ("none", "last", "all")
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention", "taps", "shared_pages")
-)
+@step_jit(static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention", "taps", "shared_pages"))
 def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -69,7 +67,7 @@ def forward_step(
     return next_tokens, returned, update, hidden
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "greedy_only", "attention", "taps", "return_logits"))
+@step_jit(static_argnames=("cfg", "num_pages", "greedy_only", "attention", "taps", "return_logits"))
 def verify_step(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -98,7 +96,7 @@ def verify_step(
     return accepted, next_tokens, logits if return_logits else None, update, hidden
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+@step_jit(static_argnames=("k",))
 def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The `k` most likely next tokens at every position of `logits` [..., V] and their log
     probabilities under the full softmax: ([..., k] int32, [..., k] float32), most likely
@@ -107,7 +105,7 @@ def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return ids.astype(jnp.int32), logp
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@step_jit(donate_argnames=("cache",))
 def write_step(cache: PagedKVCache, update: KVUpdate) -> PagedKVCache:
     """Stores a step's keys/values and lengths in place."""
     cache = cache.write(update.pages, update.offsets, update.k, update.v)
@@ -116,7 +114,7 @@ def write_step(cache: PagedKVCache, update: KVUpdate) -> PagedKVCache:
     return cache.replace(seq_lens=cache.seq_lens.at[update.slots].set(update.seq_lens, mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_pages", "attention"), donate_argnames=("cache",))
+@step_jit(static_argnames=("cfg", "num_pages", "attention"), donate_argnames=("cache",))
 def refill_sinks(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -141,7 +139,7 @@ def refill_sinks(
     return cache.write_sinks(update.slots, update.start, update.num_new, update.sink_k, update.sink_v)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@step_jit(donate_argnames=("cache",))
 def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     """Copies pages src[i] -> dst[i] ([N] int32 each) in every key and value pool, all layers
     (prefix caching's copy on write)."""
