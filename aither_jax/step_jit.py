@@ -66,7 +66,7 @@ class StepFunction:
         return self.jitted(*args, **kwargs)
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
+        if name.startswith("_"):  # private names stay private (and `_jitted` must not recurse)
             raise AttributeError(name)
         return getattr(self.jitted, name)
 
