@@ -287,7 +287,13 @@ def _attention_inputs(
     """One layer's q [B, T, Hq, Dh] and k [B, T, Hkv, Dh] after RoPE, and v [B, T, Hkv, Dh],
     from the residual stream x ([B T, D], or [D, B T] when `transposed`)."""
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps, axis=0 if transposed else -1)
-    qkv = _to_stream(linear(h, lw.wqkv, transposed=transposed), transposed).reshape(b, -1, lw.wqkv.shape[0])
+    qkv = linear(h, lw.wqkv, transposed=transposed)
+    if transposed:
+        # Keeps the product [out, N]. Otherwise XLA folds the transpose below into it, and the
+        # resulting [N, out] product misses the CPU matmul library for a generic loop that
+        # took ~260 against ~90 us per layer with 8 rows (docs/BENCHMARKS.md, decode section).
+        qkv = jax.lax.optimization_barrier(qkv)
+    qkv = _to_stream(qkv, transposed).reshape(b, -1, lw.wqkv.shape[0])
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     t = qkv.shape[1]
     q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)

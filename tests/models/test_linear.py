@@ -1,11 +1,16 @@
 """The layer products in both residual-stream layouts (models.llama.linear, rms_norm) against
 float64 numpy references."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import linear, rms_norm
+from models.config import ModelConfig
+from models.llama import _attention_inputs, linear, rms_norm, rope_tables
+from models.weights import LayerWeights
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
@@ -41,3 +46,35 @@ def test_rms_norm_over_a_transposed_stream_matches_rows():
     cols = np.asarray(rms_norm(jnp.asarray(x.T), jnp.asarray(weight), 1e-5, axis=0))
     np.testing.assert_allclose(rows, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cols.T, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the transposed stream is CPU-only")
+def test_qkv_product_keeps_the_transposed_layout():
+    """On the transposed stream the query/key/value product must come out [out, N], the layout
+    XLA's CPU matmul library takes. Left to itself, XLA folds the transpose back to rows into
+    the product, making it an [N, out] product that falls back to a generic loop several times
+    slower (docs/BENCHMARKS.md, decode section)."""
+    cfg = ModelConfig("llama", 1, 64, 128, 4, 2, 16, 100, 64)
+    rng = np.random.default_rng(0)
+    d, out = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+
+    def param(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    lw = LayerWeights(
+        param(d), param(out, d), param(d, cfg.q_size), param(d), param(2 * cfg.ffn_size, d), param(d, cfg.ffn_size)
+    )
+    cos, sin = rope_tables(jnp.zeros((4, 1), jnp.int32), cfg.head_dim, cfg.rope_base)
+    x = param(d, 4)  # the transposed stream [D, N] of 4 rows of one token
+    fn = jax.jit(lambda x, lw: _attention_inputs(x, lw, cfg, cos, sin, 4, True))
+    hlo = fn.lower(x, lw).compile().as_text()
+    entry = hlo.split("\nENTRY")[1]
+    weight = re.search(rf"%([\w.\-]+) = f32\[{out},{d}\]\{{1,0\}} parameter", entry).group(1)
+    products = re.findall(rf"= f32\[(\d+),(\d+)\]\{{1,0\}} \w+\([^)]*%{re.escape(weight)}\b", entry)
+    assert products == [(str(out), "4")], entry
+    # and the layout change costs nothing in value
+    q, k, v = fn(x, lw)
+    qkv = (
+        np.asarray(lw.wqkv, np.float64) @ np.asarray(rms_norm(x, lw.attn_norm, cfg.rms_norm_eps, axis=0), np.float64)
+    ).T
+    np.testing.assert_allclose(np.asarray(v).reshape(4, -1), qkv[:, cfg.q_size + cfg.kv_size :], rtol=1e-5, atol=1e-5)
