@@ -5,8 +5,9 @@ method, batch, block size or denoising steps, with a bf16 KV cache. With a Turbo
 the verify pass computes keys in a chunk of 16 where plain decoding computes one at a time;
 float32 rounding differs in the last bit, and a value that sits on a codebook boundary then
 gets the neighbouring code, which moves later logits by up to a few tenths (prefix caching
-and prefill chunking show the same). There each speculative token must be the target's
-greedy choice under its own cache, or within MAX_GAP nats of it. After rejections the
+and prefill chunking show the same). There each output must equal plain decoding's, or each
+of its tokens must be the target's greedy choice under its own cache, or within MAX_GAP nats
+of it. After rejections the
 target's cache and the draft's context cache must equal what plain decoding of the committed
 tokens gives.
 """
@@ -74,9 +75,13 @@ def test_greedy_speculative_equals_plain_greedy(baselines, method, kv, batch, bl
     if kv == "bf16":
         assert [o.token_ids for o in outs] == baselines(kv, batch)
     else:
-        same = sum(o.token_ids == b for o, b in zip(outs, baselines(kv, batch), strict=True))
+        plain = baselines(kv, batch)
+        same = sum(o.token_ids == b for o, b in zip(outs, plain, strict=True))
         assert same >= len(PROMPTS) // 2, f"only {same} of {len(PROMPTS)} outputs equal plain decoding"
-        for o in outs:
+        # An output equal to plain decoding's is right by definition: its distance from the
+        # full recompute below measures the cache, not speculation (plain decoding itself sits
+        # about half a nat off it on one of these prompts).
+        for o in (o for o, b in zip(outs, plain, strict=True) if o.token_ids != b):
             logits = llm.logits(o.prompt_token_ids + o.token_ids)[len(o.prompt_token_ids) - 1 : -1]
             logp = logits - logits.max(axis=1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
