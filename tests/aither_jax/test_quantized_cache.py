@@ -93,7 +93,10 @@ def test_chunk_size_does_not_change_logits(llm_tq4, llm_fp32):
     # measured 1.0 on one AMD EPYC, 0.9988 on another with AVX-512 (XLA CPU code, so rounding, differs)
     assert same[:, :8].mean() > 0.995
     assert same.mean() > 0.85  # measured 0.88 (CPU, transposed stream; 0.93-0.94 before): flips cascade
-    assert (small.argmax(-1) == big.argmax(-1)).mean() > 0.98
+    # measured 0.985-0.99, then 0.975 on an Intel Xeon once the transposed stream's qkv product
+    # kept its layout (5 partings of 200, each where the runs' top two tokens lie within 0.65
+    # nats); either run agrees with unquantized logits on 0.955-0.96 of the positions
+    assert (small.argmax(-1) == big.argmax(-1)).mean() > 0.965
     gap_small, gap_big = np.abs(small - exact).mean(), np.abs(big - exact).mean()
     assert 0.5 < gap_big / gap_small < 2  # measured 0.87; attending to fresh unquantized keys: ~0
 
