@@ -73,11 +73,26 @@ TRANSPOSED_MAX_TOKENS = 64
 
 def linear(h: jax.Array, w: jax.Array, *, transposed: bool) -> jax.Array:
     """h [N, in] times a weight stored [out, in] -> [N, out]; with `transposed`, h [in, N] -> [out, N]."""
+    n = h.shape[1] if transposed else h.shape[0]
+    if _pad_bf16_operand(n, h.dtype, transposed):
+        h = jnp.pad(h, ((0, 0), (0, 1)) if transposed else ((0, 1), (0, 0)))
     a, b, dims = (w, h, ((1,), (0,))) if transposed else (h, w, ((1,), (1,)))
     out = jax.lax.dot_general(
         a, b, (dims, ((), ())), precision=dot_precision(h.dtype), preferred_element_type=jnp.float32
     )
+    out = out[:, :n] if transposed else out[:n]
     return out.astype(h.dtype)
+
+
+def _pad_bf16_operand(n: int, dtype, transposed: bool) -> bool:
+    """Whether a bfloat16 product on CPU takes its activations with one zero row (or column)
+    added. XLA's CPU backend hands bf16 products to its matmul library (YNNPACK, AMX or
+    AVX512-BF16 where the CPU has them) only when both operands are row-major matrices of at
+    least two rows; otherwise it runs a generic loop or converts the whole weight to float32
+    first, both several times slower (docs/BENCHMARKS.md, decode section). A single row is a
+    vector, and on the transposed stream XLA lays a norm's output out column-major for its
+    reduction; the padded copy is a fresh row-major buffer of at least two rows."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and (transposed or n == 1) and jax.default_backend() == "cpu"
 
 
 def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
@@ -91,6 +106,9 @@ def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     """
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(head.dtype)
+    n = rows.shape[0]
+    if _pad_bf16_operand(n, rows.dtype, transposed=False):
+        rows = jnp.pad(rows, ((0, 1), (0, 0)))
     out = jax.lax.dot_general(
         head,
         rows,
@@ -102,7 +120,7 @@ def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
         # Fused into the product, the transpose makes XLA's CPU matmul write [N, V] directly,
         # which takes ~1.6x as long as the product plus a separate transpose with 2-16 rows.
         out = jax.lax.optimization_barrier(out)
-    return out.T.reshape(*lead, head.shape[0])
+    return out[:, :n].T.reshape(*lead, head.shape[0])
 
 
 @struct.dataclass
@@ -269,11 +287,11 @@ def forward(
 
 
 def _transposed_stream(num_tokens: int, dtype) -> bool:
-    """Whether a call runs its layers on the transposed stream: float32 calls of at most
-    TRANSPOSED_MAX_TOKENS tokens on CPU. (XLA's CPU runtime rejects some bf16 x bf16 -> f32
-    products of the transposed form inside the model; GPU matmuls read either operand
-    transposed in place, so there the layout buys nothing.)"""
-    return num_tokens <= TRANSPOSED_MAX_TOKENS and jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
+    """Whether a call runs its layers on the transposed stream: calls of at most
+    TRANSPOSED_MAX_TOKENS tokens on CPU (bfloat16 products there pad their activations,
+    `_pad_bf16_operand`). GPU matmuls read either operand transposed in place, so there the
+    layout buys nothing."""
+    return num_tokens <= TRANSPOSED_MAX_TOKENS and jax.default_backend() == "cpu"
 
 
 def _to_stream(x: jax.Array, transposed: bool) -> jax.Array:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig
-from models.llama import _attention_inputs, linear, rms_norm, rope_tables
+from models.llama import _attention_inputs, _attention_output, _mlp_block, linear, rms_norm, rope_tables
 from models.weights import LayerWeights
 
 
@@ -34,6 +34,48 @@ def test_linear_bfloat16_keeps_dtype_and_accumulates_in_float32():
     want = np.asarray(w, np.float64) @ np.asarray(h, np.float64)
     # One bf16 rounding of the float32 sum (8 bits of mantissa), not 512 of them.
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2, atol=0.1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_linear_bfloat16_matches_reference_in_both_layouts(rows, transposed):
+    """bf16 products on CPU pad their activations by one row; the padding must not show."""
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((48, 256)), jnp.bfloat16)  # [out, in]
+    h = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)  # [N, in]
+    got = jax.jit(linear, static_argnames="transposed")(h.T if transposed else h, w, transposed=transposed)
+    assert got.shape == ((48, rows) if transposed else (rows, 48)) and got.dtype == jnp.bfloat16
+    want = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(got.T if transposed else got, np.float64), want, rtol=1e-2, atol=0.1)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the padding is for XLA's CPU backend")
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_bfloat16_layer_keeps_its_weights_in_bfloat16(rows):
+    """A bf16 layer on the transposed stream must multiply its bf16 weights as they are. XLA's
+    CPU backend otherwise converts a weight to float32 on every call (an f32[out, in] value in
+    the optimized HLO) where an activation is a single row or laid out column-major, which made
+    8-row bf16 decode steps slower than float32 ones."""
+    cfg = ModelConfig("llama", 1, 64, 128, 4, 2, 16, 100, 64)
+    rng = np.random.default_rng(0)
+    d, out = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+
+    def param(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    lw = LayerWeights(
+        param(d), param(out, d), param(d, cfg.q_size), param(d), param(2 * cfg.ffn_size, d), param(d, cfg.ffn_size)
+    )
+    cos, sin = rope_tables(jnp.zeros((rows, 1), jnp.int32), cfg.head_dim, cfg.rope_base)
+
+    def layer(x, lw):
+        q, _, _ = _attention_inputs(x, lw, cfg, cos, sin, rows, True)
+        return _mlp_block(_attention_output(x, q, lw, True), lw, cfg, True)
+
+    hlo = jax.jit(layer).lower(param(d, rows), lw).compile().as_text()
+    shapes = {(out, d), (d, cfg.q_size), (2 * cfg.ffn_size, d), (d, cfg.ffn_size)}
+    converted = [m for m in re.findall(r"= f32\[(\d+),(\d+)\]", hlo) if tuple(map(int, m)) in shapes]
+    assert converted == [], hlo
 
 
 def test_rms_norm_over_a_transposed_stream_matches_rows():
