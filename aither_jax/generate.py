@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "bfloat16", "float32"),
         default="auto",
-        help="auto: bfloat16 on accelerators, float32 on CPU (where XLA's bfloat16 matmuls are slow)",
+        help="auto: bfloat16 on accelerators, float32 on CPU (bfloat16 is faster only on CPUs with bf16 instructions)",
     )
     p.add_argument("--max-model-len", type=int_in("--max-model-len", 2), default=None)
     p.add_argument(

@@ -22,7 +22,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 def resolve_dtype(dtype: str) -> str:
-    """ "auto" -> float32 on CPU (XLA's CPU bfloat16 matmuls are slow), bfloat16 elsewhere."""
+    """ "auto" -> float32 on CPU (bfloat16 is faster only on CPUs with bf16 instructions), bfloat16 elsewhere."""
     if dtype != "auto":
         return dtype
     import jax
@@ -74,9 +74,9 @@ class LLM:
 
     Args:
         model: a registered name (`smollm2-135m`) or a path to a `.gguf` file.
-        dtype: weight and activation dtype: "auto" (the default: float32 on CPU, where XLA's
-            bfloat16 matmuls run several times slower, bfloat16 elsewhere), "bfloat16" or
-            "float32".
+        dtype: weight and activation dtype: "auto" (the default: float32 on CPU, where
+            bfloat16 is faster only on CPUs with bf16 instructions such as AMX, bfloat16
+            elsewhere), "bfloat16" or "float32".
         kv_cache_dtype: KV cache format: "auto" (the default: the model's measured TurboQuant
             format, see models/registry.py; bf16 for unregistered GGUF files), "bf16", "fp32",
             or a TurboQuant format such as "tq4" or "tq-k6v4" (README: KV cache formats).
