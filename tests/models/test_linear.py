@@ -12,6 +12,22 @@ from models.config import ModelConfig
 from models.llama import _attention_inputs, _attention_output, _mlp_block, linear, rms_norm, rope_tables
 from models.weights import LayerWeights
 
+CFG = ModelConfig("llama", 1, 64, 128, 4, 2, 16, 100, 64)  # one small llama layer
+
+
+def _random_layer(dtype, rows: int) -> tuple[LayerWeights, jax.Array]:
+    """Random weights of one CFG layer and a transposed stream [D, rows] of one token per row."""
+    rng = np.random.default_rng(0)
+    d, out = CFG.hidden_size, CFG.q_size + 2 * CFG.kv_size
+
+    def param(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    lw = LayerWeights(
+        param(d), param(out, d), param(d, CFG.q_size), param(d), param(2 * CFG.ffn_size, d), param(d, CFG.ffn_size)
+    )
+    return lw, param(d, rows)
+
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
@@ -56,24 +72,15 @@ def test_bfloat16_layer_keeps_its_weights_in_bfloat16(rows):
     CPU backend otherwise converts a weight to float32 on every call (an f32[out, in] value in
     the optimized HLO) where an activation is a single row or laid out column-major, which made
     8-row bf16 decode steps slower than float32 ones."""
-    cfg = ModelConfig("llama", 1, 64, 128, 4, 2, 16, 100, 64)
-    rng = np.random.default_rng(0)
-    d, out = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-
-    def param(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-
-    lw = LayerWeights(
-        param(d), param(out, d), param(d, cfg.q_size), param(d), param(2 * cfg.ffn_size, d), param(d, cfg.ffn_size)
-    )
-    cos, sin = rope_tables(jnp.zeros((rows, 1), jnp.int32), cfg.head_dim, cfg.rope_base)
+    lw, x = _random_layer(jnp.bfloat16, rows)
+    cos, sin = rope_tables(jnp.zeros((rows, 1), jnp.int32), CFG.head_dim, CFG.rope_base)
 
     def layer(x, lw):
-        q, _, _ = _attention_inputs(x, lw, cfg, cos, sin, rows, True)
-        return _mlp_block(_attention_output(x, q, lw, True), lw, cfg, True)
+        q, _, _ = _attention_inputs(x, lw, CFG, cos, sin, rows, True)
+        return _mlp_block(_attention_output(x, q, lw, True), lw, CFG, True)
 
-    hlo = jax.jit(layer).lower(param(d, rows), lw).compile().as_text()
-    shapes = {(out, d), (d, cfg.q_size), (2 * cfg.ffn_size, d), (d, cfg.ffn_size)}
+    hlo = jax.jit(layer).lower(x, lw).compile().as_text()
+    shapes = {w.shape for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)}
     converted = [m for m in re.findall(r"= f32\[(\d+),(\d+)\]", hlo) if tuple(map(int, m)) in shapes]
     assert converted == [], hlo
 
@@ -96,18 +103,10 @@ def test_qkv_product_keeps_the_transposed_layout():
     XLA's CPU matmul library takes. Left to itself, XLA folds the transpose back to rows into
     the product, making it an [N, out] product that falls back to a generic loop several times
     slower (docs/BENCHMARKS.md, decode section)."""
-    cfg = ModelConfig("llama", 1, 64, 128, 4, 2, 16, 100, 64)
-    rng = np.random.default_rng(0)
+    cfg = CFG
     d, out = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-
-    def param(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
-
-    lw = LayerWeights(
-        param(d), param(out, d), param(d, cfg.q_size), param(d), param(2 * cfg.ffn_size, d), param(d, cfg.ffn_size)
-    )
+    lw, x = _random_layer(jnp.float32, 4)
     cos, sin = rope_tables(jnp.zeros((4, 1), jnp.int32), cfg.head_dim, cfg.rope_base)
-    x = param(d, 4)  # the transposed stream [D, N] of 4 rows of one token
     fn = jax.jit(lambda x, lw: _attention_inputs(x, lw, cfg, cos, sin, 4, True))
     hlo = fn.lower(x, lw).compile().as_text()
     entry = hlo.split("\nENTRY")[1]
