@@ -74,8 +74,7 @@ TRANSPOSED_MAX_TOKENS = 64
 def linear(h: jax.Array, w: jax.Array, *, transposed: bool) -> jax.Array:
     """h [N, in] times a weight stored [out, in] -> [N, out]; with `transposed`, h [in, N] -> [out, N]."""
     n = h.shape[1] if transposed else h.shape[0]
-    if _pad_bf16_operand(n, h.dtype, transposed):
-        h = jnp.pad(h, ((0, 0), (0, 1)) if transposed else ((0, 1), (0, 0)))
+    h = _pad_bf16_operand(h, axis=1 if transposed else 0, column_major=transposed)
     a, b, dims = (w, h, ((1,), (0,))) if transposed else (h, w, ((1,), (1,)))
     out = jax.lax.dot_general(
         a, b, (dims, ((), ())), precision=dot_precision(h.dtype), preferred_element_type=jnp.float32
@@ -84,15 +83,20 @@ def linear(h: jax.Array, w: jax.Array, *, transposed: bool) -> jax.Array:
     return out.astype(h.dtype)
 
 
-def _pad_bf16_operand(n: int, dtype, transposed: bool) -> bool:
-    """Whether a bfloat16 product on CPU takes its activations with one zero row (or column)
-    added. XLA's CPU backend hands bf16 products to its matmul library (YNNPACK, AMX or
+def _pad_bf16_operand(h: jax.Array, *, axis: int, column_major: bool) -> jax.Array:
+    """The activations of a product, with one zero row (or column, along `axis`) added when the
+    product is bfloat16 on CPU and would otherwise miss the matmul library: a single row, or
+    (`column_major`) a transposed-stream operand of any width. Callers slice the result back.
+
+    XLA's CPU backend hands bf16 products to its matmul library (YNNPACK, AMX or
     AVX512-BF16 where the CPU has them) only when both operands are row-major matrices of at
     least two rows; otherwise it runs a generic loop or converts the whole weight to float32
     first, both several times slower (docs/BENCHMARKS.md, decode section). A single row is a
     vector, and on the transposed stream XLA lays a norm's output out column-major for its
     reduction; the padded copy is a fresh row-major buffer of at least two rows."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and (transposed or n == 1) and jax.default_backend() == "cpu"
+    if h.dtype != jnp.bfloat16 or not (column_major or h.shape[axis] == 1) or jax.default_backend() != "cpu":
+        return h
+    return jnp.pad(h, [(0, 1) if i == axis else (0, 0) for i in range(h.ndim)])
 
 
 def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
@@ -107,8 +111,7 @@ def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(head.dtype)
     n = rows.shape[0]
-    if _pad_bf16_operand(n, rows.dtype, transposed=False):
-        rows = jnp.pad(rows, ((0, 1), (0, 0)))
+    rows = _pad_bf16_operand(rows, axis=0, column_major=False)
     out = jax.lax.dot_general(
         head,
         rows,
@@ -189,7 +192,7 @@ def forward(
     ctx_lens = batch.start - shared_len  # stored tokens per row past the shared pages
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
 
-    transposed = _transposed_stream(b * t, weights.embed.dtype)
+    transposed = _transposed_stream(b * t)
     x = _to_stream(weights.embed[tokens].reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
     new_k, new_v, sink_k, sink_v, tapped = [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
@@ -286,7 +289,7 @@ def forward(
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 
-def _transposed_stream(num_tokens: int, dtype) -> bool:
+def _transposed_stream(num_tokens: int) -> bool:
     """Whether a call runs its layers on the transposed stream: calls of at most
     TRANSPOSED_MAX_TOKENS tokens on CPU (bfloat16 products there pad their activations,
     `_pad_bf16_operand`). GPU matmuls read either operand transposed in place, so there the
@@ -358,7 +361,7 @@ def queries_and_keys(weights: ModelWeights, tokens: jax.Array, *, cfg: ModelConf
     t = tokens.shape[0]
     cos, sin = rope_tables(jnp.arange(t, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_base)
     zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
-    transposed = _transposed_stream(t, weights.embed.dtype)
+    transposed = _transposed_stream(t)
     x = _to_stream(weights.embed[tokens], transposed)
     empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), x.dtype)
     queries, keys = [], []
