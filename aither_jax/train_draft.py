@@ -14,7 +14,10 @@ Three resumable stages, each skipped when its output exists:
 2. Data: the frozen target's own greedy continuations of those prompts, then, in one pass over
    prompt + continuation, the hidden states of the draft's tapped target layers and the
    target's `--teacher-top-k` most likely next tokens with their log probabilities, stored as
-   .npz shards.
+   .npz shards. With `--num-text-sequences`, also conversations whose answers are existing
+   text (`document_conversations`: standard-library docstrings and source, no generation):
+   the same one pass gives their hidden states, and the labels are the target's own greedy
+   next token at every position (teacher-forced on the text), at ~10x the tokens per hour.
 3. Training: random anchors in the continuations; the block is [anchor token, masks...]; the
    loss at every masked position mixes cross-entropy with the target's greedy token and with
    its stored distribution (`--soft-weight`), with weights decaying along the block; some
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import json
 import logging
@@ -82,25 +86,37 @@ def held_out(module: str) -> bool:
     return hashlib.sha256(module.encode()).digest()[0] % 10 == 0
 
 
-def stdlib_docs() -> list[tuple[str, str, str]]:
-    """(module, name, first paragraph) for documented modules, classes and functions of the
-    standard library, read from source with `ast`, in a fixed order."""
+def stdlib_sources():
+    """(module, source, parsed tree) of the standard library's own modules (no tests, IDLE,
+    site-packages or demos), from the interpreter's source files, in a fixed order."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    out = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if any(p in ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo") for p in rel.parts):
             continue
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        nodes = [(module.rsplit(".", 1)[-1], tree)] + [
-            (n.name, n)
-            for n in ast.walk(tree)
-            if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef) and not n.name.startswith("_")
-        ]
+        yield module, source, tree
+
+
+def public_definitions(tree: ast.AST) -> list[ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef) and not n.name.startswith("_")
+    ]
+
+
+def stdlib_docs() -> list[tuple[str, str, str]]:
+    """(module, name, first paragraph) for documented modules, classes and functions of the
+    standard library, read from source with `ast`, in a fixed order."""
+    out = []
+    for module, _, tree in stdlib_sources():
+        nodes = [(module.rsplit(".", 1)[-1], tree)] + [(n.name, n) for n in public_definitions(tree)]
         for name, node in nodes:
             doc = ast.get_docstring(node)
             if not doc:
@@ -125,6 +141,49 @@ def build_prompts(num: int, *, seed: int, split: str = "train") -> list[list[dic
         template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
         convs.append([{"role": "user", "content": template.format(module=module, name=name, doc=doc)}])
     return convs
+
+
+DOC_TEMPLATES = (
+    "What does `{name}` in Python's `{module}` module do? Show me its code.",
+    "Explain `{module}.{name}` and how it is implemented.",
+    "How does `{name}` from the `{module}` module work?",
+    "Can you walk me through the source of `{module}.{name}`?",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def documented_definitions() -> tuple[tuple[str, str, str, str], ...]:
+    """(module, name, docstring, source) of the public functions and classes with a docstring of
+    60 characters or more in the standard library's training split, in a fixed order."""
+    items = []
+    for module, source, tree in stdlib_sources():
+        if held_out(module):
+            continue
+        for node in public_definitions(tree):
+            doc = ast.get_docstring(node)
+            code = ast.get_source_segment(source, node)
+            if doc and len(doc) >= 60 and code:
+                items.append((module, node.name, doc.strip(), code))
+    if not items:
+        raise RuntimeError("no documented standard-library functions found")
+    return tuple(items)
+
+
+def document_conversations(num: int, *, seed: int, max_chars: int = 2400) -> list[tuple[list[dict], str]]:
+    """`num` (conversation, answer) pairs whose answer is existing text: the full docstring of a
+    public function or class of the standard library (training split), then its source in a
+    Python code block, cut to `max_chars`. Read with `ast` from the interpreter's sources, in a
+    fixed order, then sampled with `seed`."""
+    items = documented_definitions()
+    rng = np.random.default_rng([seed, 3])
+    picks = rng.choice(len(items), size=min(num, len(items)), replace=False)
+    out = []
+    for i in picks:
+        module, name, doc, code = items[i]
+        question = DOC_TEMPLATES[int(rng.integers(len(DOC_TEMPLATES)))].format(module=module, name=name)
+        answer = f"{doc}\n\n```python\n{code}\n```"[:max_chars]
+        out.append(([{"role": "user", "content": question}], answer))
+    return out
 
 
 SELF_PROMPT_PLACEHOLDER = "\x00request\x00"
@@ -242,43 +301,77 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
             tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in own))
             os.replace(tmp, saved)
         convs += own
-    shards = []
-    per_shard = args.shard_size
-    for s in range(math.ceil(len(convs) / per_shard)):
-        path = data_dir / f"shard{s:04d}.npz"
-        shards.append(path)
-        if path.exists():
-            continue
+    shards: list[pathlib.Path] = []
+    for s, path, part in missing_shards(data_dir, "shard", convs, args.shard_size, shards):
         llm = target()
-        part = convs[s * per_shard : (s + 1) * per_shard]
         prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in part]
         keep = [p[: args.max_len - args.max_new_tokens] for p in prompts]
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
         outs = llm.generate(keep, params, use_tqdm=False)
-        seqs, plens, hidden, top_ids, top_logp = [], [], [], [], []
-        for p, o in tqdm(list(zip(keep, outs, strict=True)), desc=f"shard {s}: hidden states", leave=False):
-            ids = p + o.token_ids
-            seqs.append(np.asarray(ids, np.int32))
-            plens.append(len(p))
-            k = args.teacher_top_k
-            top, h = llm.engine.forward(ids, taps=cfg.target_layers, logits=k > 0, top_k=k)
-            hidden.append(h.astype(np.float16))
-            if k:
-                top_ids.append(top[0])
-                top_logp.append(top[1].astype(np.float16))
-        arrays = {
-            "tokens": np.concatenate(seqs),
-            "lengths": np.asarray([len(x) for x in seqs], np.int32),
-            "prompt_lengths": np.asarray(plens, np.int32),
-            "hidden": np.concatenate(hidden),
-        }
-        if args.teacher_top_k:
-            arrays |= {"top_ids": np.concatenate(top_ids), "top_log_probs": np.concatenate(top_logp)}
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)  # a crash never leaves a half-written shard
-        log.info("wrote %s (%d sequences, %d tokens)", path, len(seqs), sum(len(x) for x in seqs))
+        seqs = [p + o.token_ids for p, o in zip(keep, outs, strict=True)]
+        arrays = tap_arrays(llm, cfg, seqs, [len(p) for p in keep], args.teacher_top_k, f"shard {s}: hidden states")
+        write_shard(path, arrays)
+    docs = document_conversations(args.num_text_sequences, seed=args.seed) if args.num_text_sequences else []
+    for s, path, part in missing_shards(data_dir, "text", docs, args.shard_size, shards):
+        tok = target().tokenizer
+        seqs, plens = [], []
+        for conv, answer in part:
+            prompt = tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True))
+            seqs.append((prompt + tok.encode(answer))[: args.max_len])
+            plens.append(len(prompt))
+        arrays = tap_arrays(target(), cfg, seqs, plens, args.teacher_top_k, f"text shard {s}: hidden states")
+        write_shard(path, arrays | {"labels": teacher_labels(arrays)})
     return shards
+
+
+def missing_shards(data_dir: pathlib.Path, prefix: str, items: list, per_shard: int, shards: list[pathlib.Path]):
+    """Appends the path of every shard of `items` to `shards`; yields (index, path, its items)
+    for those not written yet (a resumed run skips the rest)."""
+    for s in range(math.ceil(len(items) / per_shard)):
+        path = data_dir / f"{prefix}{s:04d}.npz"
+        shards.append(path)
+        if not path.exists():
+            yield s, path, items[s * per_shard : (s + 1) * per_shard]
+
+
+def teacher_labels(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """Labels for text the target did not write: at every position of each sequence but its
+    first, the target's greedy choice there (its most likely token at the position before,
+    `top_ids[:, 0]`); a sequence's first position keeps its token."""
+    labels = arrays["tokens"].copy()
+    ends = np.cumsum(arrays["lengths"])
+    for a, b in zip(ends - arrays["lengths"], ends, strict=True):
+        labels[a + 1 : b] = arrays["top_ids"][a : b - 1, 0]
+    return labels
+
+
+def tap_arrays(llm, cfg: DraftConfig, seqs: list[list[int]], prompt_lengths: list[int], top_k: int, desc: str):
+    """One target pass over each sequence: the shard arrays (tokens, lengths, prompt lengths,
+    tapped hidden states in float16 and, with `top_k`, the target's top-k next tokens and log
+    probabilities at every position, most likely first)."""
+    hidden, top_ids, top_logp = [], [], []
+    for ids in tqdm(seqs, desc=desc, leave=False):
+        top, h = llm.engine.forward(ids, taps=cfg.target_layers, logits=top_k > 0, top_k=top_k)
+        hidden.append(h.astype(np.float16))
+        if top_k:
+            top_ids.append(top[0])
+            top_logp.append(top[1].astype(np.float16))
+    arrays = {
+        "tokens": np.concatenate([np.asarray(x, np.int32) for x in seqs]),
+        "lengths": np.asarray([len(x) for x in seqs], np.int32),
+        "prompt_lengths": np.asarray(prompt_lengths, np.int32),
+        "hidden": np.concatenate(hidden),
+    }
+    if top_k:
+        arrays |= {"top_ids": np.concatenate(top_ids), "top_log_probs": np.concatenate(top_logp)}
+    return arrays
+
+
+def write_shard(path: pathlib.Path, arrays: dict[str, np.ndarray]) -> None:
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)  # a crash never leaves a half-written shard
+    log.info("wrote %s (%d sequences, %d tokens)", path, len(arrays["lengths"]), len(arrays["tokens"]))
 
 
 class Dataset:
@@ -291,7 +384,9 @@ class Dataset:
         for path in shards:
             with np.load(path) as z:  # each key access reads the array: read each once
                 with_soft &= all(k in z.files for k in soft)
-                arrays = {k: z[k] for k in ("tokens", "lengths", "prompt_lengths", "hidden", *soft) if k in z.files}
+                keys = ("tokens", "labels", "lengths", "prompt_lengths", "hidden", *soft)
+                arrays = {k: z[k] for k in keys if k in z.files}
+            arrays.setdefault("labels", arrays["tokens"])  # generated text: the tokens are the target's own
             ends = np.cumsum(arrays["lengths"])
             for a, b, p in zip(ends - arrays["lengths"], ends, arrays["prompt_lengths"], strict=True):
                 if b - a - p >= block_size and b - a <= max_len:
@@ -313,6 +408,7 @@ class Dataset:
             return out
 
         self.tokens = padded("tokens", np.int32)
+        self.labels = padded("labels", np.int32)  # the target's greedy token at each position
         self.hidden = padded("hidden", np.float16)
         self.top_ids = padded("top_ids", np.int32) if with_soft else None
         self.top_log_probs = padded("top_log_probs", np.float16, -np.inf) if with_soft else None
@@ -334,7 +430,7 @@ class Dataset:
         """`size` token ids for the draft's head: those of the training continuations by frequency, then
         the prompts', then the lowest unused ids; returned sorted."""
         r = self.train_rows  # held-out sequences do not choose the head
-        rows = list(zip(self.tokens[r], self.prompt_lengths[r], self.lengths[r], strict=True))
+        rows = list(zip(self.labels[r], self.prompt_lengths[r], self.lengths[r], strict=True))
         answers = np.concatenate([t[p:n] for t, p, n in rows])
         prompts = np.concatenate([t[:p] for t, p, _ in rows])
         score = np.bincount(answers, minlength=vocab_size) * float(len(prompts) + 1)
@@ -354,6 +450,7 @@ class Dataset:
         reveal[..., 0] = True  # the anchor token is always given
         out = {
             "tokens": self.tokens[idx],
+            "labels": self.labels[idx],
             "hidden": self.hidden[idx].astype(np.float32),
             "anchors": anchors.astype(np.int32),
             "reveal": reveal,
@@ -388,7 +485,9 @@ def loss_fn(params: DraftParams, batch, *, cfg: DraftConfig, embed, lm_head, wei
     feats = context_features(params, cfg, hidden)
     k_ctx, v_ctx = context_kv(params, cfg, feats, jnp.broadcast_to(jnp.arange(length), (n, length)))
     pos = anchors[..., None] + jnp.arange(b)  # [N, A, B]
-    labels = jnp.take_along_axis(tokens[:, None, :], pos, axis=2)  # [N, A, B]
+    labels = jnp.take_along_axis(batch["labels"][:, None, :], pos, axis=2)  # [N, A, B]
+    # The anchor is the committed token as written; the rest are the target's greedy choices.
+    labels = labels.at[..., 0].set(jnp.take_along_axis(tokens, anchors, axis=1))
     inputs = jnp.where(reveal, labels, MASK).reshape(n * a, b)
     seq_of_row = jnp.repeat(jnp.arange(n), a)
     ctx_lens = anchors.reshape(n * a)
@@ -572,6 +671,13 @@ def parse_args(argv=None):
         "--num-self-prompts", type=int, default=0, help="requests the target writes itself (after the others; 0: none)"
     )
     p.add_argument(
+        "--num-text-sequences",
+        type=int,
+        default=0,
+        help="conversations answered with existing text (standard-library docstrings and source): "
+        "no generation, the target's greedy next tokens as labels (0: none)",
+    )
+    p.add_argument(
         "--held-out-prompts",
         default=str(EVAL_PROMPTS),
         help="JSON lines whose prompts self-written requests must not copy (default: the chat evaluation set)",
@@ -644,6 +750,10 @@ def parse_args(argv=None):
         p.error(f"--num-chat-prompts must be in [0, {num_requests}]")
     if args.num_self_prompts < 0:
         p.error("--num-self-prompts must be >= 0")
+    if args.num_text_sequences < 0:
+        p.error("--num-text-sequences must be >= 0")
+    if args.num_text_sequences and not args.teacher_top_k:
+        p.error("--num-text-sequences needs --teacher-top-k > 0 (its labels are the target's greedy tokens)")
     if args.num_self_prompts and not pathlib.Path(args.held_out_prompts).is_file():
         p.error(f"--held-out-prompts: no such file {args.held_out_prompts!r} (needed with --num-self-prompts)")
     if args.max_new_tokens + 16 > args.max_len:

@@ -3,6 +3,7 @@ checkpoint with the same state, and the exported draft loads."""
 
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,8 @@ from aither_jax.steps import top_log_probs
 from aither_jax.train_draft import (
     Dataset,
     build_prompts,
+    document_conversations,
+    held_out,
     keep_self_prompt,
     loss_fn,
     parse_args,
@@ -22,6 +25,7 @@ from aither_jax.train_draft import (
     position_weights,
     read_prompt_texts,
     self_prompts,
+    teacher_labels,
     train,
 )
 from models.config import ModelConfig
@@ -267,6 +271,57 @@ def test_soft_labels_come_from_the_position_before_each_label(tmp_path):
     assert mixed.top_ids is None and "top_ids" not in mixed.batch(np.random.default_rng(0), 2, 2, 0.0)
 
 
+def test_text_labels_are_the_targets_greedy_tokens():
+    """Two sequences of 3 and 4 tokens: every position but a sequence's first takes the target's
+    top choice at the position before; the first keeps its own token."""
+    arrays = {
+        "tokens": np.asarray([10, 11, 12, 20, 21, 22, 23], np.int32),
+        "lengths": np.asarray([3, 4], np.int32),
+        "top_ids": np.asarray([[5, 1], [6, 1], [7, 1], [8, 1], [9, 1], [3, 1], [4, 1]], np.int32),
+    }
+    np.testing.assert_array_equal(teacher_labels(arrays), [10, 5, 6, 20, 8, 9, 3])
+    assert arrays["tokens"][1] == 11  # the tokens themselves are left alone
+
+
+def test_loss_reads_labels_past_the_anchor_and_the_anchor_from_the_tokens(tmp_path):
+    """With text the target did not write, a block's labels (what the draft must propose) are
+    the target's greedy tokens, while its first position holds the token as written."""
+    cfg = _config()
+    data = Dataset([_shard(tmp_path / "s0.npz", np.random.default_rng(6))], max_len=48, block_size=cfg.block_size)
+    # One block per sequence, so that no block's anchor is a label position of another block.
+    batch = {k: jnp.asarray(v) for k, v in data.batch(np.random.default_rng(1), 6, 1, 0.0).items()}
+    np.testing.assert_array_equal(batch["labels"], batch["tokens"])  # generated data: the same
+    embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
+    params = init_params(cfg, jax.random.PRNGKey(1), final_norm=jnp.ones(D))
+    kw = dict(cfg=cfg, embed=embed, lm_head=embed, weights=jnp.asarray(position_weights(6, 2.0)))
+    n = jnp.arange(6)[:, None]
+    base = loss_fn(params, batch, **kw)[0]
+
+    def with_labels(pos):
+        labels = batch["labels"].at[n, pos].set((batch["labels"][n, pos] + 1) % V)
+        return loss_fn(params, batch | {"labels": labels}, **kw)[0]
+
+    np.testing.assert_allclose(with_labels(batch["anchors"]), base, rtol=1e-6)  # anchors come from the tokens
+    assert abs(float(with_labels(batch["anchors"] + 1)) - float(base)) > 1e-3  # the first proposal's label
+    changed_tokens = batch | {"tokens": batch["tokens"].at[n, batch["anchors"] + 1].set(0)}
+    # Past the anchor the tokens reach the loss only through the hidden states, which are unchanged.
+    np.testing.assert_allclose(loss_fn(params, changed_tokens, **kw)[0], base, rtol=1e-6)
+
+
+def test_document_conversations_come_from_training_modules_with_their_code():
+    convs = document_conversations(40, seed=0, max_chars=600)
+    assert len(convs) == 40 and convs == document_conversations(40, seed=0, max_chars=600)
+    assert convs != document_conversations(40, seed=1, max_chars=600)
+    for conv, answer in convs:
+        assert [m["role"] for m in conv] == ["user"] and len(answer) <= 600
+        assert "```python\n" in answer or len(answer) == 600
+        question = conv[0]["content"]
+        named = re.search(r"`([\w.]+)` module", question) or re.search(r"`([\w.]+)\.\w+`", question)
+        assert named and not held_out(named.group(1)), question
+    named = [c[0]["content"] for c, _ in convs]
+    assert len(set(named)) > 30  # varied requests
+
+
 def test_soft_loss_is_the_teacher_weighted_mix_of_hard_losses(tmp_path):
     """Cross-entropy is linear in the label distribution: with the teacher putting 0.56 / 0.24 /
     0.2 on ids c1 / c2 / c3 at every position, and c3 outside the draft's head (so the teacher
@@ -289,7 +344,7 @@ def test_soft_loss_is_the_teacher_weighted_mix_of_hard_losses(tmp_path):
     def hard(label):  # every label position of each block (one anchor per sequence) set to `label`
         n = jnp.arange(6)[:, None]
         pos = batch["anchors"][:, 0, None] + jnp.arange(1, cfg.block_size)
-        return loss_fn(params, batch | {"tokens": batch["tokens"].at[n, pos].set(label)}, inverse=inverse, **kw)[0]
+        return loss_fn(params, batch | {"labels": batch["labels"].at[n, pos].set(label)}, inverse=inverse, **kw)[0]
 
     soft = loss_fn(params, batch, inverse=inverse, soft_weight=1.0, **kw)[0]
     np.testing.assert_allclose(soft, 0.7 * hard(c1) + 0.3 * hard(c2), rtol=1e-5)
@@ -313,11 +368,17 @@ def test_soft_weight_trains_on_stored_soft_labels(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flag, message", [("--soft-weight=1.5", "soft-weight"), ("--teacher-top-k=-1", "teacher-top-k")]
+    "flag, message",
+    [
+        ("--soft-weight=1.5", "soft-weight"),
+        ("--teacher-top-k=-1", "teacher-top-k"),
+        ("--num-text-sequences=-1", "num-text-sequences"),
+        ("--num-text-sequences=5 --teacher-top-k=0", "needs --teacher-top-k"),
+    ],
 )
 def test_soft_label_flags_are_checked(tmp_path, flag, message, capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(["--out", str(tmp_path), flag])
+        parse_args(["--out", str(tmp_path), *flag.split()])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
