@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aither_jax.sampling import SamplingBatch, filtered_logits
+from aither_jax.sampling import SamplingBatch, filtered_logits, greedy_tokens
 from aither_jax.step_jit import step_jit
 from models.config import ModelConfig
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, cast_params, context_features, context_kv
@@ -135,7 +135,7 @@ def verify(
     b, t, v = logits.shape
     j = jnp.arange(t - 1)[None, :]
     valid = j < num_drafts[:, None]
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    target = greedy_tokens(logits)  # [B, T]
     greedy_ok = (drafts == target[:, :-1]) & valid
     greedy_acc = jnp.cumprod(greedy_ok, axis=1).sum(axis=1).astype(jnp.int32)
     greedy_next = jnp.take_along_axis(target, greedy_acc[:, None], axis=1)[:, 0]
@@ -263,7 +263,7 @@ def propose_block(
         h = block_forward(params, cfg, embed, tokens, positions, attend)
         logits = vocab_logits(h, lm_head)  # [B, size, V]
         conf = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
-        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        pred = greedy_tokens(logits)
         if vocab is not None:
             pred = vocab[pred]
         tokens = unmask(tokens, pred, conf, count)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax.sampling import SamplingBatch, SamplingParams, sample_tokens
+from aither_jax.sampling import SamplingBatch, SamplingParams, greedy_tokens, sample_tokens
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 N = 4000
@@ -78,6 +78,24 @@ def test_wrong_temperature_would_fail_the_same_check():
 def test_greedy_rows_take_argmax_and_seeds_are_reproducible():
     assert (draw(0.0, 0, 1.0, n=16) == 0).all()
     np.testing.assert_array_equal(draw(1.0, 0, 1.0, n=64), draw(1.0, 0, 1.0, n=64))
+
+
+def test_greedy_tokens_equal_argmax_with_ties_and_infinities():
+    """The max-then-first-index form picks what argmax picks: random rows, rows of ties (the
+    first wins), rows with -inf and +inf, and any leading batch shape."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 5, 257)).astype(np.float32)
+    x[0, 0] = 1.0  # all tied
+    x[1, 2, [7, 9, 200]] = 50.0  # a tie among three
+    x[2, 1, :] = -np.inf
+    x[3, 3, 100] = np.inf
+    x[4] = np.round(x[4])  # many ties
+    got = np.asarray(jax.jit(greedy_tokens)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert (got[0, 0], got[1, 2], got[2, 1], got[3, 3]) == (0, 7, 0, 100)
+    nan_row = np.asarray(greedy_tokens(jnp.full((1, 9), np.nan, jnp.float32)))
+    assert nan_row.tolist() == [8]  # stays a valid token id
 
 
 @pytest.mark.parametrize(
