@@ -95,7 +95,7 @@ def test_greedy_tokens_equal_argmax_with_ties_and_infinities():
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
     assert (got[0, 0], got[1, 2], got[2, 1], got[3, 3]) == (0, 7, 0, 100)
     nan_row = np.asarray(greedy_tokens(jnp.full((1, 9), np.nan, jnp.float32)))
-    assert nan_row.tolist() == [8]  # stays a valid token id
+    assert 0 <= int(nan_row[0]) < 9  # stays a valid token id
 
 
 @pytest.mark.parametrize(
