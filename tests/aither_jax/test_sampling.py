@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax.sampling import SamplingBatch, SamplingParams, greedy_tokens, sample_tokens
+from aither_jax.sampling import WINDOW, SamplingBatch, SamplingParams, filtered_logits, greedy_tokens, sample_tokens
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 N = 4000
@@ -78,6 +78,72 @@ def test_wrong_temperature_would_fail_the_same_check():
 def test_greedy_rows_take_argmax_and_seeds_are_reproducible():
     assert (draw(0.0, 0, 1.0, n=16) == 0).all()
     np.testing.assert_array_equal(draw(1.0, 0, 1.0, n=64), draw(1.0, 0, 1.0, n=64))
+
+
+def kept_reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Which tokens a row keeps, from a full sort in float64: the k largest tempered logits,
+    then, largest first, while the mass (over the top-k set) before a token is below top_p;
+    every token whose logit reaches the smallest kept one stays."""
+    x = logits.astype(np.float64) / (temperature if temperature > 0 else 1.0)
+    desc = np.sort(x)[::-1]
+    k = top_k if 0 < top_k < len(x) else len(x)
+    p = np.exp(desc[:k] - desc[0])
+    p /= p.sum()
+    count = max(int(np.sum(np.cumsum(p) - p < top_p)), 1)
+    return x >= desc[count - 1]
+
+
+# (temperature, top_k, top_p, logit scale): a nucleus inside the window; a nucleus past it (flat
+# logits, top_p near 1: the full sort); top-k past the window (the sort); top-k inside it with
+# top-p; no filtering at all.
+ROWS = [
+    (1.0, 0, 0.9, 4.0),
+    (1.0, 0, 0.999, 0.01),
+    (0.7, WINDOW + 44, 1.0, 1.0),
+    (1.3, 50, 0.8, 2.0),
+    (1.0, 0, 1.0, 1.0),
+]
+
+
+def _batch(rows, vocab=1000, seed=5):
+    rng = np.random.default_rng(seed)
+    logits = np.stack([rng.standard_normal(vocab).astype(np.float32) * scale for *_, scale in rows])
+    sampling = SamplingBatch(
+        temperature=jnp.asarray([r[0] for r in rows], jnp.float32),
+        top_k=jnp.asarray([r[1] for r in rows], jnp.int32),
+        top_p=jnp.asarray([r[2] for r in rows], jnp.float32),
+        seeds=jnp.arange(len(rows), dtype=jnp.uint32) + 11,
+    )
+    return logits, sampling
+
+
+def test_filtered_logits_keep_what_a_full_sort_keeps():
+    """Over a vocabulary wider than the top-k window, the kept sets match a float64 full-sort
+    reference, both where the window decides and where the sort must."""
+    logits, sampling = _batch(ROWS)
+    got = np.asarray(jax.jit(filtered_logits)(jnp.asarray(logits), sampling))
+    for r, (temperature, top_k, top_p, _) in enumerate(ROWS):
+        keep = kept_reference(logits[r], temperature, top_k, top_p)
+        np.testing.assert_array_equal(np.isfinite(got[r]), keep, err_msg=f"row {r}")
+        np.testing.assert_allclose(got[r][keep], logits[r][keep] / temperature, rtol=1e-6)
+    counts = np.isfinite(got).sum(axis=1)
+    assert counts[0] < WINDOW < counts[1] < 1000 and counts[2] == WINDOW + 44 and counts[4] == 1000
+
+
+def test_a_row_draws_the_same_whatever_shares_its_batch():
+    """A row decided by its window gives the same filtered logits and the same seeded token
+    alone and beside a row that needs the full sort."""
+    logits, sampling = _batch(ROWS)
+    sample = jax.jit(sample_tokens, static_argnames="greedy_only")
+    positions = jnp.arange(len(ROWS), dtype=jnp.int32)
+    together = np.asarray(sample(jnp.asarray(logits), sampling, positions, greedy_only=False))
+    both = np.asarray(jax.jit(filtered_logits)(jnp.asarray(logits), sampling))
+    for r in (0, 3, 4):
+        one = jax.tree_util.tree_map(lambda a, r=r: a[r : r + 1], sampling)
+        alone = sample(jnp.asarray(logits[r : r + 1]), one, positions[r : r + 1], greedy_only=False)
+        assert int(alone[0]) == int(together[r])
+        alone_logits = jax.jit(filtered_logits)(jnp.asarray(logits[r : r + 1]), one)
+        np.testing.assert_array_equal(np.asarray(alone_logits)[0], both[r])
 
 
 def test_greedy_tokens_equal_argmax_with_ties_and_infinities():
