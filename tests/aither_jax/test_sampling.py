@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax.sampling import WINDOW, SamplingBatch, SamplingParams, filtered_logits, greedy_tokens, sample_tokens
+from aither_jax import sampling as sampling_module
+from aither_jax.sampling import WINDOWS, SamplingBatch, SamplingParams, filtered_logits, greedy_tokens, sample_tokens
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 N = 4000
@@ -99,7 +100,7 @@ def kept_reference(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
 ROWS = [
     (1.0, 0, 0.9, 4.0),
     (1.0, 0, 0.999, 0.01),
-    (0.7, WINDOW + 44, 1.0, 1.0),
+    (0.7, WINDOWS[0] + 44, 1.0, 1.0),
     (1.3, 50, 0.8, 2.0),
     (1.0, 0, 1.0, 1.0),
 ]
@@ -118,16 +119,40 @@ def _batch(rows, vocab=1000, seed=5):
 
 
 def test_filtered_logits_keep_what_a_full_sort_keeps():
-    """Over a vocabulary wider than the top-k window, the kept sets match a float64 full-sort
-    reference, both where the window decides and where the sort must."""
+    """Over a vocabulary wider than the first top-k window, the kept sets match a float64
+    full-sort reference, both where the window decides and where the sort must."""
     logits, sampling = _batch(ROWS)
-    got = np.asarray(jax.jit(filtered_logits)(jnp.asarray(logits), sampling))
+    got = np.asarray(jax.jit(lambda x, s: filtered_logits(x, s))(jnp.asarray(logits), sampling))
     for r, (temperature, top_k, top_p, _) in enumerate(ROWS):
         keep = kept_reference(logits[r], temperature, top_k, top_p)
         np.testing.assert_array_equal(np.isfinite(got[r]), keep, err_msg=f"row {r}")
         np.testing.assert_allclose(got[r][keep], logits[r][keep] / temperature, rtol=1e-6)
     counts = np.isfinite(got).sum(axis=1)
-    assert counts[0] < WINDOW < counts[1] < 1000 and counts[2] == WINDOW + 44 and counts[4] == 1000
+    assert counts[0] < WINDOWS[0] < counts[1] < 1000 and counts[2] == WINDOWS[0] + 44 and counts[4] == 1000
+
+
+def test_every_stage_of_the_window_cascade(monkeypatch):
+    """With windows of 16 and 128 over 1,000 tokens, rows decided by the first window, by the
+    second and by the full sort all keep what the reference keeps, and each keeps the same
+    alone as in the batch."""
+    monkeypatch.setattr(sampling_module, "WINDOWS", (16, 128))
+    rows = [
+        (1.0, 0, 0.5, 6.0),  # a narrow nucleus: the first window
+        (1.0, 0, 0.9, 3.0),  # tens of tokens: the second
+        (1.0, 0, 0.95, 0.05),  # nearly flat: the sort
+        (0.9, 100, 1.0, 1.0),  # top-k inside the second window
+        (1.1, 500, 0.99, 1.0),  # top-k past it: the sort
+    ]
+    logits, sampling = _batch(rows, seed=9)
+    fresh = lambda: jax.jit(lambda x, s: filtered_logits(x, s))  # noqa: E731 (no trace cached under other windows)
+    got = np.asarray(fresh()(jnp.asarray(logits), sampling))
+    counts = np.isfinite(got).sum(axis=1)
+    assert counts[0] <= 16 < counts[1] <= 128 < counts[2] and counts[3] == 100, counts
+    for r, (temperature, top_k, top_p, _) in enumerate(rows):
+        keep = kept_reference(logits[r], temperature, top_k, top_p)
+        np.testing.assert_array_equal(np.isfinite(got[r]), keep, err_msg=f"row {r}")
+        one = jax.tree_util.tree_map(lambda a, r=r: a[r : r + 1], sampling)
+        np.testing.assert_array_equal(np.asarray(fresh()(jnp.asarray(logits[r : r + 1]), one))[0], got[r])
 
 
 def test_a_row_draws_the_same_whatever_shares_its_batch():
