@@ -97,8 +97,9 @@ class SamplingBatch:
 WINDOWS = (256, 4096)
 
 
-def _keep_mask(logits: jax.Array, sampling: SamplingBatch) -> tuple[jax.Array, jax.Array]:
-    """(tempered logits [N, V], which tokens top-k and top-p keep [N, V]), in vocabulary order.
+def filtered_logits(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
+    """The logits [N, V] a sampled row draws from (tempered, top-k/top-p dropped to -inf), in
+    vocabulary order; softmax of them is the distribution `sample_tokens` samples.
 
     top-k keeps the k largest logits; top-p then keeps tokens, largest first, while the
     probability mass (renormalized over the top-k set) strictly before them is below top_p,
@@ -113,16 +114,13 @@ def _keep_mask(logits: jax.Array, sampling: SamplingBatch) -> tuple[jax.Array, j
     scaled = logits / temp[:, None]
     k = jnp.where((sampling.top_k > 0) & (sampling.top_k < vocab), sampling.top_k, vocab)
     top_p = sampling.top_p[:, None]
+    vocab_norm = jax.nn.logsumexp(scaled, axis=-1)  # the top-k set's normalizer when top-k is off
 
     def stage(width: int) -> tuple[jax.Array, jax.Array]:
         """(the smallest kept logit [N], whether the kept set lies in the `width` largest [N])."""
         desc = jax.lax.top_k(scaled, width)[0] if width < vocab else -jnp.sort(-scaled, axis=-1)
-        rank = jnp.arange(width)[None, :]
-        in_k = rank < k[:, None]
-        # The top-k set's normalizer: inside the window when k fits, else (top-k off) all of V.
-        norm = jnp.where(
-            k <= width, jax.nn.logsumexp(jnp.where(in_k, desc, -jnp.inf), axis=-1), jax.nn.logsumexp(scaled, axis=-1)
-        )
+        in_k = jnp.arange(width)[None, :] < k[:, None]
+        norm = jnp.where(k <= width, jax.nn.logsumexp(jnp.where(in_k, desc, -jnp.inf), axis=-1), vocab_norm)
         probs = jnp.where(in_k, jnp.exp(desc - norm[:, None]), 0.0)
         before = jnp.cumsum(probs, axis=-1) - probs
         count = jnp.maximum(jnp.sum(in_k & (before < top_p), axis=-1), 1)
@@ -140,14 +138,7 @@ def _keep_mask(logits: jax.Array, sampling: SamplingBatch) -> tuple[jax.Array, j
             t, fits = jax.lax.cond(jnp.any(need), lambda w=width: stage(w), lambda s=skip: s)
         thr = jnp.where(need & fits, t, thr)
         need &= ~fits
-    return scaled, scaled >= thr[:, None]
-
-
-def filtered_logits(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
-    """The logits [N, V] a sampled row draws from (tempered, top-k/top-p dropped to -inf), in
-    vocabulary order; softmax of them is the distribution `sample_tokens` samples."""
-    scaled, keep = _keep_mask(logits, sampling)
-    return jnp.where(keep, scaled, -jnp.inf)
+    return jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
