@@ -130,12 +130,9 @@ def filtered_logits(logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
     widths = [w for w in WINDOWS if w < vocab] + [vocab]
     need = (k < vocab) | (sampling.top_p < 1.0)  # rows that filter at all
     thr = jnp.full(k.shape, -jnp.inf, scaled.dtype)
-    for i, width in enumerate(widths):
-        if i == 0:
-            t, fits = stage(width)
-        else:
-            skip = (thr, jnp.zeros_like(need))  # no row left: nothing changes
-            t, fits = jax.lax.cond(jnp.any(need), lambda w=width: stage(w), lambda s=skip: s)
+    for width in widths:  # each stage runs only if a row still needs it (none at top-k 0, top-p 1)
+        skip = (thr, jnp.zeros_like(need))
+        t, fits = jax.lax.cond(jnp.any(need), lambda w=width: stage(w), lambda s=skip: s)
         thr = jnp.where(need & fits, t, thr)
         need &= ~fits
     return jnp.where(scaled >= thr[:, None], scaled, -jnp.inf)
@@ -165,9 +162,46 @@ def sample_tokens(logits: jax.Array, sampling: SamplingBatch, positions: jax.Arr
     greedy = greedy_tokens(logits)
     if greedy_only:
         return greedy
+    return jnp.where(sampling.temperature > 0, draw_tokens(logits, sampling, positions), greedy)
+
+
+def draw_tokens(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> jax.Array:
+    """The sampled token of every row [N] (whatever its temperature): `blocked_gumbel_max` of
+    `filtered_logits` with the key of (seed, position). A row's draw depends on its own key,
+    logits and settings only; the speculative verifier draws with the same keys, so it emits
+    the tokens plain decoding would."""
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(sampling.seeds, positions)
-    # Gumbel-max over the vocabulary, in vocabulary order: a row's draw depends on its own
-    # key, logits and settings only.
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-    sampled = greedy_tokens(filtered_logits(logits, sampling) + noise)  # dropped tokens stay -inf
-    return jnp.where(sampling.temperature > 0, sampled, greedy)
+    return blocked_gumbel_max(filtered_logits(logits, sampling), keys)
+
+
+GUMBEL_BLOCK = 128  # tokens per block in `blocked_gumbel_max`
+
+
+def blocked_gumbel_max(logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """A token per row of logits [N, V], distributed as softmax(logits), int32 [N].
+
+    Gumbel-max in two levels over fixed blocks of GUMBEL_BLOCK consecutive token ids: a block
+    by Gumbel-max over the blocks' log masses (log-sum-exp), then a token inside it by
+    Gumbel-max over its logits. P(token) = P(block) P(token | block) = softmax(logits), and a
+    row takes V / 128 + 128 random numbers (~500 for 49,152 tokens) where plain Gumbel-max
+    takes V: threefry costs ~11 ns a number on a 2-core AMD EPYC, 70 ms for the 128 rows of an
+    8-row, 16-token verify pass. Like plain Gumbel-max, and unlike an inverse CDF (whose
+    choice moves with rounding in the sum of every earlier probability), a draw changes under
+    a last-bit change of the logits only where two perturbed values nearly tie, so plain
+    decoding and a speculative verify pass, which compute the logits in different shapes,
+    draw the same tokens. Tokens at -inf are never drawn while the row has a finite logit; a
+    row of all -inf or NaN gets a valid id.
+    """
+    n, v = logits.shape
+    blocks = -(-v // GUMBEL_BLOCK)
+    x = jnp.pad(logits, ((0, 0), (0, blocks * GUMBEL_BLOCK - v)), constant_values=-jnp.inf)
+    x = x.reshape(n, blocks, GUMBEL_BLOCK)
+    top = jnp.max(x, axis=(1, 2), keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    log_mass = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))  # [N, blocks], -inf for empty blocks
+    block_keys, token_keys = (jax.vmap(lambda k, i=i: jax.random.fold_in(k, i))(keys) for i in (0, 1))
+    gumbel = lambda ks, size: jax.vmap(lambda k: jax.random.gumbel(k, (size,), jnp.float32))(ks)  # noqa: E731
+    block = greedy_tokens(log_mass + gumbel(block_keys, blocks))
+    inside = jnp.take_along_axis(x, block[:, None, None], axis=1)[:, 0]  # [N, GUMBEL_BLOCK]
+    token = block * GUMBEL_BLOCK + greedy_tokens(inside + gumbel(token_keys, GUMBEL_BLOCK))
+    return jnp.minimum(token, v - 1)  # a row without a finite logit may land in the padding

@@ -17,6 +17,11 @@ Verification (`verify`):
   renormalized; after the last accepted draft sample from p. Each emitted token is then
   distributed exactly as p_j: p(x) [accepted] + (1 - p(x)) p(y)/(1 - p(x)) [y != x].
   Min(1, p/q) with the draft's per-position marginals q is not exact for out-of-order drafts.
+  The rule is run as a coupling: the target draws y_j from p_j with the key plain decoding
+  uses at that position (seed, position), and d_j is accepted when y_j == d_j, else y_j is
+  the next token. That has exactly the probabilities above, and every emitted token is the
+  token plain decoding with the same seed samples from the same logits, whatever was drafted
+  and however many drafts a step carries.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aither_jax.sampling import SamplingBatch, filtered_logits, greedy_tokens
+from aither_jax.sampling import SamplingBatch, greedy_tokens, draw_tokens
 from aither_jax.step_jit import step_jit
 from models.config import ModelConfig
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, cast_params, context_features, context_kv
@@ -113,15 +118,6 @@ class SpeculativeConfig:
 # -- verification ---------------------------------------------------------------------------
 
 
-def _keys(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
-    """One key per (row, position): [B, T] from seeds [B] and positions [B, T]."""
-
-    def one(seed, pos):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), pos), stream)
-
-    return jax.vmap(lambda s, ps: jax.vmap(lambda p: one(s, p))(ps))(seeds, positions)
-
-
 def verify(
     logits: jax.Array,  # [B, T, V] float32, the target at [last, d_1 .. d_{T-1}]
     drafts: jax.Array,  # [B, T-1] int32
@@ -142,24 +138,17 @@ def verify(
     if greedy_only:
         return greedy_acc, greedy_next
 
+    # Sampled rows: the target's own draw at every position, with the key plain decoding uses
+    # there (seed, position); d_j is accepted while it equals that draw, and the draw at the
+    # first mismatch is the next token. So d_j is accepted with probability p_j(d_j), and on
+    # rejection the token comes from p_j without d_j, renormalized: the deterministic-proposal
+    # rule, and every emitted token is the one plain decoding with that seed would sample.
     rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  per-row settings for every position
     flat = SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.seeds))
-    filt = filtered_logits(logits.reshape(b * t, v), flat).reshape(b, t, v)
-    logp = jax.nn.log_softmax(filt, axis=-1)
-    safe = jnp.where(valid, drafts, 0)
-    p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], safe[..., None], axis=-1)[..., 0])  # [B, T-1]
     positions = start[:, None] + 1 + jnp.arange(t)[None, :]  # position of the token being chosen
-    u = jax.vmap(jax.vmap(jax.random.uniform))(_keys(sampling.seeds, positions[:, :-1], 1))
-    ok = (u < p_draft) & valid
-    acc = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
-    # At the stop position: drop the rejected draft (if any) and sample from what is left.
-    row_logits = jnp.take_along_axis(filt, acc[:, None, None], axis=1)[:, 0]  # [B, V]
-    if t > 1:
-        rejected = acc < num_drafts
-        bad = jnp.take_along_axis(safe, jnp.minimum(acc, t - 2)[:, None], axis=1)[:, 0]
-        row_logits = jnp.where(rejected[:, None] & (jnp.arange(v)[None, :] == bad[:, None]), -jnp.inf, row_logits)
-    key = jnp.take_along_axis(_keys(sampling.seeds, positions, 2), acc[:, None, None], axis=1)[:, 0]
-    sampled_next = jax.vmap(jax.random.categorical)(key, row_logits).astype(jnp.int32)
+    drawn = draw_tokens(logits.reshape(b * t, v), flat, positions.reshape(-1)).reshape(b, t)
+    acc = jnp.cumprod((drafts == drawn[:, :-1]) & valid, axis=1).sum(axis=1).astype(jnp.int32)
+    sampled_next = jnp.take_along_axis(drawn, acc[:, None], axis=1)[:, 0]
     is_sampled = sampling.temperature > 0
     return jnp.where(is_sampled, acc, greedy_acc), jnp.where(is_sampled, sampled_next, greedy_next)
 

@@ -6,7 +6,8 @@ Plain decoding runs once; every speculative configuration is compared with it. W
 histograms and speedups) and a row in docs/BENCHMARKS.md (unless `--no-record`).
 
     .venv/bin/python scripts/bench_speculative.py [--prompts scripts/data/chat_eval.jsonl] \
-        [--max-tokens 128] [--batch-size 1] [--steps 1 2 4] [--out out/bench_speculative.json]
+        [--max-tokens 128] [--batch-size 1] [--steps 1 2 4] [--draft-tokens 1 3 7 15] \
+        [--out out/bench_speculative.json]
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4], help="dflash denoising steps to try")
+    p.add_argument(
+        "--draft-tokens", type=int, nargs="+", default=None,
+        help="dflash drafts per step to try (num_speculative_tokens; default: block size - 1)",
+    )  # fmt: skip
     p.add_argument("--ngram-tokens", type=int, default=8, help="drafts per step for prompt lookup")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -53,7 +58,10 @@ def bench(args) -> dict:
     baseline = timed_decode(plain, ids, params, args.batch_size)
     kv = plain.kv_spec.name
     del plain
-    configs = [{"method": "dflash", "num_speculative_tokens": args.block_size - 1, "steps": s} for s in args.steps]
+    draft_tokens = args.draft_tokens or [args.block_size - 1]
+    configs = [
+        {"method": "dflash", "num_speculative_tokens": k, "steps": s} for s in args.steps for k in draft_tokens
+    ]
     configs.append({"method": "ngram", "num_speculative_tokens": args.ngram_tokens})
     rows = []
     for spec in configs:
@@ -73,7 +81,7 @@ def bench(args) -> dict:
 
 def label(row: dict) -> str:
     if row["speculative"] == "dflash":
-        return f"dflash S={row['steps']}"
+        return f"dflash S={row['steps']} k={row['block_size'] - 1}"
     return f"ngram k={row['block_size'] - 1}"
 
 

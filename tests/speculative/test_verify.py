@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax.sampling import SamplingBatch
+from aither_jax.sampling import SamplingBatch, sample_tokens
 from aither_jax.speculative import SpeculativeConfig, ngram_propose, verify
 
 V, T, N = 6, 3, 40_000
@@ -110,6 +110,34 @@ def test_greedy_accepts_matching_prefix_and_adds_bonus():
     acc2, nxt2 = verify(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num), greedy, zeros, greedy_only=False)
     np.testing.assert_array_equal(np.asarray(acc2), np.asarray(acc))  # temperature 0 rows stay greedy
     np.testing.assert_array_equal(np.asarray(nxt2), np.asarray(nxt))
+
+
+def test_sampled_rows_emit_what_plain_sampling_draws_whatever_was_drafted():
+    """Every token a sampled row emits (accepted drafts, then the next token) is the token
+    `sample_tokens` draws at that position with the row's seed, for drafts that agree with
+    those draws for a random number of positions and then differ, or are absent."""
+    b, t, v = 64, 6, 50
+    r = np.random.default_rng(1)
+    logits = jnp.asarray(r.standard_normal((b, t, v)).astype(np.float32) * 2.0)
+    sampling = SamplingBatch(
+        jnp.asarray(r.uniform(0.5, 1.5, b), jnp.float32),
+        jnp.asarray(r.choice([0, 5, 20], b), jnp.int32),
+        jnp.asarray(r.choice([1.0, 0.9], b), jnp.float32),
+        jnp.arange(b, dtype=jnp.uint32) * 7,
+    )
+    start = jnp.asarray(r.integers(0, 100, b), jnp.int32)
+    sample = jax.jit(sample_tokens, static_argnames="greedy_only")
+    plain = np.stack(
+        [np.asarray(sample(logits[:, j], sampling, start + 1 + j, greedy_only=False)) for j in range(t)], axis=1
+    )
+    agree = r.integers(0, t, b)  # drafts equal the draws for this many positions, then differ
+    drafts = np.where(np.arange(t - 1)[None, :] < agree[:, None], plain[:, :-1], (plain[:, :-1] + 1) % v)
+    num = r.integers(0, t, b).astype(np.int32)
+    acc, nxt = verify(logits, jnp.asarray(drafts, jnp.int32), jnp.asarray(num), sampling, start, greedy_only=False)
+    acc, nxt = np.asarray(acc), np.asarray(nxt)
+    np.testing.assert_array_equal(acc, np.minimum(agree, num))
+    np.testing.assert_array_equal(nxt, plain[np.arange(b), acc])
+    assert 0 < acc.mean() < t - 1  # both accepted and rejected drafts occurred
 
 
 def test_ngram_propose():
