@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from aither_jax import compile_cache
 from aither_jax.code_maps import CodeMapBudget
+from aither_jax.draft_length import DraftLength
 from aither_jax.sampling import SamplingBatch, SamplingParams
 from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
 from aither_jax.steps import (
@@ -155,6 +156,11 @@ class Engine:
         else:
             self.num_speculative_tokens = 0
         self.scheduler.lookahead = self.num_speculative_tokens
+        # Drafts per step chosen from measured acceptance and step times (`draft_length.py`).
+        self.draft_length = (
+            DraftLength(self.num_speculative_tokens) if self.speculative and self.speculative.adaptive else None
+        )
+        self._step_option: tuple[int, int] | None = None  # (drafts, rows bucket) chosen for this step
         self._taps = self.drafter.taps if self.drafter else ()
         # Speculative decoding counters (vLLM's names): verify passes that carried drafts,
         # draft tokens proposed, draft tokens accepted, accepted per draft position.
@@ -256,6 +262,11 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Runs one scheduled step; returns the sequences that finished in it."""
         self.code_budget.release_after_compiles()
+        if self.draft_length is not None:
+            decoding = sum(not s.prefilling for s in self.scheduler.running)
+            rows = bucket(max(decoding, 1), 1, self.max_num_seqs)
+            self.scheduler.lookahead = self.draft_length.choose(rows)
+            self._step_option = (self.scheduler.lookahead, rows)
         plan = self.scheduler.schedule()
         if plan.copies:
             self._copy_pages(plan.copies)
@@ -309,8 +320,14 @@ class Engine:
         return [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
 
     def _speculate(self, rows: list[tuple[Sequence, list[int]]]) -> None:
-        """One draft-and-verify step over every decoding row."""
-        drafts = self._propose(rows)
+        """One draft-and-verify step over every decoding row (timed for `draft_length`)."""
+        start = time.perf_counter()
+        self._draft_and_verify(rows)
+        if self.draft_length is not None and self._step_option is not None:
+            self.draft_length.observe_step(*self._step_option, time.perf_counter() - start)
+
+    def _draft_and_verify(self, rows: list[tuple[Sequence, list[int]]]) -> None:
+        drafts = self._propose(rows) if self.scheduler.lookahead else [[] for _ in rows]
         if not any(drafts):  # nothing to verify: a plain decode step (one token per row)
             self._decode(rows)
             self.committed_hist[1] += len(rows)
@@ -331,6 +348,8 @@ class Engine:
                 s.num_spec_steps += 1
                 s.num_draft_tokens += len(d)
                 s.num_accepted_tokens += n
+                if self.draft_length is not None:
+                    self.draft_length.observe_row(len(d), n)
             committed = [*d[:n], int(next_tokens[i])]
             appended = 0
             for j, tok in enumerate(committed):
@@ -381,6 +400,8 @@ class Engine:
             "num_verify_passes": passes,
             "tau_mean": committed / passes if passes else 0.0,
             "tau_histogram": self.committed_hist.tolist(),
+            # Adaptive drafts per step: how many steps ran each option (0 = a plain step).
+            "draft_length_steps": None if self.draft_length is None else dict(self.draft_length.chosen),
         }
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:

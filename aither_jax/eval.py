@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--prompts", required=True, help='JSON lines, each {"messages": [...]} or {"prompt": "..."}')
     acc.add_argument("--block-size", type=int_in("--block-size", 2, 64), default=None, help="drafts + 1 per step")
     acc.add_argument("--steps", type=int_in("--steps", 1, 63), default=1, help="dflash denoising steps")
+    acc.add_argument(
+        "--adaptive", action="store_true", help="choose drafts per step (up to the block) from measured speed"
+    )
     acc.add_argument("--draft", default=None, help="dflash draft file (default: the one shipped for the model)")
     acc.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)
     acc.add_argument("--max-prompts", type=int_in("--max-prompts", 1), default=None)
@@ -598,6 +601,11 @@ def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, flo
         "spec_tokens_per_second": spec_tokens / spec_s,
         "baseline_tokens_per_second": base_tokens / base_s,
         "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
+        "adaptive": spec.adaptive,
+        # Adaptive drafts per step: timed steps that ran each option (0 = a plain step).
+        "draft_length_steps": None
+        if stats["draft_length_steps"] is None
+        else {k: n - before["draft_length_steps"][k] for k, n in stats["draft_length_steps"].items()},
     }
 
 
@@ -609,6 +617,8 @@ def run_acceptance(args) -> dict:
     spec = {"method": args.speculative}
     if args.block_size is not None:
         spec["num_speculative_tokens"] = args.block_size - 1
+    if args.adaptive:
+        spec["adaptive"] = True
     if args.speculative == "dflash":
         spec["steps"] = args.steps
         if args.draft:

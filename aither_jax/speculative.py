@@ -66,6 +66,9 @@ class SpeculativeConfig:
         draft_kernels: run the draft's attention and unmasking with the Pallas kernels
             (pallas_kernels/draft_attention.py, unmask.py) instead of their jnp twins. Off by
             default until the kernels have been checked on a GPU.
+        adaptive: choose the drafts of each step (0, 1, 3, 7, .. up to
+            num_speculative_tokens) from measured acceptance and step times
+            (aither_jax/draft_length.py); the output does not change, only the speed.
     """
 
     method: str
@@ -75,10 +78,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_kernels: bool = False
+    adaptive: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.draft_kernels, bool):
-            raise ValueError(f"draft_kernels must be true or false, got {self.draft_kernels!r}")
+        for name in ("draft_kernels", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         n = self.num_speculative_tokens

@@ -36,6 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="dflash drafts per step to try (num_speculative_tokens; default: block size - 1)",
     )  # fmt: skip
     p.add_argument("--ngram-tokens", type=int, default=8, help="drafts per step for prompt lookup")
+    p.add_argument(
+        "--adaptive", action="store_true",
+        help="also run dflash (first of --steps) with drafts per step chosen from measured speed, up to the block",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
@@ -62,6 +66,10 @@ def bench(args) -> dict:
     configs = [
         {"method": "dflash", "num_speculative_tokens": k, "steps": s} for s in args.steps for k in draft_tokens
     ]
+    if args.adaptive:
+        configs.append(
+            {"method": "dflash", "num_speculative_tokens": args.block_size - 1, "steps": args.steps[0], "adaptive": True}
+        )
     configs.append({"method": "ngram", "num_speculative_tokens": args.ngram_tokens})
     rows = []
     for spec in configs:
@@ -81,7 +89,8 @@ def bench(args) -> dict:
 
 def label(row: dict) -> str:
     if row["speculative"] == "dflash":
-        return f"dflash S={row['steps']} k={row['block_size'] - 1}"
+        drafts = f"k<={row['block_size'] - 1} adaptive" if row.get("adaptive") else f"k={row['block_size'] - 1}"
+        return f"dflash S={row['steps']} {drafts}"
     return f"ngram k={row['block_size'] - 1}"
 
 

@@ -101,6 +101,18 @@ def _slot_kv(engine, seq):
     return np.stack([np.asarray(k)[0, :n] for k in ks]), np.stack([np.asarray(v)[0, :n] for v in vs])
 
 
+def test_adaptive_draft_length_keeps_the_output(baselines):
+    """With drafts per step chosen as the engine goes (0, 1, 3, 7 or 15), greedy output is
+    still plain greedy output token for token, and every option really ran."""
+    spec = {"method": "dflash", "adaptive": True}
+    llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
+    assert [o.token_ids for o in outs] == baselines("bf16", 8)
+    chooser = llm.engine.draft_length
+    assert chooser.options == [0, 1, 3, 7, 15] and all(chooser.chosen[k] > 0 for k in chooser.options)
+    assert llm.engine.num_accepted_tokens > 0
+
+
 def test_rollback_leaves_the_caches_of_plain_decoding():
     prompt = [{"role": "user", "content": "Name five fruits and say what colour each one is."}]
     spec = aj.LLM("smollm2-135m", kv_cache_dtype="fp32", max_num_seqs=2, speculative="dflash", **COMMON)

@@ -1,0 +1,101 @@
+"""How many drafts a speculative step carries, chosen from measured acceptance and step times.
+
+A step that carries k drafts per row commits E(k) = 1 + sum_{i<=k} a_1 ... a_i tokens a row on
+average, where a_i is the chance that draft i is accepted once drafts 1 .. i-1 were, and costs
+t(k) seconds: the draft's forward pass plus a verify pass over k + 1 tokens a row, or a plain
+decode step for k = 0 (no draft). The best k maximizes E(k) / t(k). Both sides depend on the
+machine: on a GPU a verify pass over 16 tokens costs about what one token costs, so long
+blocks pay; on a few CPU cores it costs several plain steps, and a draft that is rarely
+accepted loses to plain decoding.
+
+`DraftLength` keeps decayed counts of drafts offered and accepted per block position, and a
+decayed mean of the wall time of each option per batch size (bucketed). Options are 0 and the
+drafts that fill a verify bucket (1, 3, 7, 15, ... up to the configured most). It tries every
+option before trusting the estimates, then takes the best and, every `probe_every` steps,
+re-measures the option measured longest ago, so the choice follows a context that grows
+(attention cost) and a draft whose acceptance changes with the text.
+
+Which option runs changes only speed, not output: greedy verification commits the target's
+own tokens, and sampled verification emits the token plain decoding with the same seed draws
+(`speculative.verify`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Prior acceptance (pseudo-counts) for a position never measured yet: optimistic enough that
+# long blocks get tried, weak enough that a few dozen observations override it.
+PRIOR_ACCEPTED, PRIOR_OFFERED = 1.0, 2.0
+TIME_WEIGHT = 0.2  # weight of a new step time in an option's running mean
+
+
+class DraftLength:
+    """Chooses drafts per step (0 = a plain decode step) from what steps have measured."""
+
+    def __init__(self, max_drafts: int, *, probe_every: int = 16, decay: float = 0.99, warm_samples: int = 1):
+        if max_drafts < 1:
+            raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
+        options = {0, max_drafts}
+        k = 1
+        while k < max_drafts:
+            options.add(k)
+            k = 2 * k + 1
+        self.options = sorted(options)
+        self.max_drafts = max_drafts
+        self.probe_every = probe_every
+        self.decay = decay
+        self.warm_samples = warm_samples  # first timings of an option per batch size (compiles) are dropped
+        self.offered = np.zeros(max_drafts)  # decayed count of drafts offered at each block position
+        self.accepted = np.zeros(max_drafts)
+        self._seconds: dict[tuple[int, int], float] = {}  # (option, rows) -> decayed mean seconds a step
+        self._seen: dict[tuple[int, int], int] = {}
+        self._last: dict[tuple[int, int], int] = {}  # step at which the option was last timed
+        self.num_steps = 0
+        self.chosen = dict.fromkeys(self.options, 0)  # timed steps that ran each option
+
+    def acceptance(self) -> np.ndarray:
+        """a_i for block positions 1 .. max_drafts (prior where nothing was measured)."""
+        return (self.accepted + PRIOR_ACCEPTED) / (self.offered + PRIOR_OFFERED)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a row commits in a step of k drafts, bonus token included."""
+        return 1.0 + float(np.cumprod(self.acceptance()[:k]).sum())
+
+    def rate(self, k: int, rows: int) -> float | None:
+        """Estimated tokens a second a row for option k, None while it is not timed yet."""
+        seconds = self._seconds.get((k, rows))
+        return None if seconds is None else self.expected_tokens(k) / seconds
+
+    def choose(self, rows: int) -> int:
+        """Drafts per row for the next step of `rows` decoding rows (a bucketed count)."""
+        self.num_steps += 1
+        untimed = [k for k in self.options if self.rate(k, rows) is None]
+        if untimed:
+            k = untimed[0]
+        elif self.num_steps % self.probe_every == 0:
+            k = min(self.options, key=lambda o: self._last.get((o, rows), -1))
+        else:
+            k = max(self.options, key=lambda o: self.rate(o, rows))
+        return k
+
+    def observe_step(self, k: int, rows: int, seconds: float) -> None:
+        """The wall time of one step of option k over `rows` rows."""
+        self.chosen[k] += 1
+        key = (k, rows)
+        seen = self._seen.get(key, 0) + 1
+        self._seen[key] = seen
+        self._last[key] = self.num_steps
+        if seen <= self.warm_samples:
+            return
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
+
+    def observe_row(self, offered: int, accepted: int) -> None:
+        """One row of a verify pass: `offered` drafts, the first `accepted` of them kept."""
+        reached = min(offered, accepted + 1)  # positions whose draft was checked
+        # Only checked positions age: a position that short blocks never reach keeps what the
+        # last long block measured there, instead of sliding back to the prior.
+        self.offered[:reached] = self.offered[:reached] * self.decay + 1
+        self.accepted[:reached] *= self.decay
+        self.accepted[:accepted] += 1
