@@ -8,8 +8,8 @@ machine: on a GPU a verify pass over 16 tokens costs about what one token costs,
 blocks pay; on a few CPU cores it costs several plain steps, and a draft that is rarely
 accepted loses to plain decoding.
 
-`DraftLength` keeps decayed counts of drafts offered and accepted per block position, and a
-decayed mean of the wall time of each option per batch size (bucketed). Options are 0 and the
+`DraftLength` keeps decayed counts of drafts offered and accepted per block position, and the
+median of the latest wall times of each option per batch size (bucketed). Options are 0 and the
 drafts that fill a verify bucket (1, 3, 7, 15, ... up to the configured most). It tries every
 option before trusting the estimates, then takes the best and, every `probe_every` steps,
 re-measures the option measured longest ago, so the choice follows a context that grows
@@ -22,12 +22,17 @@ own tokens, and sampled verification emits the token plain decoding with the sam
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 # Prior acceptance (pseudo-counts) for a position never measured yet: optimistic enough that
 # long blocks get tried, weak enough that a few dozen observations override it.
 PRIOR_ACCEPTED, PRIOR_OFFERED = 1.0, 2.0
-TIME_WEIGHT = 0.2  # weight of a new step time in an option's running mean
+# An option's step time is the median of its latest timings: a step that compiles a new shape
+# (a longer context reaching a new page bucket) takes seconds instead of milliseconds, and a
+# mean would carry that for many steps of an option that is then seldom chosen.
+TIME_SAMPLES = 5
 
 
 class DraftLength:
@@ -48,7 +53,7 @@ class DraftLength:
         self.warm_samples = warm_samples  # first timings of an option per batch size (compiles) are dropped
         self.offered = np.zeros(max_drafts)  # decayed count of drafts offered at each block position
         self.accepted = np.zeros(max_drafts)
-        self._seconds: dict[tuple[int, int], float] = {}  # (option, rows) -> decayed mean seconds a step
+        self._times: dict[tuple[int, int], collections.deque] = {}  # (option, rows) -> latest step times
         self._seen: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], int] = {}  # step at which the option was last timed
         self.num_steps = 0
@@ -64,8 +69,8 @@ class DraftLength:
 
     def rate(self, k: int, rows: int) -> float | None:
         """Estimated tokens a second a row for option k, None while it is not timed yet."""
-        seconds = self._seconds.get((k, rows))
-        return None if seconds is None else self.expected_tokens(k) / seconds
+        times = self._times.get((k, rows))
+        return None if not times else self.expected_tokens(k) / float(np.median(times))
 
     def choose(self, rows: int) -> int:
         """Drafts per row for the next step of `rows` decoding rows (a bucketed count)."""
@@ -86,10 +91,8 @@ class DraftLength:
         seen = self._seen.get(key, 0) + 1
         self._seen[key] = seen
         self._last[key] = self.num_steps
-        if seen <= self.warm_samples:
-            return
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
+        if seen > self.warm_samples:
+            self._times.setdefault(key, collections.deque(maxlen=TIME_SAMPLES)).append(seconds)
 
     def observe_row(self, offered: int, accepted: int) -> None:
         """One row of a verify pass: `offered` drafts, the first `accepted` of them kept."""
