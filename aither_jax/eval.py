@@ -19,6 +19,7 @@ Exit codes: 0 success, 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -532,8 +533,14 @@ def prompt_ids(tokenizer, prompts: list[tuple[str, object]]) -> list[list[int]]:
 
 
 def timed_decode(llm, ids: list[list[int]], params, batch_size: int) -> tuple[list, float]:
-    """Decodes `ids` in groups of batch_size after an untimed compile run; (outputs, seconds)."""
-    llm.generate(ids[:batch_size], params, use_tqdm=False)
+    """Decodes `ids` in groups of batch_size once everything it runs is compiled; (outputs,
+    seconds). The warm-up compiles every decode (and draft and verify) shape up to the
+    longest prompt plus max_tokens, and each prompt's prefill, as a server does before it
+    serves; otherwise a configuration that runs more shapes (adaptive drafts) would be timed
+    compiling them."""
+    llm.warmup(min(max(map(len, ids)) + params.max_tokens, llm.engine.max_model_len), sampling=params.temperature > 0)
+    for i in range(0, len(ids), batch_size):
+        llm.generate(ids[i : i + batch_size], dataclasses.replace(params, max_tokens=1), use_tqdm=False)
     outs, t0 = [], time.perf_counter()
     for i in tqdm(range(0, len(ids), batch_size), desc="decoding", leave=False):
         outs += llm.generate(ids[i : i + batch_size], params, use_tqdm=False)

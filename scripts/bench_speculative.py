@@ -115,6 +115,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
     axes[0].legend()
     names = [label(r) for r in rows]
     axes[1].bar(names, [r["speedup"] for r in rows], color=["C0"] * (len(rows) - 1) + ["C3"])
+    axes[1].tick_params(axis="x", labelrotation=25)
+    for tick in axes[1].get_xticklabels():
+        tick.set_horizontalalignment("right")
     axes[1].axhline(1.0, color="k", lw=0.8)
     axes[1].set(ylabel="speedup over plain decoding", title="single-stream wall clock")
     env = report["env"]
