@@ -11,9 +11,11 @@ accepted loses to plain decoding.
 `DraftLength` keeps decayed counts of drafts offered and accepted per block position, and the
 median of the latest wall times of each option per batch size (bucketed). Options are 0 and the
 drafts that fill a verify bucket (1, 3, 7, 15, ... up to the configured most). It tries every
-option before trusting the estimates, then takes the best and, every `probe_every` steps,
-re-measures the option measured longest ago, so the choice follows a context that grows
-(attention cost) and a draft whose acceptance changes with the text.
+option before trusting the estimates, then takes the best and, at most every `probe_every`
+steps, times again a losing option that is due: each probe that leaves an option behind
+doubles its wait (up to `max_probe_every` steps), so the probes cost little once the choice
+is clear, and still follow a context that grows (attention cost) and a draft whose acceptance
+changes with the text.
 
 Which option runs changes only speed, not output: greedy verification commits the target's
 own tokens, and sampled verification emits the token plain decoding with the same seed draws
@@ -38,7 +40,15 @@ TIME_SAMPLES = 5
 class DraftLength:
     """Chooses drafts per step (0 = a plain decode step) from what steps have measured."""
 
-    def __init__(self, max_drafts: int, *, probe_every: int = 16, decay: float = 0.99, warm_samples: int = 1):
+    def __init__(
+        self,
+        max_drafts: int,
+        *,
+        probe_every: int = 16,
+        max_probe_every: int = 256,
+        decay: float = 0.99,
+        warm_samples: int = 1,
+    ):
         if max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
         options = {0, max_drafts}
@@ -56,6 +66,11 @@ class DraftLength:
         self._times: dict[tuple[int, int], collections.deque] = {}  # (option, rows) -> latest step times
         self._seen: dict[tuple[int, int], int] = {}
         self._last: dict[tuple[int, int], int] = {}  # step at which the option was last timed
+        # Steps between probes of an option: doubles (up to max_probe_every) each time a probe
+        # leaves it behind the best, back to probe_every once it is the best.
+        self._interval: dict[tuple[int, int], int] = {}
+        self.max_probe_every = max_probe_every
+        self._last_probe = 0  # step of the latest probe: at most one every probe_every steps
         self.num_steps = 0
         self.chosen = dict.fromkeys(self.options, 0)  # timed steps that ran each option
 
@@ -77,12 +92,15 @@ class DraftLength:
         self.num_steps += 1
         untimed = [k for k in self.options if self.rate(k, rows) is None]
         if untimed:
-            k = untimed[0]
-        elif self.num_steps % self.probe_every == 0:
-            k = min(self.options, key=lambda o: self._last.get((o, rows), -1))
-        else:
-            k = max(self.options, key=lambda o: self.rate(o, rows))
-        return k
+            return untimed[0]
+        best = max(self.options, key=lambda k: self.rate(k, rows))
+        if self.num_steps - self._last_probe < self.probe_every:
+            return best
+        due = [k for k in self.options if k != best and self.num_steps - self._last[k, rows] >= self._interval[k, rows]]
+        if not due:
+            return best
+        self._last_probe = self.num_steps
+        return min(due, key=lambda k: self._last[k, rows])
 
     def observe_step(self, k: int, rows: int, seconds: float) -> None:
         """The wall time of one step of option k over `rows` rows."""
@@ -91,8 +109,16 @@ class DraftLength:
         seen = self._seen.get(key, 0) + 1
         self._seen[key] = seen
         self._last[key] = self.num_steps
-        if seen > self.warm_samples:
-            self._times.setdefault(key, collections.deque(maxlen=TIME_SAMPLES)).append(seconds)
+        if seen <= self.warm_samples:
+            return
+        self._times.setdefault(key, collections.deque(maxlen=TIME_SAMPLES)).append(seconds)
+        # An option that is still behind the best after being timed again waits twice as long
+        # for its next probe (up to max_probe_every steps); the best goes back to probe_every.
+        rates = {o: self.rate(o, rows) for o in self.options}
+        if all(r is not None for r in rates.values()) and rates[k] < max(rates.values()):
+            self._interval[key] = min(2 * self._interval.get(key, self.probe_every // 2), self.max_probe_every)
+        else:
+            self._interval[key] = self.probe_every
 
     def observe_row(self, offered: int, accepted: int) -> None:
         """One row of a verify pass: `offered` drafts, the first `accepted` of them kept."""

@@ -98,6 +98,14 @@ def test_every_option_is_measured_again_while_one_wins():
     assert all(runs[k] >= 5 for k in (1, 3, 7, 15))  # probed, not only tried once at the start
 
 
+def test_probes_back_off_once_the_choice_is_clear():
+    """Plain steps win clearly (drafts are rarely accepted and cost twice a step): over 1,000
+    steps the other options, first tries and probes together, run at most 4% of the steps
+    (a probe every 16 steps alone would be over 6%)."""
+    runs, _ = _simulate(0.1, lambda k: 1.0 if k == 0 else 2.0, steps=1000)
+    assert sum(n for k, n in runs.items() if k) <= 40, runs
+
+
 def test_first_timing_of_an_option_is_not_trusted():
     """A compile makes the first step of an option slow; one slow sample must not rule it out."""
     d = DraftLength(3)
