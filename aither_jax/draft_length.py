@@ -57,7 +57,6 @@ class DraftLength:
             options.add(k)
             k = 2 * k + 1
         self.options = sorted(options)
-        self.max_drafts = max_drafts
         self.probe_every = probe_every
         self.decay = decay
         self.warm_samples = warm_samples  # first timings of an option per batch size (compiles) are dropped
@@ -78,22 +77,28 @@ class DraftLength:
         """a_i for block positions 1 .. max_drafts (prior where nothing was measured)."""
         return (self.accepted + PRIOR_ACCEPTED) / (self.offered + PRIOR_OFFERED)
 
-    def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a row commits in a step of k drafts, bonus token included."""
-        return 1.0 + float(np.cumprod(self.acceptance()[:k]).sum())
+    def rates(self, rows: int) -> dict[int, float | None]:
+        """Estimated tokens a second a row for each option at `rows` rows: E(k) over the median
+        of its latest step times, None while it is not timed yet."""
+        # E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k, for k = 0 .. max_drafts.
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()))])
+        out = {}
+        for k in self.options:
+            times = self._times.get((k, rows))
+            out[k] = float(expected[k] / np.median(times)) if times else None
+        return out
 
     def rate(self, k: int, rows: int) -> float | None:
-        """Estimated tokens a second a row for option k, None while it is not timed yet."""
-        times = self._times.get((k, rows))
-        return None if not times else self.expected_tokens(k) / float(np.median(times))
+        return self.rates(rows)[k]
 
     def choose(self, rows: int) -> int:
         """Drafts per row for the next step of `rows` decoding rows (a bucketed count)."""
         self.num_steps += 1
-        untimed = [k for k in self.options if self.rate(k, rows) is None]
+        rates = self.rates(rows)
+        untimed = [k for k, r in rates.items() if r is None]
         if untimed:
             return untimed[0]
-        best = max(self.options, key=lambda k: self.rate(k, rows))
+        best = max(rates, key=rates.get)
         if self.num_steps - self._last_probe < self.probe_every:
             return best
         due = [k for k in self.options if k != best and self.num_steps - self._last[k, rows] >= self._interval[k, rows]]
@@ -114,8 +119,8 @@ class DraftLength:
         self._times.setdefault(key, collections.deque(maxlen=TIME_SAMPLES)).append(seconds)
         # An option that is still behind the best after being timed again waits twice as long
         # for its next probe (up to max_probe_every steps); the best goes back to probe_every.
-        rates = {o: self.rate(o, rows) for o in self.options}
-        if all(r is not None for r in rates.values()) and rates[k] < max(rates.values()):
+        rates = self.rates(rows)
+        if None not in rates.values() and rates[k] < max(rates.values()):
             self._interval[key] = min(2 * self._interval.get(key, self.probe_every // 2), self.max_probe_every)
         else:
             self._interval[key] = self.probe_every

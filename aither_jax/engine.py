@@ -160,7 +160,6 @@ class Engine:
         self.draft_length = (
             DraftLength(self.num_speculative_tokens) if self.speculative and self.speculative.adaptive else None
         )
-        self._step_option: tuple[int, int] | None = None  # (drafts, rows bucket) chosen for this step
         self._taps = self.drafter.taps if self.drafter else ()
         # Speculative decoding counters (vLLM's names): verify passes that carried drafts,
         # draft tokens proposed, draft tokens accepted, accepted per draft position.
@@ -266,14 +265,16 @@ class Engine:
             decoding = sum(not s.prefilling for s in self.scheduler.running)
             rows = bucket(max(decoding, 1), 1, self.max_num_seqs)
             self.scheduler.lookahead = self.draft_length.choose(rows)
-            self._step_option = (self.scheduler.lookahead, rows)
         plan = self.scheduler.schedule()
         if plan.copies:
             self._copy_pages(plan.copies)
         if plan.sink_refills:
             self._refill_sinks(plan.sink_refills)
         if plan.decode and self.speculative is not None:
+            start = time.perf_counter()
             self._speculate(plan.decode)
+            if self.draft_length is not None:
+                self.draft_length.observe_step(self.scheduler.lookahead, rows, time.perf_counter() - start)
         elif plan.decode:
             self._decode(plan.decode)
         if plan.prefill:
@@ -320,13 +321,7 @@ class Engine:
         return [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
 
     def _speculate(self, rows: list[tuple[Sequence, list[int]]]) -> None:
-        """One draft-and-verify step over every decoding row (timed for `draft_length`)."""
-        start = time.perf_counter()
-        self._draft_and_verify(rows)
-        if self.draft_length is not None and self._step_option is not None:
-            self.draft_length.observe_step(*self._step_option, time.perf_counter() - start)
-
-    def _draft_and_verify(self, rows: list[tuple[Sequence, list[int]]]) -> None:
+        """One draft-and-verify step over every decoding row (a plain step at lookahead 0)."""
         drafts = self._propose(rows) if self.scheduler.lookahead else [[] for _ in rows]
         if not any(drafts):  # nothing to verify: a plain decode step (one token per row)
             self._decode(rows)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aither_jax.sampling import SamplingBatch, greedy_tokens, draw_tokens
+from aither_jax.sampling import SamplingBatch, draw_tokens, greedy_tokens
 from aither_jax.step_jit import step_jit
 from models.config import ModelConfig
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, cast_params, context_features, context_kv

@@ -63,12 +63,15 @@ def bench(args) -> dict:
     kv = plain.kv_spec.name
     del plain
     draft_tokens = args.draft_tokens or [args.block_size - 1]
-    configs = [
-        {"method": "dflash", "num_speculative_tokens": k, "steps": s} for s in args.steps for k in draft_tokens
-    ]
+    configs = [{"method": "dflash", "num_speculative_tokens": k, "steps": s} for s in args.steps for k in draft_tokens]
     if args.adaptive:
         configs.append(
-            {"method": "dflash", "num_speculative_tokens": args.block_size - 1, "steps": args.steps[0], "adaptive": True}
+            {
+                "method": "dflash",
+                "num_speculative_tokens": args.block_size - 1,
+                "steps": args.steps[0],
+                "adaptive": True,
+            }
         )
     configs.append({"method": "ngram", "num_speculative_tokens": args.ngram_tokens})
     rows = []

@@ -161,7 +161,8 @@ def test_headlines_pick_the_goal_figures():
     rows = [{"speculative": "dflash", "steps": 1, "block_size": 16, "tau_mean": 1.5, "speedup": 1.2}]
     rows.append({"speculative": "ngram", "block_size": 9, "tau_mean": 1.25, "speedup": 1.1})
     assert (
-        gpu_check.headline("speculative", {"rows": rows}) == "dflash S=1 k=15: tau 1.50, 1.20x; ngram k=8: tau 1.25, 1.10x"
+        gpu_check.headline("speculative", {"rows": rows})
+        == "dflash S=1 k=15: tau 1.50, 1.20x; ngram k=8: tau 1.25, 1.10x"
     )
     conc = [{"concurrency": 1, "throughput_tok_s": 100.0}, {"concurrency": 16, "throughput_tok_s": 450.0}]
     serving = {"concurrency": conc, "shared_prefix": {"ttft_speedup": 7.25}}

@@ -215,7 +215,9 @@ def test_blocked_gumbel_max_draws_softmax():
     logits[990:] = -np.inf
     p = np.exp(logits.astype(np.float64) - logits.max())
     p /= p.sum()
-    got = np.asarray(jax.jit(sampling_module.blocked_gumbel_max)(jnp.broadcast_to(jnp.asarray(logits), (n, v)), _keys(n)))
+    got = np.asarray(
+        jax.jit(sampling_module.blocked_gumbel_max)(jnp.broadcast_to(jnp.asarray(logits), (n, v)), _keys(n))
+    )
     assert not np.isin(got, np.flatnonzero(~np.isfinite(logits))).any()
     assert _chi2_pvalue(got, p) > 1e-3
     # Negative control: every block equally likely (the block's mass ignored).

@@ -12,7 +12,6 @@ target's cache and the draft's context cache must equal what plain decoding of t
 tokens gives.
 """
 
-import jax
 import numpy as np
 import pytest
 
