@@ -167,6 +167,8 @@ class Engine:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = np.zeros(self.num_speculative_tokens, np.int64)
+        # dflash with prompt_lookup: rows whose drafts came from prompt lookup.
+        self.num_lookup_drafts = 0
         # Per verify pass of a row (drafts or not): how many tokens it committed, 1 .. k + 1.
         self.committed_hist = np.zeros(self.num_speculative_tokens + 2, np.int64)
         # Decode steps whose rows share cached prefix pages read them once for the whole batch
@@ -298,9 +300,10 @@ class Engine:
     def _propose(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[int]]:
         """Drafts for each decoding row, at most the row's lookahead."""
         limits = [self.scheduler.num_lookahead(s) for s, _ in rows]
-        if self.drafter is None:
-            spec = self.speculative
-            return [
+        spec = self.speculative
+        lookup = None
+        if self.drafter is None or spec.prompt_lookup:
+            lookup = [
                 ngram_propose(
                     s.token_slice(0, s.num_tokens), k, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max
                 )
@@ -308,6 +311,11 @@ class Engine:
                 else []
                 for (s, _), k in zip(rows, limits, strict=True)
             ]
+            if self.drafter is None:
+                return lookup
+            self.num_lookup_drafts += sum(map(bool, lookup))
+            if all(d or not k for d, k in zip(lookup, limits, strict=True)):
+                return lookup  # every row has a match: the draft model has nothing to add
         self._sync_tables()
         n = bucket(len(rows), 1, self.max_num_seqs)
         ctx = np.zeros(n, np.int32)
@@ -318,7 +326,8 @@ class Engine:
         num_pages = self._pages_to_read(self.scheduler.pages_needed(int(ctx.max()) + 1), n)
         table = self.scheduler.block_tables[slots, :num_pages]
         drafts = self.drafter.propose(table, ctx, last)
-        return [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
+        drafts = [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
+        return drafts if lookup is None else [a or b for a, b in zip(lookup, drafts, strict=True)]
 
     def _speculate(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         """One draft-and-verify step over every decoding row (a plain step at lookahead 0)."""
@@ -397,6 +406,7 @@ class Engine:
             "tau_histogram": self.committed_hist.tolist(),
             # Adaptive drafts per step: how many steps ran each option (0 = a plain step).
             "draft_length_steps": None if self.draft_length is None else dict(self.draft_length.chosen),
+            "num_lookup_drafts": self.num_lookup_drafts,
         }
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:

@@ -271,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument(
         "--adaptive", action="store_true", help="choose drafts per step (up to the block) from measured speed"
     )
+    acc.add_argument(
+        "--prompt-lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dflash: rows with an n-gram match take prompt lookup's drafts (default on; off: the draft alone)",
+    )
     acc.add_argument("--draft", default=None, help="dflash draft file (default: the one shipped for the model)")
     acc.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)
     acc.add_argument("--max-prompts", type=int_in("--max-prompts", 1), default=None)
@@ -575,8 +581,8 @@ def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, flo
     stats = llm.engine.spec_stats()
     hist = np.asarray(stats["tau_histogram"]) - np.asarray(before["tau_histogram"])
     passes = int(hist.sum())
-    drafts, draft_tokens, accepted = (
-        stats[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    drafts, draft_tokens, accepted, lookup = (
+        stats[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_lookup_drafts")
     )
     base_outs, base_s = baseline
     base_tokens = sum(len(o.token_ids) for o in base_outs)
@@ -609,6 +615,9 @@ def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, flo
         "baseline_tokens_per_second": base_tokens / base_s,
         "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
         "adaptive": spec.adaptive,
+        "prompt_lookup": spec.prompt_lookup,
+        # dflash with prompt_lookup: verify passes of a row whose drafts came from prompt lookup.
+        "num_lookup_drafts": lookup,
         # Adaptive drafts per step: timed steps that ran each option (0 = a plain step).
         "draft_length_steps": None
         if stats["draft_length_steps"] is None
@@ -626,6 +635,8 @@ def run_acceptance(args) -> dict:
         spec["num_speculative_tokens"] = args.block_size - 1
     if args.adaptive:
         spec["adaptive"] = True
+    if args.prompt_lookup is not None:
+        spec["prompt_lookup"] = args.prompt_lookup
     if args.speculative == "dflash":
         spec["steps"] = args.steps
         if args.draft:
@@ -655,6 +666,8 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--prompts {args.prompts!r} does not exist")
     if args.draft and args.speculative != "dflash":
         parser.error("--draft is for --speculative dflash")
+    if args.prompt_lookup is not None and args.speculative != "dflash":
+        parser.error("--prompt-lookup is for --speculative dflash (ngram is prompt lookup alone)")
     try:
         r = run_acceptance(args)
     except (ValueError, GGUFError, UnicodeDecodeError) as e:
@@ -668,6 +681,8 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
         + f", {r['num_prompts']} prompts, temperature {r['temperature']:g}, batch {r['batch_size']}"
     )
     print(f"tau mean {r['tau_mean']:.2f} over {r['num_verify_passes']} verify passes; histogram {r['tau_histogram']}")
+    if r["prompt_lookup"]:
+        print(f"prompt lookup drafted {r['num_lookup_drafts']} of {r['num_drafts']} verify passes with drafts")
     print(
         f"drafts {r['num_drafts']}, draft tokens {r['num_draft_tokens']}, accepted {r['num_accepted_tokens']} "
         f"({100 * r['acceptance_rate']:.1f}%); identical outputs {r['identical_outputs']}/{r['num_prompts']}"

@@ -62,6 +62,11 @@ class SpeculativeConfig:
         model: the dflash draft file (.npz); default: the draft shipped for the target.
         steps: dflash denoising steps (1 = one forward pass; more unmask the most confident
             positions first on a cosine schedule).
+        prompt_lookup: dflash only, on by default: a row whose context has an n-gram match
+            (prompt lookup, below) takes the lookup's drafts for that step, the others the
+            draft model's. The two are right in different places: lookup where the text
+            repeats earlier text (code, lists, names), the draft elsewhere. The draft model is
+            not run in a step where every row has a match. False: the draft model alone.
         prompt_lookup_min, prompt_lookup_max: n-gram lengths to match (longest first).
         draft_kernels: run the draft's attention and unmasking with the Pallas kernels
             (pallas_kernels/draft_attention.py, unmask.py) instead of their jnp twins. Off by
@@ -79,13 +84,20 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     draft_kernels: bool = False
     adaptive: bool = False
+    prompt_lookup: bool | None = None  # None: on for dflash
 
     def __post_init__(self):
-        for name in ("draft_kernels", "adaptive"):
+        if self.prompt_lookup is None:
+            object.__setattr__(self, "prompt_lookup", self.method == "dflash")
+        for name in ("draft_kernels", "adaptive", "prompt_lookup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.prompt_lookup and self.method != "dflash":
+            raise ValueError(
+                "prompt_lookup joins prompt lookup to a dflash draft; method 'ngram' is prompt lookup alone"
+            )
         n = self.num_speculative_tokens
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 63):
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 63], got {n!r}")

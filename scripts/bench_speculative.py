@@ -7,7 +7,7 @@ histograms and speedups) and a row in docs/BENCHMARKS.md (unless `--no-record`).
 
     .venv/bin/python scripts/bench_speculative.py [--prompts scripts/data/chat_eval.jsonl] \
         [--max-tokens 128] [--batch-size 1] [--steps 1 2 4] [--draft-tokens 1 3 7 15] \
-        [--out out/bench_speculative.json]
+        [--adaptive] [--prompt-lookup] [--out out/bench_speculative.json]
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--adaptive", action="store_true",
         help="also run dflash (first of --steps) with drafts per step chosen from measured speed, up to the block",
     )  # fmt: skip
+    p.add_argument(
+        "--prompt-lookup", action="store_true",
+        help="also run dflash (first of --steps, full block) with prompt lookup's drafts on rows with an n-gram match",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
@@ -48,7 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def bench(args) -> dict:
+def bench(args, save=None) -> dict:
+    """Runs plain decoding, then every configuration; `save(report)` after each row, so a run
+    cut off midway keeps the rows it finished."""
     import aither_jax as aj
     from aither_jax.eval import prompt_ids, read_prompts, speculative_row, timed_decode
     from aither_jax.llm import resolve_dtype
@@ -63,18 +69,17 @@ def bench(args) -> dict:
     kv = plain.kv_spec.name
     del plain
     draft_tokens = args.draft_tokens or [args.block_size - 1]
-    configs = [{"method": "dflash", "num_speculative_tokens": k, "steps": s} for s in args.steps for k in draft_tokens]
+    # The draft model alone (its tau is the issue's goal), then the additions to it.
+    alone = {"method": "dflash", "prompt_lookup": False}
+    configs = [alone | {"num_speculative_tokens": k, "steps": s} for s in args.steps for k in draft_tokens]
+    full = {"num_speculative_tokens": args.block_size - 1, "steps": args.steps[0]}
     if args.adaptive:
-        configs.append(
-            {
-                "method": "dflash",
-                "num_speculative_tokens": args.block_size - 1,
-                "steps": args.steps[0],
-                "adaptive": True,
-            }
-        )
+        configs.append(alone | full | {"adaptive": True})
+    if args.prompt_lookup:
+        configs.append({"method": "dflash", "prompt_lookup": True} | full)
     configs.append({"method": "ngram", "num_speculative_tokens": args.ngram_tokens})
     rows = []
+    report = {"config": {**vars(args), "dtype": dtype, "kv_cache_dtype": kv}, "rows": rows}
     for spec in configs:
         print(f"speculative {spec} ...", file=sys.stderr)
         llm = aj.LLM(args.model, speculative=spec, **common)
@@ -87,13 +92,15 @@ def bench(args) -> dict:
             file=sys.stderr,
         )
         del llm
-    return {"config": {**vars(args), "dtype": dtype, "kv_cache_dtype": kv}, "rows": rows}
+        if save is not None:
+            save(report)
+    return report
 
 
 def label(row: dict) -> str:
     if row["speculative"] == "dflash":
         drafts = f"k<={row['block_size'] - 1} adaptive" if row.get("adaptive") else f"k={row['block_size'] - 1}"
-        return f"dflash S={row['steps']} {drafts}"
+        return f"dflash S={row['steps']} {drafts}" + (" +lookup" if row.get("prompt_lookup") else "")
     return f"ngram k={row['block_size'] - 1}"
 
 
@@ -155,11 +162,18 @@ def record(report: dict, command: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report = bench(args)
-    report["config"] |= {"out": str(args.out), "plot": str(args.plot) if args.plot else None}
-    report["env"] = environment()
+    env = environment()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str))
+
+    def save(report: dict) -> None:
+        report["config"] |= {"out": str(args.out), "plot": str(args.plot) if args.plot else None}
+        report["env"] = env
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        tmp.replace(args.out)
+
+    report = bench(args, save)
+    save(report)
     plot(report, args.plot or args.out.with_suffix(".png"))
     if not args.no_record:
         record(report, "python scripts/bench_speculative.py " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -75,7 +75,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     "speculative": (
         [PY, "scripts/bench_speculative.py", "--no-record", "--out", "{out}/speculative.json"]
-        + ["--plot", "{out}/speculative.png", "--max-prompts", "20", "--adaptive"],
+        + ["--plot", "{out}/speculative.png", "--max-prompts", "20", "--adaptive", "--prompt-lookup"],
         420,
         "model",
     ),

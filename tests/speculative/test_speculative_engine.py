@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from aither_jax.speculative import SHIPPED_DRAFTS
+from aither_jax.speculative import SHIPPED_DRAFTS, ngram_propose
 
 PROMPTS = [
     "Write a haiku about the sea.",
@@ -68,7 +68,7 @@ def test_shipped_draft_is_present_and_small():
 def test_greedy_speculative_equals_plain_greedy(baselines, method, kv, batch, block, steps, kernels):
     spec = {"method": method, "num_speculative_tokens": block - 1}
     if method == "dflash":
-        spec |= {"steps": steps, "draft_kernels": kernels}
+        spec |= {"steps": steps, "draft_kernels": kernels, "prompt_lookup": False}  # the draft model alone
     llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative=spec, **COMMON)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
     if kv == "bf16":
@@ -110,6 +110,46 @@ def test_adaptive_draft_length_keeps_the_output(baselines):
     chooser = llm.engine.draft_length
     assert chooser.options == [0, 1, 3, 7, 15] and all(chooser.chosen[k] > 0 for k in chooser.options)
     assert llm.engine.num_accepted_tokens > 0
+
+
+def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
+    """dflash with prompt_lookup: a row whose context has an n-gram match gets prompt lookup's
+    drafts, every other row the draft model's; a step where every row matches does not run
+    the draft model; greedy output is still plain greedy output token for token."""
+    spec = {"method": "dflash", "prompt_lookup": True}
+    llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
+    e = llm.engine
+    model_calls, steps = [], []
+    draft_model, propose = e.drafter.propose, e._propose
+
+    def spy_model(*args):
+        model_calls.append(draft_model(*args))
+        return model_calls[-1]
+
+    def spy(rows):
+        contexts = [s.token_slice(0, s.num_tokens) for s, _ in rows]
+        limits = [e.scheduler.num_lookahead(s) for s, _ in rows]
+        calls = len(model_calls)
+        out = propose(rows)
+        steps.append((contexts, limits, model_calls[-1] if len(model_calls) > calls else None, out))
+        return out
+
+    e.drafter.propose, e._propose = spy_model, spy
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
+    assert [o.token_ids for o in outs] == baselines("bf16", 8)
+    mixed = skipped = matched = 0
+    for contexts, limits, model, out in steps:
+        lookup = [ngram_propose(c, k) if k else [] for c, k in zip(contexts, limits, strict=True)]
+        matched += sum(map(bool, lookup))
+        if model is None:
+            skipped += 1
+            assert out == lookup and all(d or not k for d, k in zip(lookup, limits, strict=True))
+        else:
+            from_model = [list(map(int, model[i, :k])) for i, k in enumerate(limits)]
+            assert out == [d or m for d, m in zip(lookup, from_model, strict=True)]
+            mixed += any(lookup)
+    assert mixed > 0 and skipped > 0, (mixed, skipped)
+    assert e.spec_stats()["num_lookup_drafts"] == matched
 
 
 def test_rollback_leaves_the_caches_of_plain_decoding():

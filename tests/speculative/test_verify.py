@@ -152,6 +152,8 @@ def test_speculative_config_parsing():
     assert SpeculativeConfig.parse("ngram").method == "ngram"
     cfg = SpeculativeConfig.parse('{"method": "dflash", "num_speculative_tokens": 7, "steps": 2}')
     assert (cfg.num_speculative_tokens, cfg.steps) == (7, 2)
+    assert cfg.prompt_lookup and not SpeculativeConfig.parse("ngram").prompt_lookup  # on by default for dflash
+    assert not SpeculativeConfig.parse('{"method": "dflash", "prompt_lookup": false}').prompt_lookup
     for bad, match in [
         ('{"method": "eagle"}', "method must be one of"),
         ('{"method": "ngram", "foo": 1}', "unknown speculative config keys"),
@@ -159,6 +161,8 @@ def test_speculative_config_parsing():
         ('{"method": "dflash", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "dflash", "steps": 0}', "steps"),
         ('{"num_speculative_tokens": 3}', "needs a method"),
+        ('{"method": "ngram", "prompt_lookup": true}', "prompt lookup alone"),
+        ('{"method": "dflash", "prompt_lookup": 1}', "prompt_lookup must be true or false"),
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
