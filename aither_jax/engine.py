@@ -297,8 +297,9 @@ class Engine:
             if s.num_pending == 0:
                 self._append(s, int(tok), None if logits is None else logits[i])
 
-    def _propose(self, rows: list[tuple[Sequence, list[int]]]) -> list[list[int]]:
-        """Drafts for each decoding row, at most the row's lookahead."""
+    def _propose(self, rows: list[tuple[Sequence, list[int]]]) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Drafts for each decoding row, at most the row's lookahead, and with tree drafts
+        each row's parents (`DFlashProposer.propose_tree`; chains for lookup rows), else None."""
         limits = [self.scheduler.num_lookahead(s) for s, _ in rows]
         spec = self.speculative
         lookup = None
@@ -312,10 +313,10 @@ class Engine:
                 for (s, _), k in zip(rows, limits, strict=True)
             ]
             if self.drafter is None:
-                return lookup
+                return lookup, None
             self.num_lookup_drafts += sum(map(bool, lookup))
             if all(d or not k for d, k in zip(lookup, limits, strict=True)):
-                return lookup  # every row has a match: the draft model has nothing to add
+                return lookup, None  # every row has a match: the draft model has nothing to add
         self._sync_tables()
         n = bucket(len(rows), 1, self.max_num_seqs)
         ctx = np.zeros(n, np.int32)
@@ -325,13 +326,24 @@ class Engine:
             ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
         num_pages = self._pages_to_read(self.scheduler.pages_needed(int(ctx.max()) + 1), n)
         table = self.scheduler.block_tables[slots, :num_pages]
+        if self.drafter.tree:
+            trees = self.drafter.propose_tree(table, ctx, last, limits)
+            out = []
+            for (s, _), d, tree in zip(rows, lookup or [[]] * len(rows), trees, strict=True):
+                if d:  # prompt lookup's chain
+                    out.append((d, list(range(len(d)))))
+                elif s.num_cached < self.cache.num_sinks:  # sink tokens are stored by position: no tree
+                    out.append(([], []))
+                else:
+                    out.append(tree)
+            return [d for d, _ in out], [p for _, p in out]
         drafts = self.drafter.propose(table, ctx, last)
         drafts = [list(map(int, drafts[i, :k])) for i, k in enumerate(limits)]
-        return drafts if lookup is None else [a or b for a, b in zip(lookup, drafts, strict=True)]
+        return (drafts if lookup is None else [a or b for a, b in zip(lookup, drafts, strict=True)]), None
 
     def _speculate(self, rows: list[tuple[Sequence, list[int]]]) -> None:
         """One draft-and-verify step over every decoding row (a plain step at lookahead 0)."""
-        drafts = self._propose(rows) if self.scheduler.lookahead else [[] for _ in rows]
+        drafts, parents = self._propose(rows) if self.scheduler.lookahead else ([[] for _ in rows], None)
         if not any(drafts):  # nothing to verify: a plain decode step (one token per row)
             self._decode(rows)
             self.committed_hist[1] += len(rows)
@@ -339,18 +351,28 @@ class Engine:
         verify_rows = [(s, toks + d) for (s, toks), d in zip(rows, drafts, strict=True)]
         want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
         tokens, batch, sampling, num_pages, greedy_only, _ = self._pack(verify_rows, all_logits=True, min_tokens=2)
-        accepted, next_tokens, logits = self._verify(tokens, batch, sampling, num_pages, greedy_only, want_logprobs)
+        tree = None
+        if self.drafter is not None and self.drafter.tree:
+            tree = chain_parents(*tokens.shape)
+            for i, p in enumerate(parents or []):
+                tree[i, 1 : 1 + len(p)] = p
+        accepted, next_tokens, logits, path = self._verify(
+            tokens, batch, sampling, num_pages, greedy_only, want_logprobs, parents=tree
+        )
         accepted, next_tokens = np.asarray(accepted), np.asarray(next_tokens)
         logits = None if logits is None else np.asarray(logits)
+        if path is not None:  # a tree's accepted drafts, in order
+            path = np.asarray(path)
+            drafts = [list(map(int, tokens[i, path[i, 1:]])) if d else [] for i, d in enumerate(drafts)]
         for i, ((s, _), d) in enumerate(zip(rows, drafts, strict=True)):
             n = int(accepted[i])
             if d:
                 self.num_drafts += 1
-                self.num_draft_tokens += len(d)
+                self.num_draft_tokens += len(d) if path is None else int(batch.num_new[i]) - 1
                 self.num_accepted_tokens += n
                 self.accepted_per_pos[:n] += 1
                 s.num_spec_steps += 1
-                s.num_draft_tokens += len(d)
+                s.num_draft_tokens += len(d) if path is None else int(batch.num_new[i]) - 1
                 s.num_accepted_tokens += n
                 if self.draft_length is not None:
                     self.draft_length.observe_row(len(d), n)
@@ -365,11 +387,12 @@ class Engine:
             self.scheduler.computed(s, 1 + min(n, appended))
             self.committed_hist[appended] += 1
 
-    def _verify(self, tokens, batch, sampling, num_pages: int, greedy_only: bool, return_logits: bool):
-        """The target's verify pass over [last, drafts] rows, its cache write and the draft
-        context write: (accepted counts, next tokens, logits or None)."""
+    def _verify(self, tokens, batch, sampling, num_pages: int, greedy_only: bool, return_logits: bool, parents=None):
+        """The target's verify pass over [last, drafts] rows (a tree per row with `parents`),
+        its cache write and the draft context write: (accepted counts, next tokens, logits or
+        None, the accepted path of each tree or None)."""
         self._note_shape("verify", (*tokens.shape, num_pages, return_logits, greedy_only), warmed=not return_logits)
-        accepted, next_tokens, logits, update, hidden = verify_step(
+        accepted, next_tokens, logits, update, hidden, path = verify_step(
             self.weights,
             self.cache,
             tokens,
@@ -381,10 +404,11 @@ class Engine:
             attention=self.attention,
             taps=self._taps,
             return_logits=return_logits,
+            parents=parents,
         )
         self.cache = write_step(self.cache, update)
         self._write_draft_context(hidden, batch)
-        return accepted, next_tokens, logits
+        return accepted, next_tokens, logits, path
 
     def _write_draft_context(self, hidden, batch: StepBatch) -> None:
         """Feeds a target call's tapped hidden states to the DFlash draft's context cache."""
@@ -624,13 +648,18 @@ class Engine:
         num_rows = batch.slots.shape[0]
         if self.drafter is not None and greedy_only:  # drafting does not depend on sampling
             zeros = np.zeros(num_rows, np.int32)
-            self.drafter.propose(np.zeros((num_rows, num_pages), np.int32), zeros, zeros)
+            table = np.zeros((num_rows, num_pages), np.int32)
+            if self.drafter.tree:
+                self.drafter.propose_tree(table, zeros, zeros, [0] * num_rows)
+            else:
+                self.drafter.propose(table, zeros, zeros)
         # Drafts may come short (a request near max_tokens, prompt lookup): every token bucket.
         for num_tokens in sorted(
             {bucket(n, 2, self.max_prefill_chunk) for n in range(2, self.num_speculative_tokens + 2)}
         ):
             tokens = np.zeros((num_rows, num_tokens), np.int32)
-            self._verify(tokens, batch, params, num_pages, greedy_only, return_logits=False)
+            tree = chain_parents(num_rows, num_tokens) if self.drafter is not None and self.drafter.tree else None
+            self._verify(tokens, batch, params, num_pages, greedy_only, return_logits=False, parents=tree)
 
     # -- scoring ----------------------------------------------------------------------------
 
@@ -699,6 +728,11 @@ class Engine:
     def num_compiles(self) -> int:
         """XLA compilations so far in this process."""
         return CompileCounter.count()
+
+
+def chain_parents(num_rows: int, num_tokens: int) -> np.ndarray:
+    """[num_rows, num_tokens] int32 parents of a chain (token i follows i - 1; -1 for the first)."""
+    return np.tile(np.arange(-1, num_tokens - 1, dtype=np.int32), (num_rows, 1))
 
 
 def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

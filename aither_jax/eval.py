@@ -277,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="dflash: rows with an n-gram match take prompt lookup's drafts (default on; off: the draft alone)",
     )
+    acc.add_argument(
+        "--tree", type=int_in("--tree", 1, 63), default=None, help="dflash: verify a tree of this many drafted nodes"
+    )
     acc.add_argument("--draft", default=None, help="dflash draft file (default: the one shipped for the model)")
     acc.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)
     acc.add_argument("--max-prompts", type=int_in("--max-prompts", 1), default=None)
@@ -616,6 +619,7 @@ def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, flo
         "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
         "adaptive": spec.adaptive,
         "prompt_lookup": spec.prompt_lookup,
+        "tree": spec.tree,
         # dflash with prompt_lookup: verify passes of a row whose drafts came from prompt lookup.
         "num_lookup_drafts": lookup,
         # Adaptive drafts per step: timed steps that ran each option (0 = a plain step).
@@ -637,6 +641,8 @@ def run_acceptance(args) -> dict:
         spec["adaptive"] = True
     if args.prompt_lookup is not None:
         spec["prompt_lookup"] = args.prompt_lookup
+    if args.tree is not None:
+        spec["tree"] = args.tree
     if args.speculative == "dflash":
         spec["steps"] = args.steps
         if args.draft:
@@ -666,6 +672,8 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--prompts {args.prompts!r} does not exist")
     if args.draft and args.speculative != "dflash":
         parser.error("--draft is for --speculative dflash")
+    if args.tree is not None and args.speculative != "dflash":
+        parser.error("--tree is for --speculative dflash")
     if args.prompt_lookup is not None and args.speculative != "dflash":
         parser.error("--prompt-lookup is for --speculative dflash (ngram is prompt lookup alone)")
     try:

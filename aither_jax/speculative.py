@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import json
 import pathlib
 from collections.abc import Sequence as Seq
@@ -68,6 +69,10 @@ class SpeculativeConfig:
             repeats earlier text (code, lists, names), the draft elsewhere. The draft model is
             not run in a step where every row has a match. False: the draft model alone.
         prompt_lookup_min, prompt_lookup_max: n-gram lengths to match (longest first).
+        tree: dflash only: draft a tree of this many nodes per row instead of a chain (the
+            most probable paths under the draft's per-position distributions, `draft_tree`),
+            verified in one target pass (`verify_tree`). 0: a chain. Needs steps = 1; not
+            with adaptive. Prompt-lookup rows still verify their chain.
         draft_kernels: run the draft's attention and unmasking with the Pallas kernels
             (pallas_kernels/draft_attention.py, unmask.py) instead of their jnp twins. Off by
             default until the kernels have been checked on a GPU.
@@ -85,6 +90,7 @@ class SpeculativeConfig:
     draft_kernels: bool = False
     adaptive: bool = False
     prompt_lookup: bool | None = None  # None: on for dflash
+    tree: int = 0
 
     def __post_init__(self):
         if self.prompt_lookup is None:
@@ -103,6 +109,10 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 63], got {n!r}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+        if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not 0 <= self.tree <= 63:
+            raise ValueError(f"tree must be an integer in [0, 63] (drafted nodes; 0: a chain), got {self.tree!r}")
+        if self.tree and (self.method != "dflash" or self.steps != 1 or self.adaptive):
+            raise ValueError("tree drafts need method dflash with steps 1 and without adaptive")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 16):
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got {lo}, {hi}")
@@ -170,6 +180,50 @@ def verify(
     return jnp.where(is_sampled, acc, greedy_acc), jnp.where(is_sampled, sampled_next, greedy_next)
 
 
+def verify_tree(
+    logits: jax.Array,  # [B, T, V] float32, the target at every node of each row's tree
+    tokens: jax.Array,  # [B, T] int32 node tokens; node 0 is the last committed token
+    parents: jax.Array,  # [B, T] int32 parent of each node (-1 for node 0)
+    depth: jax.Array,  # [B, T] int32 each node's depth (node 0: 0)
+    num_new: jax.Array,  # [B] int32 valid nodes per row
+    sampling: SamplingBatch,
+    start: jax.Array,  # [B] int32 position of each row's last committed token
+    *,
+    greedy_only: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Verifies a tree of drafts per row: from node 0, the target's choice at the current node
+    (its argmax, or for sampled rows its draw with plain decoding's key for that position, as
+    in `verify`) is accepted if a child of the node carries it, and the walk moves there; the
+    choice where no child matches is the next token. Along the accepted path this is `verify`
+    on that path's chain, so the emitted tokens are the ones plain decoding gives.
+
+    Returns (accepted drafts [B], the token after them [B], path [B, T]: the node at each depth
+    of the accepted path, then index j at depths j past its end)."""
+    b, t, v = logits.shape
+    node = jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = (node < num_new[:, None]) & (node > 0)
+    choice = greedy_tokens(logits)  # [B, T]
+    if not greedy_only:
+        rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  per-row settings for every node
+        flat = SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.seeds))
+        positions = start[:, None] + 1 + depth  # position of the token a node chooses
+        drawn = draw_tokens(logits.reshape(b * t, v), flat, positions.reshape(-1)).reshape(b, t)
+        choice = jnp.where((sampling.temperature > 0)[:, None], drawn, choice)
+    cur = jnp.zeros(b, jnp.int32)
+    alive = jnp.ones(b, bool)
+    accepted = jnp.zeros(b, jnp.int32)
+    path = [cur]
+    for j in range(1, t):
+        want = jnp.take_along_axis(choice, cur[:, None], axis=1)  # [B, 1]
+        match = valid & (parents == cur[:, None]) & (tokens == want)
+        alive &= match.any(axis=1)
+        cur = jnp.where(alive, jnp.argmax(match, axis=1).astype(jnp.int32), cur)
+        accepted += alive
+        path.append(jnp.where(alive, cur, j))
+    next_tokens = jnp.take_along_axis(choice, cur[:, None], axis=1)[:, 0]
+    return accepted, next_tokens, jnp.stack(path, axis=1)
+
+
 verify_jit = step_jit(verify, static_argnames=("greedy_only",))
 
 
@@ -233,6 +287,27 @@ def write_context(
     )
 
 
+def _masked_block(last: jax.Array, ctx_lens: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """A block [last, MASK ..] per row and its positions, both [B, size]."""
+    tokens = jnp.concatenate([last[:, None], jnp.full((last.shape[0], size - 1), MASK, jnp.int32)], axis=1)
+    return tokens, ctx_lens[:, None] + jnp.arange(size)[None, :]
+
+
+def _block_attention(pools: DraftPools, table: jax.Array, ctx_lens: jax.Array, kernels: bool):
+    """The draft layers' attention over their paged context plus the block (`block_forward`'s
+    `attend`): the Pallas kernel (interpreted on CPU) or its jnp twin."""
+    fn = (
+        functools.partial(draft_attention, interpret=jax.default_backend() == "cpu")
+        if kernels
+        else draft_attention_reference
+    )
+
+    def attend(i, q, k, v):
+        return fn(q, k, v, pools.k[i], pools.v[i], table, ctx_lens)
+
+    return attend
+
+
 @step_jit(static_argnames=("cfg", "schedule", "kernels"))
 def propose_block(
     params: DraftParams,
@@ -250,21 +325,13 @@ def propose_block(
 ) -> jax.Array:
     """Fills a block [last, MASK ..] in len(schedule) denoising steps; returns the drafts
     [B, block_size - 1] (the argmax at each position, most confident revealed first)."""
-    b = last.shape[0]
-    size = cfg.block_size
-    tokens = jnp.concatenate([last[:, None], jnp.full((b, size - 1), MASK, jnp.int32)], axis=1)
-    positions = ctx_lens[:, None] + jnp.arange(size)[None, :]
-    attn_fn = functools.partial(draft_attention, interpret=jax.default_backend() == "cpu") if kernels else None
+    tokens, positions = _masked_block(last, ctx_lens, cfg.block_size)
+    attend = _block_attention(pools, table, ctx_lens, kernels)
     unmask = (
         functools.partial(confidence_unmask, interpret=jax.default_backend() == "cpu")
         if kernels
         else confidence_unmask_reference
     )
-
-    def attend(i, q, k, v):
-        fn = attn_fn or draft_attention_reference
-        return fn(q, k, v, pools.k[i], pools.v[i], table, ctx_lens)
-
     for count in schedule:
         h = block_forward(params, cfg, embed, tokens, positions, attend)
         logits = vocab_logits(h, lm_head)  # [B, size, V]
@@ -274,6 +341,52 @@ def propose_block(
             pred = vocab[pred]
         tokens = unmask(tokens, pred, conf, count)
     return tokens[:, 1:]
+
+
+TREE_WIDTH = 8  # guesses per block position a tree may branch into
+
+
+@step_jit(static_argnames=("cfg", "width", "kernels"))
+def block_top_k(params, embed, lm_head, pools, table, ctx_lens, last, vocab, *, cfg, width, kernels):
+    """One draft pass over [last, MASK ..]: the `width` likeliest tokens at each masked
+    position and their log-probabilities, ([B, block_size - 1, width] int32, float32)."""
+    tokens, positions = _masked_block(last, ctx_lens, cfg.block_size)
+    attend = _block_attention(pools, table, ctx_lens, kernels)
+    h = block_forward(params, cfg, embed, tokens, positions, attend)[:, 1:]
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(vocab_logits(h, lm_head), axis=-1), width)
+    return (ids if vocab is None else vocab[ids]).astype(jnp.int32), logp
+
+
+def best_prefixes(top_logp: np.ndarray, size: int) -> list[tuple[int, ...]]:
+    """The `size` most probable rank paths (r_1, .. r_d) under independent positions, where
+    top_logp [P, K] holds each position's log-probabilities sorted high to low; in the order
+    found, so a path's prefixes come before it (a prefix is at least as probable)."""
+    depth, width = top_logp.shape
+    heap = [(-float(top_logp[0, 0]), (0,))]
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < size:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        d, r = len(path), path[-1]
+        if r + 1 < width:  # the next sibling: same parent, next rank at this position
+            heapq.heappush(heap, (neg + float(top_logp[d - 1, r] - top_logp[d - 1, r + 1]), path[:-1] + (r + 1,)))
+        if d < depth:  # the best child
+            heapq.heappush(heap, (neg - float(top_logp[d, 0]), path + (0,)))
+    return chosen
+
+
+def draft_tree(ids: np.ndarray, logp: np.ndarray, size: int) -> tuple[list[int], list[int]]:
+    """The `size` most probable paths of guesses ids/logp [P, K] (per block position, most
+    likely first) as a tree: (node tokens, parent of each node), where parent 0 is the row's
+    last committed token and node i is index i + 1 (so a parent always comes first)."""
+    paths = best_prefixes(logp, size) if size else []
+    index = {(): 0}
+    tokens, parents = [], []
+    for path in paths:
+        index[path] = len(tokens) + 1
+        tokens.append(int(ids[len(path) - 1, path[-1]]))
+        parents.append(index[path[:-1]])
+    return tokens, parents
 
 
 class DFlashProposer:
@@ -304,7 +417,10 @@ class DFlashProposer:
         k = spec.num_speculative_tokens or self.cfg.block_size - 1
         if k > self.cfg.block_size - 1:
             raise ValueError(f"num_speculative_tokens {k} exceeds the draft's block of {self.cfg.block_size} - 1")
-        self.num_speculative_tokens = k
+        # A tree's nodes take the positions a chain's drafts would; its depth stays within k.
+        self.num_speculative_tokens = spec.tree or k
+        self.depth = k
+        self.tree = spec.tree
         self.schedule = self._schedule(spec.steps)
         self.params = cast_params(params, embed.dtype)
         self.embed = embed
@@ -346,6 +462,21 @@ class DFlashProposer:
             kernels=self.kernels,
         )
         return np.asarray(drafts)[:, : self.num_speculative_tokens]
+
+    def propose_tree(
+        self, table: np.ndarray, ctx_lens: np.ndarray, last: np.ndarray, limits: list[int]
+    ) -> list[tuple[list[int], list[int]]]:
+        """A tree of at most min(tree, limit) nodes per row (one entry per row of `limits`):
+        (node tokens, parent of each node: 0 is the row's last token, node i is i + 1)."""
+        width = min(self.tree, TREE_WIDTH)
+        ids, logp = block_top_k(
+            self.params, self.embed, self.lm_head, self.pools, table, ctx_lens, last, self.vocab,
+            cfg=self.cfg, width=width, kernels=self.kernels,
+        )  # fmt: skip
+        ids, logp = np.asarray(ids), np.asarray(logp)
+        return [
+            draft_tree(ids[i, : self.depth], logp[i, : self.depth], min(self.tree, k)) for i, k in enumerate(limits)
+        ]
 
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.pools = _copy_draft_pages(self.pools, src, dst)

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from jax import monitoring
 
 from aither_jax.sampling import SamplingBatch, sample_tokens
-from aither_jax.speculative import verify
+from aither_jax.speculative import verify, verify_tree
 from aither_jax.step_jit import step_jit
 from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
-from models.llama import KVUpdate, StepBatch, forward
+from models.llama import KVUpdate, StepBatch, compact_update, forward, tree_depth_and_mask
 from models.weights import ModelWeights
 
 RETURN_LOGITS = ("none", "last", "all")
@@ -81,19 +81,38 @@ def verify_step(
     attention: str = "reference",
     taps: tuple[int, ...] = (),
     return_logits: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, KVUpdate, jax.Array | None]:
+    parents: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, KVUpdate, jax.Array | None, jax.Array | None]:
     """Runs the target over every row's [last token, drafts] and verifies the drafts.
 
+    With `parents` [B, T] the drafts are a tree per row (`models.llama.forward`), verified by
+    `verify_tree`; the update, logits and hidden states are then reordered so that entry j is
+    the accepted path's token at depth j, as a chain's would be.
+
     Returns (accepted drafts [B], the token after them [B], logits [B, T, V] or None, the
-    update (lengths count only the last token and the accepted drafts), tapped hidden states).
+    update (lengths count only the last token and the accepted drafts), tapped hidden states,
+    the accepted path [B, T] (trees) or None).
     """
     logits, update, hidden = forward(
-        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps
-    )
-    drafts, num_drafts = tokens[:, 1:], batch.num_new - 1
-    accepted, next_tokens = verify(logits, drafts, num_drafts, sampling, batch.start, greedy_only=greedy_only)
+        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps,
+        parents=parents,
+    )  # fmt: skip
+    path = None
+    if parents is None:
+        drafts, num_drafts = tokens[:, 1:], batch.num_new - 1
+        accepted, next_tokens = verify(logits, drafts, num_drafts, sampling, batch.start, greedy_only=greedy_only)
+    else:
+        depth, _ = tree_depth_and_mask(parents)
+        accepted, next_tokens, path = verify_tree(
+            logits, tokens, parents, depth, batch.num_new, sampling, batch.start, greedy_only=greedy_only
+        )
+        table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]
+        update = compact_update(update, path, cache.page_size, table)
+        logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
+        if hidden is not None:
+            hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
     update = update.replace(seq_lens=jnp.minimum(batch.start + 1 + accepted, update.seq_lens))
-    return accepted, next_tokens, logits if return_logits else None, update, hidden
+    return accepted, next_tokens, logits if return_logits else None, update, hidden, path
 
 
 @step_jit(static_argnames=("k",))

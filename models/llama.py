@@ -155,6 +155,7 @@ def forward(
     attention: str = "reference",
     taps: tuple[int, ...] = (),
     shared_pages: int = 0,
+    parents: jax.Array | None = None,
 ) -> tuple[jax.Array, KVUpdate, jax.Array | None]:
     """Runs T new tokens per row through the model; reads the cache, returns what to write.
 
@@ -175,6 +176,12 @@ def forward(
             the rotated-domain algorithm in jnp (for backends without the kernels); "reference"
             encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere.
 
+        parents: [B, T] int32, a draft tree per row (speculative verification): new token i
+            follows token parents[i] < i (-1 for the first), sits at position start + its
+            depth and attends to its ancestors and itself instead of every earlier new token.
+            The update's pages then hold tree order, not positions: the caller compacts the
+            accepted path (`compact_update`) before writing. None: a chain, as usual.
+
     Returns:
         (logits float32, the new tokens' keys/values and where they go).
     """
@@ -182,7 +189,12 @@ def forward(
     page_size = cache.page_size
     if shared_pages and shared_pages * page_size < cache.num_sinks:
         raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
-    positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    new_mask = None
+    if parents is None:
+        positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+    else:
+        depth, new_mask = tree_depth_and_mask(parents)
+        positions = batch.start[:, None] + depth
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
     page_of_pos = jnp.take_along_axis(table, jnp.minimum(positions // page_size, cache.max_pages_per_seq - 1), axis=1)
@@ -232,6 +244,7 @@ def forward(
                     batch.num_new,
                     sinks=row_sinks,
                     return_lse=bool(shared_pages),
+                    new_mask=new_mask,
                     **codecs,
                 )
                 if shared_pages:
@@ -255,6 +268,7 @@ def forward(
                     ctx_lens,
                     batch.num_new,
                     return_lse=bool(shared_pages),
+                    new_mask=new_mask,
                 )
                 if shared_pages:
                     k_sh, v_sh = cache.read(shared[None], idx)
@@ -287,6 +301,52 @@ def forward(
         sink_v=jnp.stack(sink_v) if sink_v else None,
     )
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
+
+
+def tree_depth_and_mask(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draft trees [B, T] of parent indices (-1 for the root; parents[i] < i) -> each node's
+    depth [B, T] int32 and the ancestor mask [B, T(node), T(other)]: whether `other` is the
+    node itself or one of its ancestors. A chain (parents[i] = i - 1) gives depth i and the
+    causal mask."""
+    b, t = parents.shape
+    node = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = node[:, :, None] == node[:, None, :]
+    depth = jnp.zeros((b, t), jnp.int32)
+    cur = node
+    for _ in range(t - 1):  # walk every node up to the root, one parent a step
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1)
+        depth += (cur >= 0).astype(jnp.int32)
+        mask |= (cur[:, :, None] == node[:, None, :]) & (cur[:, :, None] >= 0)
+    return depth, mask
+
+
+def compact_update(update: KVUpdate, path: jax.Array, page_size: int, table: jax.Array) -> KVUpdate:
+    """Reorders a tree step's update into positions: path [B, T] lists, for positions start,
+    start + 1, .., which new token goes there (the accepted path first, then anything: those
+    positions lie past the new length and are overwritten later). `table` [B, MP] are the
+    rows' block tables."""
+    b, t = path.shape
+
+    def take(leaf, order=path):  # [Lg, B, T, ...]: tokens in path order
+        index = order.reshape(1, b, order.shape[1], *([1] * (leaf.ndim - 3)))
+        return jnp.take_along_axis(leaf, index, axis=2)
+
+    positions = update.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < update.num_new[:, None]
+    pages = jnp.take_along_axis(table, jnp.minimum(positions // page_size, table.shape[1] - 1), axis=1)
+    sink = {}
+    if update.sink_k is not None:
+        # Sink positions are the first n; a row that reaches them verifies a chain (path i = i).
+        n = update.sink_k.shape[2]
+        order = jnp.minimum(path[:, :n], n - 1)
+        sink = {"sink_k": take(update.sink_k, order), "sink_v": take(update.sink_v, order)}
+    return update.replace(
+        pages=jnp.where(valid, pages, NULL_PAGE),
+        offsets=positions % page_size,
+        k=jax.tree_util.tree_map(take, update.k),
+        v=jax.tree_util.tree_map(take, update.v),
+        **sink,
+    )
 
 
 def _transposed_stream(num_tokens: int) -> bool:

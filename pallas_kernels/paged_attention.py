@@ -66,6 +66,11 @@ def context_sum(p: jax.Array, v: jax.Array, precision=None, *, heads_first: bool
     return jnp.einsum(spec, p, v, preferred_element_type=jnp.float32, precision=precision)
 
 
+def causal_mask(t: int) -> jax.Array:
+    """[T(query), T(key)]: each new token sees itself and the new tokens before it."""
+    return jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+
+
 def paged_attention_reference(
     q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens (RoPE applied)
     k_new: jax.Array,  # [B, T, Hkv, Dh] keys of the new tokens
@@ -77,13 +82,15 @@ def paged_attention_reference(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    new_mask: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh] (and [B, T, Hq] float32)
     """Causal grouped-query attention of the new tokens over the stored context plus themselves.
 
     New token t of row b sees every stored key j < ctx_lens[b] and new tokens u <= t with
     u < num_new[b]. Stored entries at or past ctx_lens[b] (unused or freed pages) are zeroed
     before use. With `return_lse` also returns the log of each query's softmax denominator
-    (scaled scores), for `merge_attention`.
+    (scaled scores), for `merge_attention`. `new_mask` [B, T(query), T(key)] replaces the
+    causal mask among the new tokens (a draft tree: each node sees its ancestors and itself).
     """
     b, t, hq, dh = q.shape
     hkv = k_new.shape[2]
@@ -98,9 +105,9 @@ def paged_attention_reference(
     k = jnp.concatenate([k_ctx.astype(q.dtype), k_new], axis=1)
     v = jnp.where(kv_valid[:, :, None, None], jnp.concatenate([v_ctx.astype(q.dtype), v_new], axis=1), 0)
 
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T]
+    among_new = causal_mask(t)[None] if new_mask is None else new_mask  # [B or 1, T, T]
     mask = jnp.concatenate(
-        [jnp.broadcast_to(ctx_valid[:, None, :], (b, t, ctx_valid.shape[1])), causal[None] & new_valid[:, None, :]],
+        [jnp.broadcast_to(ctx_valid[:, None, :], (b, t, ctx_valid.shape[1])), among_new & new_valid[:, None, :]],
         axis=2,
     )  # [B, T, Sctx + T]
 

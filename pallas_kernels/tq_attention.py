@@ -31,7 +31,13 @@ from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_attention import MASK_VALUE, context_scores, context_sum, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    MASK_VALUE,
+    causal_mask,
+    context_scores,
+    context_sum,
+    paged_attention_reference,
+)
 from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
 
 # Triton's dot wants every dimension >= 16: query blocks are padded to at least this.
@@ -105,9 +111,11 @@ def tq_paged_attention_reference(
     pages_per_split: int = 16,
     interpret: bool | None = None,
     return_lse: bool = False,
+    new_mask: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh] (and [B, T, Hq])
     """Decodes the row's pages and the new tokens (sink positions from `sinks` instead), then
-    plain causal GQA attention. `pages_per_split` and `interpret` are accepted for signature
+    plain causal GQA attention (`new_mask` [B, T, T]: another mask among the new tokens, as in
+    `paged_attention_reference`). `pages_per_split` and `interpret` are accepted for signature
     parity and ignored."""
     del pages_per_split, interpret
     b, num_pages = block_table.shape
@@ -124,8 +132,9 @@ def tq_paged_attention_reference(
         k, v = sinks.apply_new(k, v, ctx_lens)
         k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)
     return paged_attention_reference(
-        q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, ctx_lens, num_new, return_lse=return_lse
-    )
+        q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, ctx_lens, num_new, return_lse=return_lse,
+        new_mask=new_mask,
+    )  # fmt: skip
 
 
 def tq_paged_attention(
@@ -148,10 +157,12 @@ def tq_paged_attention(
     code_loads: str = "gather",
     interpret: bool | None = None,
     return_lse: bool = False,
+    new_mask: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal GQA attention of the new tokens over the packed pages plus themselves (see the
     module doc). Same arguments and result as `tq_paged_attention_reference`; with
     `return_lse` also the log-sum-exp [B, T, Hq] for `paged_attention.merge_attention`.
+    `new_mask` [B, T, T] replaces the causal mask among the new tokens (a draft tree).
 
     Args:
         pages_per_split: pages one kernel program walks (split-K: a row's pages are shared
@@ -176,6 +187,7 @@ def tq_paged_attention(
         return_lse,
         pages_per_step=pages_per_step,
         code_loads=code_loads,
+        new_mask=new_mask,
     )
 
 
@@ -197,6 +209,7 @@ def tq_paged_attention_xla(
     pages_per_split: int = 16,
     interpret: bool | None = None,
     return_lse: bool = False,
+    new_mask: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The rotated-domain algorithm of `tq_paged_attention` in plain jnp, for backends without
     a Pallas lowering (the CPU serving path): the gathered codes become codebook values, never
@@ -205,7 +218,9 @@ def tq_paged_attention_xla(
     `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
     del interpret
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
-    return _checked_call(args, k_codec, v_codec, v_layer, sinks, pages_per_split, None, False, return_lse)
+    return _checked_call(
+        args, k_codec, v_codec, v_layer, sinks, pages_per_split, None, False, return_lse, new_mask=new_mask
+    )
 
 
 def tq_shared_prefix_attention(
@@ -270,6 +285,7 @@ def _checked_call(
     skip_first=0,
     pages_per_step=None,
     code_loads="gather",
+    new_mask=None,
 ):
     """Validates the public arguments and runs the jitted body; `kernel_split` None reads the
     stored context with the jnp path instead of the kernel; stored positions below
@@ -283,12 +299,16 @@ def _checked_call(
     if code_loads not in CODE_LOADS:
         raise ValueError(f"code_loads must be one of {CODE_LOADS}, got {code_loads!r}")
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
+    b, t = q.shape[:2]
+    if new_mask is not None and new_mask.shape != (b, t, t):
+        raise ValueError(f"new_mask must be [B={b}, T={t}, T={t}], got {new_mask.shape}")
     return _tq_paged_attention(
         *args[:6],
         layers,
         ctx_lens,
         num_new,
         sinks,
+        new_mask=new_mask,
         k_codec=k_codec,
         v_codec=v_codec,
         pages_per_split=kernel_split,
@@ -360,6 +380,7 @@ def _tq_paged_attention(
     skip_first=0,
     pages_per_step=None,
     code_loads="gather",
+    new_mask=None,
 ):
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
@@ -407,7 +428,7 @@ def _tq_paged_attention(
     num_splits = acc.shape[2]
     acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
 
-    # New tokens: causal among themselves, in the rotated domain.
+    # New tokens: causal among themselves (or as `new_mask` says), in the rotated domain.
     k_vals = _rotated_values(k_new, k_codec)  # [B, T, Hkv, Dh]
     v_vals = _rotated_values(v_new, v_codec)
     if sinks is not None:
@@ -416,8 +437,8 @@ def _tq_paged_attention(
         v_vals = jnp.where(on_sink, jnp.einsum("bthd,ed->bthe", sinks.new_v, rv, precision=hi), v_vals)
     s_new = jnp.einsum("bthgd,buhd->bhtgu", q_rot, k_vals, precision=hi)  # [B, Hkv, T, G, T]
     new_valid = jnp.arange(t)[None, :] < num_new[:, None]  # [B, T]
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T(query), T(key)]
-    mask = (causal[None] & new_valid[:, None, :])[:, None, :, None, :]  # [B, 1, T, 1, T]
+    among_new = causal_mask(t)[None] if new_mask is None else new_mask  # [B or 1, T(query), T(key)]
+    mask = (among_new & new_valid[:, None, :])[:, None, :, None, :]  # [B, 1, T, 1, T]
     s_new = jnp.where(mask, s_new, MASK_VALUE)
     m_new = jnp.max(s_new, axis=-1)
     p_new = jnp.where(mask, jnp.exp(s_new - m_new[..., None]), 0.0)

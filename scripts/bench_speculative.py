@@ -7,7 +7,7 @@ histograms and speedups) and a row in docs/BENCHMARKS.md (unless `--no-record`).
 
     .venv/bin/python scripts/bench_speculative.py [--prompts scripts/data/chat_eval.jsonl] \
         [--max-tokens 128] [--batch-size 1] [--steps 1 2 4] [--draft-tokens 1 3 7 15] \
-        [--adaptive] [--prompt-lookup] [--out out/bench_speculative.json]
+        [--adaptive] [--prompt-lookup] [--tree 15] [--out out/bench_speculative.json]
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prompt-lookup", action="store_true",
         help="also run dflash (first of --steps, full block) with prompt lookup's drafts on rows with an n-gram match",
     )  # fmt: skip
+    p.add_argument(
+        "--tree", type=int, nargs="*", default=[],
+        help="also run dflash (S=1, with prompt lookup) verifying a tree of each of these many drafted nodes",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
@@ -72,12 +76,14 @@ def bench(args, save=None) -> dict:
     # The draft model alone (its tau is the issue's goal), then the additions to it.
     alone = {"method": "dflash", "prompt_lookup": False}
     configs = [alone | {"num_speculative_tokens": k, "steps": s} for s in args.steps for k in draft_tokens]
+    # Prompt lookup alone before the additions, so a run cut off at a time limit keeps it.
+    configs.append({"method": "ngram", "num_speculative_tokens": args.ngram_tokens})
     full = {"num_speculative_tokens": args.block_size - 1, "steps": args.steps[0]}
     if args.adaptive:
         configs.append(alone | full | {"adaptive": True})
     if args.prompt_lookup:
         configs.append({"method": "dflash", "prompt_lookup": True} | full)
-    configs.append({"method": "ngram", "num_speculative_tokens": args.ngram_tokens})
+    configs += [{"method": "dflash", "prompt_lookup": True, "steps": 1, "tree": n} for n in args.tree]
     rows = []
     report = {"config": {**vars(args), "dtype": dtype, "kv_cache_dtype": kv}, "rows": rows}
     for spec in configs:
@@ -100,6 +106,8 @@ def bench(args, save=None) -> dict:
 def label(row: dict) -> str:
     if row["speculative"] == "dflash":
         drafts = f"k<={row['block_size'] - 1} adaptive" if row.get("adaptive") else f"k={row['block_size'] - 1}"
+        if row.get("tree"):
+            drafts = f"tree {row['tree']}"
         return f"dflash S={row['steps']} {drafts}" + (" +lookup" if row.get("prompt_lookup") else "")
     return f"ngram k={row['block_size'] - 1}"
 
@@ -124,7 +132,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
     axes[0].set(xlabel="tokens committed per target pass (tau)", ylabel="share of passes", title="tau histogram")
     axes[0].legend()
     names = [label(r) for r in rows]
-    axes[1].bar(names, [r["speedup"] for r in rows], color=["C0"] * (len(rows) - 1) + ["C3"])
+    axes[1].bar(
+        names, [r["speedup"] for r in rows], color=["C3" if r["speculative"] == "ngram" else "C0" for r in rows]
+    )
     axes[1].tick_params(axis="x", labelrotation=25)
     for tick in axes[1].get_xticklabels():
         tick.set_horizontalalignment("right")

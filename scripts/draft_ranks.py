@@ -12,7 +12,8 @@ greedy speculative decoding along the target's own text:
 - `lookup`: prompt lookup alone;
 - `tree N`: a verify pass over a tree of N drafted nodes, the N most probable prefixes under
   the draft's per-position distributions (a path's probability is the product of its
-  positions'). The engine verifies chains only; this says what tree verification would add.
+  positions'), as the engine's `{"method": "dflash", "tree": N}` drafts them (its guesses
+  here go 32 deep per position, the engine's 8).
 Nothing is timed. Writes JSON (`--out`).
 
     .venv/bin/python scripts/draft_ranks.py [--draft F.npz] [--prompts scripts/data/chat_eval.jsonl] \\
@@ -22,7 +23,6 @@ Nothing is timed. Writes JSON (`--out`).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import pathlib
 import sys
@@ -31,6 +31,8 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from aither_jax.speculative import best_prefixes  # noqa: E402
 
 TOP = 32  # sorted log-probabilities kept per block position (tree building)
 
@@ -53,24 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- simulation (pure numpy; tests/test_draft_ranks.py) ------------------------------------
-
-
-def best_prefixes(top_logp: np.ndarray, size: int) -> set[tuple[int, ...]]:
-    """The `size` most probable rank paths (r_1, .. r_d) under independent positions, where
-    top_logp [P, K] holds each position's log-probabilities sorted high to low. The set is
-    closed under prefixes: a prefix is at least as probable as its extensions."""
-    depth, width = top_logp.shape
-    heap = [(-top_logp[0, 0], (0,))]
-    chosen: set[tuple[int, ...]] = set()
-    while heap and len(chosen) < size:
-        neg, path = heapq.heappop(heap)
-        chosen.add(path)
-        d, r = len(path), path[-1]
-        if r + 1 < width:  # the next sibling: same parent, next rank at this position
-            heapq.heappush(heap, (neg + top_logp[d - 1, r] - top_logp[d - 1, r + 1], path[:-1] + (r + 1,)))
-        if d < depth:  # the best child
-            heapq.heappush(heap, (neg - top_logp[d, 0], path + (0,)))
-    return chosen
 
 
 def accepted_chain(ranks: np.ndarray, limit: int) -> int:
@@ -195,7 +179,7 @@ def simulate_text(tokens, plen: int, ranks: np.ndarray, top: np.ndarray, trees, 
         "lookup": walk(len(ranks), lambda i: accepted_drafts(lookups[i], truth[i])),
     }
     for n in trees:
-        taus[f"tree {n}"] = walk(len(ranks), lambda i, n=n: accepted_tree(ranks[i], best_prefixes(top[i], n)))
+        taus[f"tree {n}"] = walk(len(ranks), lambda i, n=n: accepted_tree(ranks[i], set(best_prefixes(top[i], n))))
     visited = np.cumsum([0] + taus["chain+lookup"])[:-1]  # the anchors chain+lookup verified at
     return taus, sum(bool(lookups[i]) for i in visited)
 

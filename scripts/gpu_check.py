@@ -75,7 +75,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     "speculative": (
         [PY, "scripts/bench_speculative.py", "--no-record", "--out", "{out}/speculative.json"]
-        + ["--plot", "{out}/speculative.png", "--max-prompts", "20", "--adaptive", "--prompt-lookup"],
+        + ["--plot", "{out}/speculative.png", "--max-prompts", "20", "--adaptive", "--prompt-lookup"]
+        + ["--tree", "15"],
         420,
         "model",
     ),

@@ -23,7 +23,8 @@ def test_best_prefixes_are_the_most_probable_paths(seed):
     ranked = sorted(paths, key=lambda p: -logp[p])
     for size in (1, 2, 5, 11, 30, len(paths)):
         got = dr.best_prefixes(top, size)
-        assert got == set(ranked[:size]), size
+        assert set(got) == set(ranked[:size]) and len(got) == size, size
+        assert all(got.index(p[:-1]) < got.index(p) for p in got if len(p) > 1)  # prefixes first
         assert all(p[:-1] in got for p in got if len(p) > 1)  # closed under prefixes
 
 

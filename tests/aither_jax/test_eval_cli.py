@@ -189,12 +189,13 @@ def test_acceptance_json_against_plain_decoding(tmp_path, capsys):
     assert r["speedup"] == pytest.approx(r["spec_tokens_per_second"] / r["baseline_tokens_per_second"])
 
 
-def test_acceptance_prompt_lookup_is_for_dflash(tmp_path, capsys):
+@pytest.mark.parametrize(("flag", "message"), [(["--prompt-lookup"], "--prompt-lookup"), (["--tree", "8"], "--tree")])
+def test_acceptance_dflash_options_need_dflash(tmp_path, capsys, flag, message):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n', encoding="utf-8")
     with pytest.raises(SystemExit) as exc:
-        aj_eval.main(["acceptance", "--speculative", "ngram", "--prompt-lookup", "--prompts", str(prompts)])
-    assert exc.value.code == 2 and "--prompt-lookup is for --speculative dflash" in capsys.readouterr().err
+        aj_eval.main(["acceptance", "--speculative", "ngram", *flag, "--prompts", str(prompts)])
+    assert exc.value.code == 2 and f"{message} is for --speculative dflash" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -71,25 +71,66 @@ def test_greedy_speculative_equals_plain_greedy(baselines, method, kv, batch, bl
         spec |= {"steps": steps, "draft_kernels": kernels, "prompt_lookup": False}  # the draft model alone
     llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative=spec, **COMMON)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
-    if kv == "bf16":
-        assert [o.token_ids for o in outs] == baselines(kv, batch)
-    else:
-        plain = baselines(kv, batch)
-        same = sum(o.token_ids == b for o, b in zip(outs, plain, strict=True))
-        assert same >= len(PROMPTS) // 2, f"only {same} of {len(PROMPTS)} outputs equal plain decoding"
-        # An output equal to plain decoding's is right by definition: its distance from the
-        # full recompute below measures the cache, not speculation (plain decoding itself sits
-        # about half a nat off it on one of these prompts).
-        for o in (o for o, b in zip(outs, plain, strict=True) if o.token_ids != b):
-            logits = llm.logits(o.prompt_token_ids + o.token_ids)[len(o.prompt_token_ids) - 1 : -1]
-            logp = logits - logits.max(axis=1, keepdims=True)
-            logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
-            gaps = logp.max(axis=1) - logp[np.arange(len(o.token_ids)), o.token_ids]
-            assert gaps.max() <= MAX_GAP, f"token {int(gaps.argmax())} is {gaps.max():.2f} nats off greedy"
+    _check_greedy(llm, outs, baselines(kv, batch), kv)
     e = llm.engine
     assert e.num_drafts > 0 and 0 <= e.num_accepted_tokens <= e.num_draft_tokens
     assert e.accepted_per_pos.sum() == e.num_accepted_tokens
     assert list(e.accepted_per_pos) == sorted(e.accepted_per_pos, reverse=True)  # position j needs j-1 first
+
+
+def _check_greedy(llm, outs, plain, kv):
+    """bf16 KV: outputs equal plain greedy decoding's. TurboQuant KV: half of them equal, and
+    in the others every token from the first that differs from plain decoding's within MAX_GAP
+    nats of the target's greedy choice."""
+    if kv == "bf16":
+        assert [o.token_ids for o in outs] == plain
+    else:
+        same = sum(o.token_ids == b for o, b in zip(outs, plain, strict=True))
+        assert same >= len(PROMPTS) // 2, f"only {same} of {len(PROMPTS)} outputs equal plain decoding"
+        # Tokens equal to plain decoding's are right by definition: their distance from the
+        # full recompute below measures the cache, not speculation (plain decoding itself sits
+        # about half a nat off it on one of these prompts).
+        for o, b in ((o, b) for o, b in zip(outs, plain, strict=True) if o.token_ids != b):
+            first = next((i for i, (x, y) in enumerate(zip(o.token_ids, b, strict=False)) if x != y), len(b))
+            logits = llm.logits(o.prompt_token_ids + o.token_ids)[len(o.prompt_token_ids) - 1 : -1]
+            logp = logits - logits.max(axis=1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+            gaps = (logp.max(axis=1) - logp[np.arange(len(o.token_ids)), o.token_ids])[first:]
+            if gaps.size:
+                assert gaps.max() <= MAX_GAP, f"token {first + int(gaps.argmax())} is {gaps.max():.2f} nats off greedy"
+
+
+@pytest.mark.parametrize(("kv", "batch"), [("bf16", 8), ("auto", 1)])
+def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
+    """Drafts as a tree of 15 nodes per row (prompt lookup rows verify their chains beside
+    them): greedy output is plain greedy output, and some verify passes accept a path that
+    leaves the draft's first choices (the point of a tree)."""
+    llm = aj.LLM(
+        "smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative={"method": "dflash", "tree": 15},
+        **COMMON,
+    )  # fmt: skip
+    e = llm.engine
+    paths, verify = [], e._verify
+
+    def spy(*args, **kwargs):
+        out = verify(*args, **kwargs)
+        if kwargs["parents"] is not None and out[3] is not None:
+            paths.append((np.asarray(kwargs["parents"]), np.asarray(out[0]), np.asarray(out[3])))
+        return out
+
+    e._verify = spy
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
+    _check_greedy(llm, outs, baselines(kv, batch), kv)
+    off_chain = 0
+    for parents, accepted, path in paths:
+        for i, n in enumerate(accepted):
+            nodes = path[i, 1 : 1 + n]
+            assert all(parents[i, c] == p for p, c in zip(path[i, :n], nodes, strict=True))  # a real path
+            # Siblings come in the draft's order of preference: a node with an earlier sibling
+            # is not the draft's first choice there.
+            off_chain += any(np.flatnonzero(parents[i, 1:] == parents[i, c])[0] + 1 < c for c in nodes)
+    assert off_chain > 0
+    assert e.num_accepted_tokens > 0 and e.accepted_per_pos.sum() == e.num_accepted_tokens
 
 
 def _slot_kv(engine, seq):
@@ -130,9 +171,10 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
         contexts = [s.token_slice(0, s.num_tokens) for s, _ in rows]
         limits = [e.scheduler.num_lookahead(s) for s, _ in rows]
         calls = len(model_calls)
-        out = propose(rows)
+        out, parents = propose(rows)
+        assert parents is None  # chains
         steps.append((contexts, limits, model_calls[-1] if len(model_calls) > calls else None, out))
-        return out
+        return out, parents
 
     e.drafter.propose, e._propose = spy_model, spy
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
@@ -152,9 +194,10 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
     assert e.spec_stats()["num_lookup_drafts"] == matched
 
 
-def test_rollback_leaves_the_caches_of_plain_decoding():
+@pytest.mark.parametrize("spec", ["dflash", {"method": "dflash", "tree": 15}])
+def test_rollback_leaves_the_caches_of_plain_decoding(spec):
     prompt = [{"role": "user", "content": "Name five fruits and say what colour each one is."}]
-    spec = aj.LLM("smollm2-135m", kv_cache_dtype="fp32", max_num_seqs=2, speculative="dflash", **COMMON)
+    spec = aj.LLM("smollm2-135m", kv_cache_dtype="fp32", max_num_seqs=2, speculative=spec, **COMMON)
     tok = spec.tokenizer
     ids = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True))
     seq = spec.engine.add_request(ids, aj.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
@@ -190,7 +233,7 @@ def test_rollback_leaves_the_caches_of_plain_decoding():
     np.testing.assert_allclose(v_got, np.asarray(v_want)[:, 0], rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("method", ["dflash", "ngram"])
+@pytest.mark.parametrize("method", ["dflash", "ngram", {"method": "dflash", "tree": 8}])
 def test_sampled_speculative_equals_plain_sampling_with_the_same_seed(method):
     """The verifier draws each position's token with the key plain decoding uses there, so a
     seeded sampled request emits the same tokens with or without speculation (float32 logits,
@@ -244,7 +287,7 @@ def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
             ctx = s.token_slice(0, s.num_tokens)
             ok = len(ctx) == len(ids) + 1 and llm.engine.scheduler.num_lookahead(s) > 0
             out.append([greedy_next[ctx[-1]]] if ok else [])
-        return out
+        return out, None
 
     monkeypatch.setattr(llm.engine, "_propose", propose)
     n = 800

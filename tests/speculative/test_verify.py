@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from aither_jax.sampling import SamplingBatch, sample_tokens
-from aither_jax.speculative import SpeculativeConfig, ngram_propose, verify
+from aither_jax.speculative import SpeculativeConfig, draft_tree, ngram_propose, verify, verify_tree
 
 V, T, N = 6, 3, 40_000
 P_VALUE = 1e-3  # the correct rule must pass at this level; the broken ones must fail far below it
@@ -163,6 +163,94 @@ def test_speculative_config_parsing():
         ('{"num_speculative_tokens": 3}', "needs a method"),
         ('{"method": "ngram", "prompt_lookup": true}', "prompt lookup alone"),
         ('{"method": "dflash", "prompt_lookup": 1}', "prompt_lookup must be true or false"),
+        ('{"method": "dflash", "tree": 64}', "tree must be an integer"),
+        ('{"method": "ngram", "tree": 8}', "tree drafts need method dflash"),
+        ('{"method": "dflash", "tree": 8, "steps": 2}', "tree drafts need method dflash with steps 1"),
+        ('{"method": "dflash", "tree": 8, "adaptive": true}', "without adaptive"),
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
+
+
+# -- trees ----------------------------------------------------------------------------------
+
+
+def _chain(b, t):
+    return jnp.broadcast_to(jnp.arange(-1, t - 1, dtype=jnp.int32), (b, t)), jnp.broadcast_to(jnp.arange(t), (b, t))
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_tree_verify_of_a_chain_is_chain_verify(greedy_only):
+    """A chain (parents i - 1) verified as a tree accepts and emits what `verify` does, greedy
+    and sampled rows mixed, and its path is the chain itself."""
+    b, t, v = 64, 6, 12
+    r = np.random.default_rng(3)
+    logits = jnp.asarray(r.standard_normal((b, t, v)) * 2, jnp.float32)
+    # Drafts that follow the argmax for a while, so acceptances of every length occur.
+    best = np.asarray(jnp.argmax(logits, axis=-1))
+    cut = r.integers(0, t, b)
+    drafts = np.where(np.arange(t - 1)[None] < cut[:, None], best[:, :-1], r.integers(0, v, (b, t - 1)))
+    tokens = jnp.asarray(np.concatenate([r.integers(0, v, (b, 1)), drafts], axis=1), jnp.int32)
+    num_new = jnp.asarray(r.integers(1, t + 1, b), jnp.int32)
+    temperature = jnp.asarray(np.where(greedy_only, 0.0, r.choice([0.0, 1.0], b)), jnp.float32)
+    sampling = SamplingBatch(
+        temperature, jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.float32), jnp.arange(b, dtype=jnp.uint32)
+    )
+    start = jnp.asarray(r.integers(0, 100, b), jnp.int32)
+    acc, nxt = verify(logits, tokens[:, 1:], num_new - 1, sampling, start, greedy_only=greedy_only)
+    parents, depth = _chain(b, t)
+    acc_t, nxt_t, path = verify_tree(logits, tokens, parents, depth, num_new, sampling, start, greedy_only=greedy_only)
+    np.testing.assert_array_equal(acc_t, acc)
+    np.testing.assert_array_equal(nxt_t, nxt)
+    np.testing.assert_array_equal(path, np.broadcast_to(np.arange(t), (b, t)))
+    assert 0 < int((np.asarray(acc) > 0).sum()) < b
+
+
+def test_tree_verify_follows_the_branch_the_target_takes():
+    """Node 1 and 2 are siblings after the last token, node 3 follows node 2, node 4 follows
+    node 3, node 5 follows node 1. The target's argmax: after the last token the token of
+    node 2, after node 2 the token of node 3, after node 3 not node 4's. So nodes 2 and 3 are
+    accepted, the next token is the argmax after node 3, and the path lists 0, 2, 3."""
+    v = 10
+    tokens = jnp.asarray([[7, 1, 2, 3, 4, 5]], jnp.int32)
+    parents = jnp.asarray([[-1, 0, 0, 2, 3, 1]], jnp.int32)
+    depth = jnp.asarray([[0, 1, 1, 2, 3, 2]], jnp.int32)
+    want = [2, 9, 3, 8, 0, 0]  # the target's argmax at each node; node 3 -> 8 (not node 4's 4)
+    logits = jax.nn.one_hot(jnp.asarray([want]), v) * 5.0
+    greedy = SamplingBatch(jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1, jnp.uint32))
+    acc, nxt, path = verify_tree(
+        logits, tokens, parents, depth, jnp.asarray([6]), greedy, jnp.asarray([10]), greedy_only=True
+    )
+    assert int(acc[0]) == 2 and int(nxt[0]) == 8
+    assert list(np.asarray(path[0, :3])) == [0, 2, 3]
+    # Node 3 left out of the row (num_new 3): only node 2 is accepted, then the argmax after it.
+    acc, nxt, _ = verify_tree(
+        logits, tokens, parents, depth, jnp.asarray([3]), greedy, jnp.asarray([10]), greedy_only=True
+    )
+    assert (int(acc[0]), int(nxt[0])) == (1, 3)
+
+
+def test_draft_tree_holds_the_most_probable_paths():
+    """`draft_tree` on guesses whose log-probabilities make the best paths known: the first
+    position's two guesses, then the second position's best after each."""
+    ids = np.asarray([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    logp = np.log(np.asarray([[0.6, 0.3, 0.1], [0.9, 0.05, 0.05], [0.6, 0.3, 0.1]]))
+    tokens, parents = draft_tree(ids, logp, 5)
+    # Paths by probability: (0,) .6, (0,0) .54, (0,0,0) .324, (1,) .3, (1,0) .27, (0,0,1) .162 ...
+    assert tokens[:3] == [10, 20, 30] and parents[:3] == [0, 1, 2]
+    assert sorted(zip(tokens[3:], parents[3:], strict=True)) == [(11, 0), (20, 4)]
+    assert draft_tree(ids, logp, 0) == ([], [])
+    assert all(p < i + 1 for i, p in enumerate(parents))  # a parent comes before its children
+
+
+def test_tree_depth_and_mask():
+    from models.llama import tree_depth_and_mask
+    from pallas_kernels.paged_attention import causal_mask
+
+    depth, mask = tree_depth_and_mask(jnp.asarray([[-1, 0, 0, 2, 3, 1]], jnp.int32))
+    assert list(np.asarray(depth[0])) == [0, 1, 1, 2, 3, 2]
+    seen = {i: set(np.flatnonzero(np.asarray(mask[0, i]))) for i in range(6)}
+    assert seen == {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 2, 3}, 4: {0, 2, 3, 4}, 5: {0, 1, 5}}
+    depth, mask = tree_depth_and_mask(jnp.broadcast_to(jnp.arange(-1, 7, dtype=jnp.int32), (2, 8)))
+    np.testing.assert_array_equal(depth, np.broadcast_to(np.arange(8), (2, 8)))
+    np.testing.assert_array_equal(mask, np.broadcast_to(causal_mask(8), (2, 8, 8)))
