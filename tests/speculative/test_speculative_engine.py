@@ -310,10 +310,14 @@ def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
     assert llm.engine.num_accepted_tokens > n // 4  # the drafts were really verified, not just dropped
 
 
-@pytest.mark.parametrize("method", ["dflash", "ngram"])
-def test_warmup_covers_drafting_and_verify_shapes(method, caplog):
+@pytest.mark.parametrize(
+    "spec",
+    [{"method": "dflash", "num_speculative_tokens": 7}, {"method": "ngram", "num_speculative_tokens": 7}]
+    + [{"method": "dflash", "tree": 7}],
+)
+def test_warmup_covers_drafting_and_verify_shapes(spec, caplog):
     llm = aj.LLM(
-        "smollm2-135m", speculative={"method": method, "num_speculative_tokens": 7},
+        "smollm2-135m", speculative=spec,
         max_num_seqs=2, num_pages=40, **{**COMMON, "max_model_len": 256},
     )  # fmt: skip
     convs = [[{"role": "user", "content": p}] for p in PROMPTS[4:6]]
