@@ -12,12 +12,12 @@ greedy speculative decoding along the target's own text:
 - `lookup`: prompt lookup alone;
 - `tree N`: a verify pass over a tree of N drafted nodes, the N most probable prefixes under
   the draft's per-position distributions (a path's probability is the product of its
-  positions'), as the engine's `{"method": "dflash", "tree": N}` drafts them (its guesses
-  here go 32 deep per position, the engine's 8).
+  positions'), as the engine's `{"method": "dflash", "tree": N}` drafts them (`--width`
+  guesses per position, the engine's 8).
 Nothing is timed. Writes JSON (`--out`).
 
     .venv/bin/python scripts/draft_ranks.py [--draft F.npz] [--prompts scripts/data/chat_eval.jsonl] \\
-        [--max-prompts N] [--max-tokens 96] [--trees 4 16 64] [--out out/draft_ranks.json]
+        [--max-prompts N] [--max-tokens 96] [--trees 4 16 64] [--width 8] [--out out/draft_ranks.json]
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 
 from aither_jax.speculative import best_prefixes  # noqa: E402
 
-TOP = 32  # sorted log-probabilities kept per block position (tree building)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,12 +44,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--trees", type=int, nargs="*", default=[4, 16, 64], help="tree sizes (drafted nodes) to simulate")
+    p.add_argument(
+        "--width", type=int, default=8, help="guesses per block position a tree may branch into (the engine's: 8)"
+    )
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "draft_ranks.json")
     args = p.parse_args(argv)
     if args.max_tokens < 1 or (args.max_prompts is not None and args.max_prompts < 1):
         p.error("--max-tokens and --max-prompts must be at least 1")
     if any(n < 1 for n in args.trees):
         p.error("--trees sizes must be at least 1")
+    if args.width < 1:
+        p.error("--width must be at least 1")
     return args
 
 
@@ -159,7 +163,7 @@ def draft_ranks(args) -> dict:
         ranks = (logp > label_logp[..., None]).sum(-1)
         ranks = np.where(label >= 0, ranks, 1 << 30)  # outside the draft's head: never guessed
         ranks = np.where(inside, ranks, -1)
-        top = -np.sort(-logp, axis=-1)[..., :TOP]
+        top = -np.sort(-logp, axis=-1)[..., : args.width]
         per_seq.append((tokens, pl, ranks, top))
     return summarize(args, per_seq, ngram_propose, b)
 
