@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 from aither_jax.speculative import best_prefixes  # noqa: E402
 
 
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
