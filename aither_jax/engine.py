@@ -361,21 +361,22 @@ class Engine:
         )
         accepted, next_tokens = np.asarray(accepted), np.asarray(next_tokens)
         logits = None if logits is None else np.asarray(logits)
-        if path is not None:  # a tree's accepted drafts, in order
+        proposed = [len(d) for d in drafts]  # tokens drafted per row (a tree's nodes)
+        if path is not None:  # a tree's drafts along its accepted path, in order
             path = np.asarray(path)
             drafts = [list(map(int, tokens[i, path[i, 1:]])) if d else [] for i, d in enumerate(drafts)]
         for i, ((s, _), d) in enumerate(zip(rows, drafts, strict=True)):
             n = int(accepted[i])
             if d:
                 self.num_drafts += 1
-                self.num_draft_tokens += len(d) if path is None else int(batch.num_new[i]) - 1
+                self.num_draft_tokens += proposed[i]
                 self.num_accepted_tokens += n
                 self.accepted_per_pos[:n] += 1
                 s.num_spec_steps += 1
-                s.num_draft_tokens += len(d) if path is None else int(batch.num_new[i]) - 1
+                s.num_draft_tokens += proposed[i]
                 s.num_accepted_tokens += n
                 if self.draft_length is not None:
-                    self.draft_length.observe_row(len(d), n)
+                    self.draft_length.observe_row(proposed[i], n)
             committed = [*d[:n], int(next_tokens[i])]
             appended = 0
             for j, tok in enumerate(committed):

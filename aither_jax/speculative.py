@@ -155,7 +155,7 @@ def verify(
     greedy_only: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (accepted drafts [B] int32, the token after them [B] int32)."""
-    b, t, v = logits.shape
+    t = logits.shape[1]
     j = jnp.arange(t - 1)[None, :]
     valid = j < num_drafts[:, None]
     target = greedy_tokens(logits)  # [B, T]
@@ -170,14 +170,20 @@ def verify(
     # first mismatch is the next token. So d_j is accepted with probability p_j(d_j), and on
     # rejection the token comes from p_j without d_j, renormalized: the deterministic-proposal
     # rule, and every emitted token is the one plain decoding with that seed would sample.
-    rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  per-row settings for every position
-    flat = SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.seeds))
-    positions = start[:, None] + 1 + jnp.arange(t)[None, :]  # position of the token being chosen
-    drawn = draw_tokens(logits.reshape(b * t, v), flat, positions.reshape(-1)).reshape(b, t)
+    drawn = _draws(logits, sampling, start[:, None] + 1 + jnp.arange(t)[None, :])
     acc = jnp.cumprod((drafts == drawn[:, :-1]) & valid, axis=1).sum(axis=1).astype(jnp.int32)
     sampled_next = jnp.take_along_axis(drawn, acc[:, None], axis=1)[:, 0]
     is_sampled = sampling.temperature > 0
     return jnp.where(is_sampled, acc, greedy_acc), jnp.where(is_sampled, sampled_next, greedy_next)
+
+
+def _draws(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> jax.Array:
+    """The target's sampled token [B, T] at every entry of logits [B, T, V], each with plain
+    decoding's key for the position [B, T] of the token it chooses."""
+    b, t, v = logits.shape
+    rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  per-row settings for every entry
+    flat = SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.seeds))
+    return draw_tokens(logits.reshape(b * t, v), flat, positions.reshape(-1)).reshape(b, t)
 
 
 def verify_tree(
@@ -199,15 +205,12 @@ def verify_tree(
 
     Returns (accepted drafts [B], the token after them [B], path [B, T]: the node at each depth
     of the accepted path, then index j at depths j past its end)."""
-    b, t, v = logits.shape
+    b, t = tokens.shape
     node = jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = (node < num_new[:, None]) & (node > 0)
     choice = greedy_tokens(logits)  # [B, T]
     if not greedy_only:
-        rep = lambda x: jnp.repeat(x, t, axis=0)  # noqa: E731  per-row settings for every node
-        flat = SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.seeds))
-        positions = start[:, None] + 1 + depth  # position of the token a node chooses
-        drawn = draw_tokens(logits.reshape(b * t, v), flat, positions.reshape(-1)).reshape(b, t)
+        drawn = _draws(logits, sampling, start[:, None] + 1 + depth)
         choice = jnp.where((sampling.temperature > 0)[:, None], drawn, choice)
     cur = jnp.zeros(b, jnp.int32)
     alive = jnp.ones(b, bool)

@@ -93,21 +93,20 @@ def verify_step(
     update (lengths count only the last token and the accepted drafts), tapped hidden states,
     the accepted path [B, T] (trees) or None).
     """
+    tree = None if parents is None else tree_depth_and_mask(parents)
     logits, update, hidden = forward(
         weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps,
-        parents=parents,
+        tree=tree,
     )  # fmt: skip
     path = None
-    if parents is None:
+    if tree is None:
         drafts, num_drafts = tokens[:, 1:], batch.num_new - 1
         accepted, next_tokens = verify(logits, drafts, num_drafts, sampling, batch.start, greedy_only=greedy_only)
     else:
-        depth, _ = tree_depth_and_mask(parents)
         accepted, next_tokens, path = verify_tree(
-            logits, tokens, parents, depth, batch.num_new, sampling, batch.start, greedy_only=greedy_only
+            logits, tokens, parents, tree[0], batch.num_new, sampling, batch.start, greedy_only=greedy_only
         )
-        table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]
-        update = compact_update(update, path, cache.page_size, table)
+        update = compact_update(update, path)
         logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
         if hidden is not None:
             hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)

@@ -155,7 +155,7 @@ def forward(
     attention: str = "reference",
     taps: tuple[int, ...] = (),
     shared_pages: int = 0,
-    parents: jax.Array | None = None,
+    tree: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, KVUpdate, jax.Array | None]:
     """Runs T new tokens per row through the model; reads the cache, returns what to write.
 
@@ -176,11 +176,12 @@ def forward(
             the rotated-domain algorithm in jnp (for backends without the kernels); "reference"
             encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere.
 
-        parents: [B, T] int32, a draft tree per row (speculative verification): new token i
-            follows token parents[i] < i (-1 for the first), sits at position start + its
-            depth and attends to its ancestors and itself instead of every earlier new token.
-            The update's pages then hold tree order, not positions: the caller compacts the
-            accepted path (`compact_update`) before writing. None: a chain, as usual.
+        tree: a draft tree per row (speculative verification), as (depth [B, T], ancestor
+            mask [B, T, T]) from `tree_depth_and_mask`: new token i sits at position start +
+            depth[i] and attends to its ancestors and itself instead of every earlier new
+            token. The update still stores entry j at position start + j, so the caller
+            reorders its entries into the accepted path (`compact_update`) before writing.
+            None: a chain, as usual.
 
     Returns:
         (logits float32, the new tokens' keys/values and where they go).
@@ -189,15 +190,12 @@ def forward(
     page_size = cache.page_size
     if shared_pages and shared_pages * page_size < cache.num_sinks:
         raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
-    new_mask = None
-    if parents is None:
-        positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    else:
-        depth, new_mask = tree_depth_and_mask(parents)
-        positions = batch.start[:, None] + depth
+    stored = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T] where each entry is written
+    depth, new_mask = (None, None) if tree is None else tree
+    positions = stored if tree is None else batch.start[:, None] + depth  # for RoPE
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
-    page_of_pos = jnp.take_along_axis(table, jnp.minimum(positions // page_size, cache.max_pages_per_seq - 1), axis=1)
+    page_of_pos = jnp.take_along_axis(table, jnp.minimum(stored // page_size, cache.max_pages_per_seq - 1), axis=1)
     read_table = table[:, shared_pages : shared_pages + num_pages]  # [B, NP]
     shared = table[0, :shared_pages]  # row 0 is never padding
     shared_len = shared_pages * page_size
@@ -290,7 +288,7 @@ def forward(
     logits = vocab_logits(x, weights.lm_head)
     update = KVUpdate(
         pages=jnp.where(valid, page_of_pos, NULL_PAGE),
-        offsets=positions % page_size,
+        offsets=stored % page_size,
         k=k_groups,
         v=v_groups,
         slots=batch.slots,
@@ -320,33 +318,22 @@ def tree_depth_and_mask(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
     return depth, mask
 
 
-def compact_update(update: KVUpdate, path: jax.Array, page_size: int, table: jax.Array) -> KVUpdate:
-    """Reorders a tree step's update into positions: path [B, T] lists, for positions start,
-    start + 1, .., which new token goes there (the accepted path first, then anything: those
-    positions lie past the new length and are overwritten later). `table` [B, MP] are the
-    rows' block tables."""
-    b, t = path.shape
+def compact_update(update: KVUpdate, path: jax.Array) -> KVUpdate:
+    """Reorders a tree step's new keys/values into the accepted path: path [B, T] lists which
+    new token goes to entry j (position start + j): the accepted path first, then anything
+    (those positions lie past the new length and are overwritten later)."""
 
     def take(leaf, order=path):  # [Lg, B, T, ...]: tokens in path order
-        index = order.reshape(1, b, order.shape[1], *([1] * (leaf.ndim - 3)))
+        index = order.reshape(1, *order.shape, *([1] * (leaf.ndim - 3)))
         return jnp.take_along_axis(leaf, index, axis=2)
 
-    positions = update.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < update.num_new[:, None]
-    pages = jnp.take_along_axis(table, jnp.minimum(positions // page_size, table.shape[1] - 1), axis=1)
     sink = {}
     if update.sink_k is not None:
         # Sink positions are the first n; a row that reaches them verifies a chain (path i = i).
         n = update.sink_k.shape[2]
         order = jnp.minimum(path[:, :n], n - 1)
         sink = {"sink_k": take(update.sink_k, order), "sink_v": take(update.sink_v, order)}
-    return update.replace(
-        pages=jnp.where(valid, pages, NULL_PAGE),
-        offsets=positions % page_size,
-        k=jax.tree_util.tree_map(take, update.k),
-        v=jax.tree_util.tree_map(take, update.v),
-        **sink,
-    )
+    return update.replace(k=jax.tree_util.tree_map(take, update.k), v=jax.tree_util.tree_map(take, update.v), **sink)
 
 
 def _transposed_stream(num_tokens: int) -> bool:

@@ -53,7 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="default: --out with .png")
     p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if any(not 1 <= n <= 63 for n in args.tree):
+        p.error("--tree sizes must be in [1, 63] (drafted nodes)")
+    return args
 
 
 def bench(args, save=None) -> dict:
