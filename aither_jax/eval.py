@@ -546,8 +546,11 @@ def timed_decode(llm, ids: list[list[int]], params, batch_size: int) -> tuple[li
     seconds). The warm-up compiles every decode (and draft and verify) shape up to the
     longest prompt plus max_tokens, and each prompt's prefill, as a server does before it
     serves; otherwise a configuration that runs more shapes (adaptive drafts) would be timed
-    compiling them."""
-    llm.warmup(min(max(map(len, ids)) + params.max_tokens, llm.engine.max_model_len), sampling=params.temperature > 0)
+    compiling them. How long the warm-up took goes to stderr (on a GPU, most of a run)."""
+    t0 = time.perf_counter()
+    max_len = min(max(map(len, ids)) + params.max_tokens, llm.engine.max_model_len)
+    shapes = llm.warmup(max_len, sampling=params.temperature > 0)
+    print(f"  warm-up: {shapes} shapes compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     for i in range(0, len(ids), batch_size):
         llm.generate(ids[i : i + batch_size], dataclasses.replace(params, max_tokens=1), use_tqdm=False)
     outs, t0 = [], time.perf_counter()

@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared-max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_serving.json")
+    p.add_argument("--server-log", type=pathlib.Path, default=None, help="keep the servers' logs in this file")
     p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
     return p.parse_args(argv)
 
@@ -74,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 class Server(contextlib.AbstractContextManager):
     def __init__(self, args: argparse.Namespace, *flags: str):
+        """Starts the server; its log (stderr) goes to `args.server_log` when given (appended),
+        else to a temporary file. A failure inside the `with` block prints the log's tail."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -82,7 +85,8 @@ class Server(contextlib.AbstractContextManager):
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs", str(args.max_num_seqs)]
         cmd += ["--max-model-len", str(args.max_model_len), "--max-queue", "256", "--log-level", "warning", *flags]
         # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe would stall it.
-        self.log = tempfile.TemporaryFile("w+")
+        log_path = getattr(args, "server_log", None)
+        self.log = open(log_path, "a+") if log_path else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -102,12 +106,16 @@ class Server(contextlib.AbstractContextManager):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if exc_type is not None:
+            self.log.flush()
+            self.log.seek(0)
+            print(f"server log (last 4000 characters):\n{self.log.read()[-4000:]}", file=sys.stderr)
         self.log.close()
 
 
@@ -132,6 +140,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the server ends a stream it cannot finish with an error event
+                raise RuntimeError(f"error event in the stream: {chunk['error'].get('message')!r}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk["choices"] and chunk["choices"][0]["text"]:
@@ -203,23 +213,32 @@ def shared_prompts(n: int, prefix_tokens: int, tag: str, rng: random.Random) -> 
 # -- the workloads ----------------------------------------------------------------------------
 
 
-def bench(args: argparse.Namespace) -> dict:
+def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
+    """Runs the workloads; `save(report)` is called after each, so a run cut off keeps the
+    rows it finished."""
     rng = random.Random(args.seed)
     levels = [int(c) for c in args.concurrency.split(",") if c]
     rates = [float(r) for r in args.rates.split(",") if r]
     report: dict = {"concurrency": [], "rates": [], "shared_prefix": {}}
     with Server(args) as server:
         print("warm-up (compiles every shape the workloads use) ...", flush=True)
+        warm_up = report["warm_up_seconds"] = {}
         buckets = sorted({1 << i for i in range(max(levels + [args.max_num_seqs]).bit_length())} | set(levels))
         for c in buckets:
-            asyncio.run(run_closed_loop(server.url, distinct_prompts(c, args.prompt_words, rng), args.max_tokens, c))
+            _, warm_up[f"concurrency {c}"] = asyncio.run(
+                run_closed_loop(server.url, distinct_prompts(c, args.prompt_words, rng), args.max_tokens, c)
+            )
+            print(f"  concurrency {c}: {warm_up[f'concurrency {c}']:.1f} s", flush=True)
         for r in rates:
             prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
-            asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
+            _, warm_up[f"rate {r}"] = asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
+            print(f"  rate {r}/s: {warm_up[f'rate {r}']:.1f} s", flush=True)
         # The same request count as the timed run: its tail (the last few rows, the second
         # wave's prefill) has step shapes a smaller warm-up never reaches.
         warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up", rng)
-        asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
+        _, warm_up["shared prefix"] = asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
+        print(f"  shared prefix: {warm_up['shared prefix']:.1f} s", flush=True)
+        save(report)
         for c in levels:
             n = max(args.num_requests, 2 * c)
             results, wall = asyncio.run(
@@ -227,12 +246,14 @@ def bench(args: argparse.Namespace) -> dict:
             )
             row = {"concurrency": c, **summarize(results, wall)}
             report["concurrency"].append(row)
+            save(report)
             print(f"concurrency {c:3d}: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")
         for r in rates:
             prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
             results, wall = asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
             row = {"rate": r, **summarize(results, wall)}
             report["rates"].append(row)
+            save(report)
             print(f"rate {r:5.2f}/s: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")
         hits0 = server.metric("vllm:prefix_cache_hits")
         shared0 = server.metric("aither:shared_prefix_attention_steps_total")
@@ -242,6 +263,7 @@ def bench(args: argparse.Namespace) -> dict:
             "cache_hit_tokens": server.metric("vllm:prefix_cache_hits") - hits0,
             "shared_prefix_attention_steps": server.metric("aither:shared_prefix_attention_steps_total") - shared0,
         }
+        save(report)
     with Server(args, "--no-enable-prefix-caching") as server:
         warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-off", rng)
         asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
@@ -337,26 +359,40 @@ def record(report: dict, command: str) -> None:
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = report["concurrency"]
+    if not rows:
+        print("no concurrency rows in the report: nothing to record", file=sys.stderr)
+        return
     tput = ", ".join(f"{r['concurrency']}: {r['throughput_tok_s']:.0f}" for r in rows)
     ttft = ", ".join(f"{r['concurrency']}: {r['ttft_p50_s']:.2f}" for r in rows)
     ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
     sp = report["shared_prefix"]
+    # A run cut off before the shared-prefix workload keeps its concurrency rows.
+    on_off, speedup = "not measured", "-"
+    if "ttft_speedup" in sp:
+        on_off = f"{sp['on']['ttft_mean_s']:.2f} / {sp['off']['ttft_mean_s']:.2f}"
+        speedup = f"{sp['ttft_speedup']:.1f}x"
     env = report["env"]
     row = (
         f"| {env['date']} | {env['device']} | {report['config']['kv_cache_dtype']} | {tput} | {ratio:.1f}x | {ttft} | "
-        f"{sp['on']['ttft_mean_s']:.2f} / {sp['off']['ttft_mean_s']:.2f} | {sp['ttft_speedup']:.1f}x | "
-        f"jax {env['jax']}, Python {env['python']} | `{command}` |\n"
+        f"{on_off} | {speedup} | jax {env['jax']}, Python {env['python']} | `{command}` |\n"
     )
     append_row(header, columns, row)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report = bench(args)
-    report["config"] = vars(args) | {"out": str(args.out)}
-    report["env"] = environment()
+    env = environment()
+    config = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+
+    def save(report: dict) -> None:
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(json.dumps(report | {"config": config, "env": env}, indent=2))
+        os.replace(tmp, args.out)
+
+    report = bench(args, save)
+    report["config"], report["env"] = config, env
+    save(report)
     plot(report, args.out.with_suffix(".png"))
     print(f"wrote {args.out}")
     if not args.no_record:

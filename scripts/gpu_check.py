@@ -80,7 +80,12 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         420,
         "model",
     ),
-    "serving": ([PY, "scripts/bench_serving.py", "--no-record", "--out", "{out}/serving.json"], 480, "model"),
+    "serving": (
+        [PY, "scripts/bench_serving.py", "--no-record", "--out", "{out}/serving.json"]
+        + ["--server-log", "{out}/serving_server.log"],
+        480,
+        "model",
+    ),
     "model-tests": (
         [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/aither_jax/test_engine.py"]
         + ["tests/aither_jax/test_quantized_cache.py", "tests/speculative/test_speculative_engine.py"],
@@ -253,8 +258,9 @@ def headline(stage: str, report: dict) -> str:
     if stage == "serving":
         rows = report["concurrency"]
         ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
-        ttft = report["shared_prefix"]["ttft_speedup"]
-        return f"{ratio:.1f}x tok/s at {rows[-1]['concurrency']} vs 1 in flight; shared-prefix TTFT {ttft:.1f}x"
+        ttft = report["shared_prefix"].get("ttft_speedup")
+        ttft = f"{ttft:.1f}x" if ttft is not None else "not measured"
+        return f"{ratio:.1f}x tok/s at {rows[-1]['concurrency']} vs 1 in flight; shared-prefix TTFT {ttft}"
     return ""
 
 

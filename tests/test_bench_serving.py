@@ -1,0 +1,73 @@
+"""scripts/bench_serving.py without a server: the load generator's reading of a stream (an
+error event fails the run with the server's message) and the recording of a report that a
+time limit cut short."""
+
+import asyncio
+import json
+import pathlib
+import sys
+
+import httpx
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_serving  # noqa: E402
+
+
+def stream_of(*events: dict) -> httpx.MockTransport:
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+
+
+def request(transport: httpx.MockTransport) -> dict:
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench_serving.one_request(client, "http://server", "prompt", 4)
+
+    return asyncio.run(go())
+
+
+def test_a_stream_counts_its_tokens_and_usage():
+    chunk = {"choices": [{"index": 0, "text": "a"}]}
+    usage = {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 16}}}
+    out = request(stream_of(chunk, chunk, usage))
+    assert out["tokens"] == 2 and out["cached"] == 16 and len(out["itl"]) == 1
+
+
+def test_an_error_event_fails_the_request_with_the_servers_message():
+    chunk = {"choices": [{"index": 0, "text": "a"}]}
+    error = {"error": {"message": "the engine has stopped: XlaRuntimeError()", "code": 503}}
+    with pytest.raises(RuntimeError, match="the engine has stopped"):
+        request(stream_of(chunk, error))
+
+
+def report(shared: dict) -> dict:
+    rows = [
+        {"concurrency": 1, "throughput_tok_s": 100.0, "ttft_p50_s": 0.05},
+        {"concurrency": 16, "throughput_tok_s": 900.0, "ttft_p50_s": 0.2},
+    ]
+    env = {"date": "2026-11-26", "device": "NVIDIA H200", "jax": "0.11.2", "python": "3.12.3"}
+    return {"concurrency": rows, "rates": [], "shared_prefix": shared, "env": env, "config": {"kv_cache_dtype": "auto"}}
+
+
+def test_a_report_cut_short_records_its_rows_and_says_what_was_not_measured(tmp_path, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_serving, "ROOT", tmp_path)
+    bench_serving.record(report({}), "cmd")
+    whole = {"on": {"ttft_mean_s": 0.1}, "off": {"ttft_mean_s": 0.8}, "ttft_speedup": 8.0}
+    bench_serving.record(report(whole), "cmd")
+    rows = [r for r in (tmp_path / "docs" / "BENCHMARKS.md").read_text().splitlines() if "H200" in r]
+    assert len(rows) == 2
+    assert "1: 100, 16: 900" in rows[0] and "9.0x" in rows[0] and "not measured" in rows[0]
+    assert "0.10 / 0.80" in rows[1] and "8.0x" in rows[1]
+
+
+def test_a_report_without_rows_records_nothing(tmp_path, monkeypatch, capsys):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_serving, "ROOT", tmp_path)
+    bench_serving.record(report({}) | {"concurrency": []}, "cmd")
+    assert (tmp_path / "docs" / "BENCHMARKS.md").read_text() == "# Benchmarks\n"
+    assert "nothing to record" in capsys.readouterr().err
