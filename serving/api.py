@@ -394,6 +394,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                     yield _event(protocol.envelope(rid, kind, config.model_name, [choice]))
         except (ValueError, EngineDeadError, QueueFullError) as e:
             error = _as_http(e)
+            log.warning("stream %s ended with an error event (%d): %s", rid, error.status, error.message)
             yield _event(protocol.error_body(error.message, error.status))
             yield "data: [DONE]\n\n"
             return
