@@ -49,6 +49,13 @@ TILE_ELEMENTS = 4096
 # offset; "planes" loads each byte plane contiguously, unpacks the 8 code chunks and joins them
 # into one tile whose columns are in `joined_order` (the queries and outputs are permuted to it).
 CODE_LOADS = ("gather", "planes")
+# The split sizes `default_pages_per_split` chooses from, and the programs (rows x KV heads x
+# splits) a grid needs before a larger split pays. On an H200 (132 SMs, 2026-11-26,
+# docs/BENCHMARKS.md "The tile kernel on an H200"): at 1 x 512 tokens (3 programs with a split
+# of 64) splits of 4 were 1.6x (gathers) and 4.8x (planes) faster than splits of 64; at 32 x
+# 8192 (768 programs with 64) splits of 64 were 2% and 16% faster than splits of 4.
+SPLIT_SIZES = (4, 8, 16, 32, 64)
+MIN_PROGRAMS = 512
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -152,9 +159,9 @@ def tq_paged_attention(
     v_codec: TurboQuant,
     v_layer: jax.Array | int | None = None,
     sinks: Sinks | None = None,
-    pages_per_split: int = 16,
+    pages_per_split: int | None = None,
     pages_per_step: int | None = None,
-    code_loads: str = "gather",
+    code_loads: str | None = None,
     interpret: bool | None = None,
     return_lse: bool = False,
     new_mask: jax.Array | None = None,
@@ -166,15 +173,23 @@ def tq_paged_attention(
 
     Args:
         pages_per_split: pages one kernel program walks (split-K: a row's pages are shared
-            among ceil(NP / pages_per_split) programs whose partial softmaxes are merged).
+            among ceil(NP / pages_per_split) programs whose partial softmaxes are merged);
+            default: `default_pages_per_split`.
         pages_per_step: pages one loop step of a program reads as one tile; must divide
             `pages_per_split` (default: `default_pages_per_step`).
-        code_loads: how a tile's codes are loaded, one of `CODE_LOADS` (same result).
+        code_loads: how a tile's codes are loaded, one of `CODE_LOADS` (same result); default:
+            `default_code_loads`.
         interpret: run the kernel in the Pallas interpreter (default: on CPU).
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
+    if pages_per_split is None or code_loads is None:
+        _check_args(*args[:6], ctx_lens, num_new, k_codec, v_codec, 1)  # the defaults read these shapes
+        if pages_per_split is None:
+            pages_per_split = default_pages_per_split(q.shape[0], k_pool["codes"].shape[3], block_table.shape[1])
+        if code_loads is None:
+            code_loads = default_code_loads(k_codec.bits, v_codec.bits)
     return _checked_call(
         args,
         k_codec,
@@ -593,6 +608,24 @@ def _context_partials(
         jnp.asarray(v_codec.centroids),
     )
     return (acc[..., np.argsort(order)] if joined else acc), m, sums
+
+
+def default_pages_per_split(batch: int, kv_heads: int, num_pages: int) -> int:
+    """The largest of `SPLIT_SIZES` that divides `num_pages` (no padded pages to walk) and still
+    gives the grid `MIN_PROGRAMS` programs; the smallest when none does (a short or narrow
+    batch: more, shorter programs fill the GPU)."""
+    for size in reversed(SPLIT_SIZES):
+        if num_pages % size == 0 and batch * kv_heads * (num_pages // size) >= MIN_PROGRAMS:
+            return size
+    return SPLIT_SIZES[0]
+
+
+def default_code_loads(k_bits: int, v_bits: int) -> str:
+    """Whole byte planes where no code straddles two bytes (widths 1, 2, 4 and 8): at 4:4 they
+    beat the per-coordinate gathers on an H200 (37.9 against 85.9 us at 1 x 512, 530 against 547
+    at 32 x 8192, each at its best split). Gathers for the other widths, which are unmeasured
+    side by side (the `attention` GPU stage times both)."""
+    return "planes" if k_bits in (1, 2, 4, 8) and v_bits in (1, 2, 4, 8) else "gather"
 
 
 def default_pages_per_step(pages_per_split: int, page_size: int, head_dim: int) -> int:

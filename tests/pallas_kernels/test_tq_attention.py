@@ -130,6 +130,46 @@ def test_plane_loads_match_reference(k_bits, v_bits, head_dim, page_size, pages_
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize(
+    "batch, kv_heads, num_pages, expected",
+    [(32, 3, 512, 64), (1, 3, 32, 4), (8, 3, 2048, 64), (16, 3, 12, 4), (256, 3, 12, 4), (64, 3, 48, 16), (4, 1, 7, 4)],
+)
+def test_default_split_fills_the_grid_before_it_grows(batch, kv_heads, num_pages, expected):
+    """The largest split that divides the pages and leaves MIN_PROGRAMS programs, else 4:
+    32 x 8192 tokens (512 pages) gets 64, one row of 512 tokens gets 4."""
+    from pallas_kernels.tq_attention import MIN_PROGRAMS, default_pages_per_split
+
+    size = default_pages_per_split(batch, kv_heads, num_pages)
+    assert size == expected
+    if size > 4:
+        assert num_pages % size == 0 and batch * kv_heads * num_pages // size >= MIN_PROGRAMS
+
+
+def test_defaults_pick_planes_for_byte_aligned_widths_and_match_reference(monkeypatch):
+    """With no split or load given, the kernel takes `default_pages_per_split` and
+    `default_code_loads` (planes at 4:4 and 2:4, gathers where codes straddle bytes) and still
+    equals the reference."""
+    from pallas_kernels import tq_attention
+
+    assert [tq_attention.default_code_loads(*b) for b in [(4, 4), (2, 4), (8, 2), (6, 5), (4, 3)]] == [
+        "planes",
+        "planes",
+        "planes",
+        "gather",
+        "gather",
+    ]
+    seen = []
+    inner = tq_attention._checked_call
+    monkeypatch.setattr(
+        tq_attention, "_checked_call", lambda *a, **kw: seen.append((a[5], kw["code_loads"])) or inner(*a, **kw)
+    )
+    for k_bits, v_bits in [(4, 4), (5, 3)]:
+        args, codecs = make_case(k_bits=k_bits, v_bits=v_bits, page_size=8, ctx_lens=(61, 0, 17))
+        out, ref = run_both(args, codecs, "pallas")
+        np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+    assert seen == [(4, "planes"), (4, "gather")]
+
+
 def test_joined_order_is_the_join_of_the_planar_chunks():
     from pallas_kernels.tq_attention import _join, joined_order
 
