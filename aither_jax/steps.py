@@ -183,9 +183,10 @@ def model_step(
 
 
 class CompileCounter:
-    """Counts XLA backend compilations in this process (all jitted functions). JAX reports an
-    executable loaded from the persistent compilation cache (`aither_jax.compile_cache`) under
-    the same event, so a load counts as the compilation it replaces.
+    """Counts XLA backend compilations in this process (all jitted functions) and the seconds
+    they took. JAX reports an executable loaded from the persistent compilation cache
+    (`aither_jax.compile_cache`) under the same event, so a load counts as the compilation it
+    replaces (with the load's seconds).
 
     The engine reads it to warn when a step recompiles after warm-up; tests use it to prove
     that steady-state decoding does not.
@@ -193,6 +194,7 @@ class CompileCounter:
 
     _lock = threading.Lock()
     _count = 0
+    _seconds = 0.0
     _installed = False
 
     @classmethod
@@ -206,6 +208,7 @@ class CompileCounter:
             if event == "/jax/core/compile/backend_compile_duration":
                 with cls._lock:
                     cls._count += 1
+                    cls._seconds += duration
 
         monitoring.register_event_duration_secs_listener(listener)
 
@@ -213,6 +216,11 @@ class CompileCounter:
     def count(cls) -> int:
         cls.install()
         return cls._count
+
+    @classmethod
+    def seconds(cls) -> float:
+        cls.install()
+        return cls._seconds
 
 
 CompileCounter.install()

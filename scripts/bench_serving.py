@@ -73,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- the server -------------------------------------------------------------------------------
 
 
+# The server's running totals of XLA compilations and their seconds.
+COMPILE_METRICS = ("aither:xla_compilations_total", "aither:xla_compile_seconds_total")
+
+
 class Server(contextlib.AbstractContextManager):
     def __init__(self, args: argparse.Namespace, *flags: str):
         """Starts the server; its log (stderr) goes to `args.server_log` when given (appended),
@@ -222,23 +226,29 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
     report: dict = {"concurrency": [], "rates": [], "shared_prefix": {}}
     with Server(args) as server:
         print("warm-up (compiles every shape the workloads use) ...", flush=True)
-        warm_up = report["warm_up_seconds"] = {}
+        warm_up = report["warm_up"] = {}
+
+        def phase(name: str, workload) -> None:
+            """Runs one warm-up workload (a coroutine): its wall time, and the compilations in it
+            (the server's count)."""
+            before = [server.metric(m) for m in COMPILE_METRICS]
+            _, wall = asyncio.run(workload)
+            count, seconds = (server.metric(m) - b for m, b in zip(COMPILE_METRICS, before, strict=True))
+            warm_up[name] = {"seconds": wall, "compilations": int(count), "compile_seconds": seconds}
+            print(f"  {name}: {wall:.1f} s, {int(count)} compilations taking {seconds:.1f} s", flush=True)
+
         # The same request count as the timed run: its tail (the last few rows, the second
         # wave's prefill) has step shapes a smaller warm-up never reaches. First, since it is
         # the only workload that runs the shared-prefix attention: a failure there shows early.
         warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up", rng)
-        _, warm_up["shared prefix"] = asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
-        print(f"  shared prefix: {warm_up['shared prefix']:.1f} s", flush=True)
+        phase("shared prefix", run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
         buckets = sorted({1 << i for i in range(max(levels + [args.max_num_seqs]).bit_length())} | set(levels))
         for c in buckets:
-            _, warm_up[f"concurrency {c}"] = asyncio.run(
-                run_closed_loop(server.url, distinct_prompts(c, args.prompt_words, rng), args.max_tokens, c)
-            )
-            print(f"  concurrency {c}: {warm_up[f'concurrency {c}']:.1f} s", flush=True)
+            prompts = distinct_prompts(c, args.prompt_words, rng)
+            phase(f"concurrency {c}", run_closed_loop(server.url, prompts, args.max_tokens, c))
         for r in rates:
             prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
-            _, warm_up[f"rate {r}"] = asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
-            print(f"  rate {r}/s: {warm_up[f'rate {r}']:.1f} s", flush=True)
+            phase(f"rate {r}", run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
         save(report)
         for c in levels:
             n = max(args.num_requests, 2 * c)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aither_jax.engine import Engine
 from aither_jax.sampling import SamplingParams
+from aither_jax.steps import CompileCounter
 from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
 from serving.scheduler import Sequence
 
@@ -277,6 +278,12 @@ class AsyncEngine:
             ("vllm:prefix_cache_queries", "Prompt tokens looked up.", lambda: sched.num_prefix_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda: sched.num_prefix_hits),
             ("vllm:num_preemptions_total", "Sequences preempted to recompute.", lambda: sched.num_preemptions),
+            (
+                "aither:xla_compilations_total",
+                "XLA compilations in this process (a load from the persistent compilation cache counts as one).",
+                CompileCounter.count,
+            ),
+            ("aither:xla_compile_seconds_total", "Seconds spent in those compilations.", CompileCounter.seconds),
             (
                 "aither:prefill_tokens_total",
                 "Tokens prefilled for requests: prompt tokens not found in the prefix cache, plus recomputes.",

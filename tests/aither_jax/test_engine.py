@@ -91,9 +91,12 @@ def test_compile_counter_sees_new_compilations(llm_f32):
     import jax
     import jax.numpy as jnp
 
-    before = llm_f32.engine.num_compiles
+    from aither_jax.steps import CompileCounter
+
+    before, seconds = llm_f32.engine.num_compiles, CompileCounter.seconds()
     jax.jit(lambda x: x * 3 + 1)(jnp.arange(7)).block_until_ready()
     assert llm_f32.engine.num_compiles > before
+    assert CompileCounter.seconds() > seconds  # their time adds up too (the server's metric)
 
 
 def test_steady_state_decoding_does_not_recompile(llm_f32):

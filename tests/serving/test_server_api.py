@@ -225,6 +225,16 @@ def test_prefix_caching_on_and_off_give_identical_outputs_and_hits_move(server, 
     assert server_no_cache.metrics()["vllm:prefix_cache_hits"] == 0
 
 
+def test_metrics_count_the_servers_compilations(server):
+    """The step shapes the server compiled (or loaded from the persistent cache) and their
+    seconds, for telling compilation from serving in a cold run."""
+    m = server.metrics()
+    assert m["aither:xla_compilations_total"] >= 1 and m["aither:xla_compile_seconds_total"] > 0
+    chat(server.url, "One more question about the library hours.")
+    after = server.metrics()
+    assert after["aither:xla_compilations_total"] >= m["aither:xla_compilations_total"]
+
+
 def test_tenants_never_share_cached_pages(server):
     question = "Tell me about the weather on the moon, please, in detail."
     a1 = chat(server.url, question, system=SYSTEM + " Tenant test.", headers={"X-Tenant-Id": "alice"})
