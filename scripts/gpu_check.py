@@ -260,6 +260,8 @@ def headline(stage: str, report: dict) -> str:
         return "; ".join(f"{label(r)}: tau {r['tau_mean']:.2f}, {r['speedup']:.2f}x" for r in report["rows"])
     if stage == "serving":
         rows = report["concurrency"]
+        if not rows:  # cut off in the warm-up
+            return "no workload finished"
         ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
         ttft = report["shared_prefix"].get("ttft_speedup")
         ttft = f"{ttft:.1f}x" if ttft is not None else "not measured"
@@ -319,7 +321,7 @@ def run(stages: list[str], out_dir: pathlib.Path, timeouts: dict[str, int], budg
             if report_path.exists():
                 try:
                     entry["headline"] = headline(stage, json.loads(report_path.read_text()))
-                except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+                except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as e:
                     entry["headline"] = f"(report unreadable: {e!r})"
             summary.append(entry)
             write_summary(out_dir, summary)

@@ -167,6 +167,9 @@ def test_headlines_pick_the_goal_figures():
     conc = [{"concurrency": 1, "throughput_tok_s": 100.0}, {"concurrency": 16, "throughput_tok_s": 450.0}]
     serving = {"concurrency": conc, "shared_prefix": {"ttft_speedup": 7.25}}
     assert gpu_check.headline("serving", serving) == "4.5x tok/s at 16 vs 1 in flight; shared-prefix TTFT 7.2x"
+    cut = {"concurrency": conc, "shared_prefix": {}}  # a report rewritten before its last workload
+    assert gpu_check.headline("serving", cut) == "4.5x tok/s at 16 vs 1 in flight; shared-prefix TTFT not measured"
+    assert gpu_check.headline("serving", {"concurrency": [], "shared_prefix": {}}) == "no workload finished"
 
 
 def test_the_budget_skips_what_it_cannot_fit_and_a_timeout_ends_the_whole_stage(monkeypatch, tmp_path):
