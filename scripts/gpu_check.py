@@ -67,6 +67,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     # Per-kernel device times under Nsight Compute: TurboQuant attention, a batch-1 decode.
     "profile": ([PY, "scripts/gpu_check.py", "profile", "attention", "decode"], 400, ""),
+    # The cold compilation of our decode steps, with XLA's autotuning on and off.
+    "compile": ([PY, "scripts/gpu_check.py", "compile"], 300, ""),
     "decode": (
         [PY, "scripts/bench_decode.py", "--random-weights", "--hf-compile", "--batch-sizes", "1,8"]
         + ["--no-record", "--out", "{out}/decode.json"],
@@ -221,6 +223,43 @@ def profile(targets: list[str]) -> int:
         print(f"== profile {target}: {' '.join(cmd)}", flush=True)
         failed |= subprocess.call(cmd, cwd=ROOT, env=env) != 0
     return int(failed)
+
+
+# What `compile` runs twice: our decode at batches 1 and 8 with random weights, in the model's
+# default TurboQuant widths (6 key/value width pairs, so 6 attention kernels a step shape; less
+# the fitted key transform, which random weights have none of).
+COMPILE_RUN = ["scripts/bench_decode.py", "--random-weights", "--no-hf"]
+COMPILE_RUN += "--batch-sizes 1,8 --decode-tokens 16 --repeats 2 --no-record".split()
+COMPILE_FLAGS = {"autotune on": "", "autotune off": "--xla_gpu_autotune_level=0"}
+
+
+def compile_times(tmp_dir: pathlib.Path = pathlib.Path("/tmp/gpu_check_compile")) -> int:
+    """How much of a cold GPU run is compilation: `COMPILE_RUN` in a fresh process per setting of
+    `COMPILE_FLAGS`, the persistent compilation cache off, each line giving the compilations,
+    their seconds and the decode speed (whether autotuning's choices matter for speed)."""
+    sys.path.insert(0, str(ROOT))
+    from models.registry import SMOLLM2_KV
+
+    kv = SMOLLM2_KV.replace("-pc", "")
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name, flags in COMPILE_FLAGS.items():
+        env = dict(os.environ, AITHER_JAX_COMPILATION_CACHE="off")
+        env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+        out = tmp_dir / f"compile_{name.split()[-1]}.json"
+        cmd = [PY, *COMPILE_RUN, "--kv-cache-dtype", kv, "--out", str(out)]
+        print(f"== compile, {name} (XLA_FLAGS={env['XLA_FLAGS']!r}): {' '.join(cmd[1:])}", flush=True)
+        if subprocess.call(cmd, cwd=ROOT, env=env) != 0 or not out.exists():
+            failed = 1
+            continue
+        report = json.loads(out.read_text())
+        speed = ", ".join(f"batch {r['batch']} {r['ours']['decode_tok_s'] or 0:.0f} tok/s" for r in report["results"])
+        print(
+            f"compile, {name}: {report['ours_compilations']} compilations taking "
+            f"{report['ours_compile_seconds']:.1f} s; {speed}",
+            flush=True,
+        )
+    return failed
 
 
 def env_report() -> int:
@@ -383,6 +422,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     sub.add_parser("env", help="versions, devices and what is installed")
     prof = sub.add_parser("profile", help="per-kernel device times under Nsight Compute")
     prof.add_argument("targets", nargs="+", choices=sorted(PROFILES))
+    sub.add_parser("compile", help="cold compilation of our decode steps, XLA autotuning on and off")
     r = sub.add_parser("run", help="run stages, each in its own process")
     r.add_argument("stages", nargs="+", choices=sorted(STAGES))
     r.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: $OUT, else out/gpu_check")
@@ -412,6 +452,8 @@ def main(argv=None) -> int:
         return env_report()
     if args.command == "profile":
         return profile(args.targets)
+    if args.command == "compile":
+        return compile_times()
     if args.command == "record":
         return record(args.dir)
     out_dir = args.out_dir or pathlib.Path(os.environ.get("OUT") or ROOT / "out" / "gpu_check")

@@ -222,3 +222,32 @@ def test_profile_runs_its_targets_under_ncu_and_says_when_there_is_none(tmp_path
     assert "scripts/bench_attention.py --cases 32x8192" in first
     assert "scripts/bench_decode.py --random-weights --no-hf --batch-sizes 1" in second
     assert "--xla_gpu_autotune_level=0" in (tmp_path / "flags").read_text()
+
+
+def test_compile_runs_the_decode_bench_with_autotuning_on_and_off_and_the_cache_off(tmp_path, monkeypatch, capsys):
+    import bench_decode
+
+    bench_decode.parse_args(gpu_check.COMPILE_RUN[1:])  # a typo would cost a device call
+    calls = []
+
+    def fake_call(cmd, cwd, env):  # a stand-in bench: writes the report the stage reads
+        calls.append(env)
+        kv = cmd[cmd.index("--kv-cache-dtype") + 1]
+        assert kv.startswith("tq-") and "-pc" not in kv  # the default widths, no fitted transform
+        out = pathlib.Path(cmd[cmd.index("--out") + 1])
+        n = 40 if "autotune_level=0" not in env["XLA_FLAGS"] else 38
+        results = [{"batch": 1, "ours": {"decode_tok_s": 480.0}}, {"batch": 8, "ours": {"decode_tok_s": 2500.0}}]
+        out.write_text(json.dumps({"ours_compilations": n, "ours_compile_seconds": 3.0 * n, "results": results}))
+        return 0
+
+    monkeypatch.setattr(gpu_check.subprocess, "call", fake_call)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert gpu_check.compile_times(tmp_path) == 0
+    assert [e["AITHER_JAX_COMPILATION_CACHE"] for e in calls] == ["off", "off"]
+    assert calls[0]["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    assert calls[1]["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=0"
+    out = capsys.readouterr().out
+    assert "autotune on: 40 compilations taking 120.0 s; batch 1 480 tok/s, batch 8 2500 tok/s" in out
+    assert "autotune off: 38 compilations taking 114.0 s" in out
+    monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd, env: 1)
+    assert gpu_check.compile_times(tmp_path / "failed") == 1
