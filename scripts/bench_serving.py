@@ -77,6 +77,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 COMPILE_METRICS = ("aither:xla_compilations_total", "aither:xla_compile_seconds_total")
 
 
+def compilations_since(server: Server, before: float) -> int:
+    """The server's compilations since it counted `before`; warns when there were any."""
+    n = int(server.metric(COMPILE_METRICS[0]) - before)
+    if n:
+        print(f"  warning: {n} compilation(s) during a timed workload: its figures include them", file=sys.stderr)
+    return n
+
+
 class Server(contextlib.AbstractContextManager):
     def __init__(self, args: argparse.Namespace, *flags: str):
         """Starts the server; its log (stderr) goes to `args.server_log` when given (appended),
@@ -252,17 +260,20 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
         save(report)
         for c in levels:
             n = max(args.num_requests, 2 * c)
+            compiled = server.metric(COMPILE_METRICS[0])
             results, wall = asyncio.run(
                 run_closed_loop(server.url, distinct_prompts(n, args.prompt_words, rng), args.max_tokens, c)
             )
-            row = {"concurrency": c, **summarize(results, wall)}
+            # Compilations inside a timed workload (the warm-up missed a shape) are in its figures.
+            row = {"concurrency": c, **summarize(results, wall), "compilations": compilations_since(server, compiled)}
             report["concurrency"].append(row)
             save(report)
             print(f"concurrency {c:3d}: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")
         for r in rates:
             prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
+            compiled = server.metric(COMPILE_METRICS[0])
             results, wall = asyncio.run(run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
-            row = {"rate": r, **summarize(results, wall)}
+            row = {"rate": r, **summarize(results, wall), "compilations": compilations_since(server, compiled)}
             report["rates"].append(row)
             save(report)
             print(f"rate {r:5.2f}/s: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")

@@ -71,3 +71,19 @@ def test_a_report_without_rows_records_nothing(tmp_path, monkeypatch, capsys):
     bench_serving.record(report({}) | {"concurrency": []}, "cmd")
     assert (tmp_path / "docs" / "BENCHMARKS.md").read_text() == "# Benchmarks\n"
     assert "nothing to record" in capsys.readouterr().err
+
+
+def test_compilations_in_a_timed_workload_are_counted_and_warned(capsys):
+    class FakeServer:
+        total = 12.0
+
+        def metric(self, name):
+            assert name == "aither:xla_compilations_total"
+            return self.total
+
+    server = FakeServer()
+    assert bench_serving.compilations_since(server, 12.0) == 0
+    assert capsys.readouterr().err == ""
+    server.total = 15.0
+    assert bench_serving.compilations_since(server, 12.0) == 3
+    assert "3 compilation(s) during a timed workload" in capsys.readouterr().err
