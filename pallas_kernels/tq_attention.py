@@ -184,12 +184,6 @@ def tq_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
-    if pages_per_split is None or code_loads is None:
-        _check_args(*args[:6], ctx_lens, num_new, k_codec, v_codec, 1)  # the defaults read these shapes
-        if pages_per_split is None:
-            pages_per_split = default_pages_per_split(q.shape[0], k_pool["codes"].shape[3], block_table.shape[1])
-        if code_loads is None:
-            code_loads = default_code_loads(k_codec.bits, v_codec.bits)
     return _checked_call(
         args,
         k_codec,
@@ -197,7 +191,7 @@ def tq_paged_attention(
         v_layer,
         sinks,
         pages_per_split,
-        pages_per_split,
+        True,
         interpret,
         return_lse,
         pages_per_step=pages_per_step,
@@ -234,7 +228,7 @@ def tq_paged_attention_xla(
     del interpret
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
     return _checked_call(
-        args, k_codec, v_codec, v_layer, sinks, pages_per_split, None, False, return_lse, new_mask=new_mask
+        args, k_codec, v_codec, v_layer, sinks, pages_per_split, False, False, return_lse, new_mask=new_mask
     )
 
 
@@ -280,9 +274,8 @@ def tq_shared_prefix_attention(
     zero = jnp.zeros((r,), jnp.int32)
     table = jnp.broadcast_to(pages[None], (r, pages.shape[0]))
     args = (qs, none, none_v, k_pool, v_pool, table, layer, zero + length, zero)
-    kernel_split = pages_per_split if kernel else None
     out, lse = _checked_call(
-        args, k_codec, v_codec, v_layer, None, pages_per_split, kernel_split, interpret, True, skip_first
+        args, k_codec, v_codec, v_layer, None, pages_per_split, kernel, interpret, True, skip_first
     )
     return out.reshape(r * per, hq, dh)[:n].reshape(b, t, hq, dh), lse.reshape(r * per, hq)[:n].reshape(b, t, hq)
 
@@ -294,7 +287,7 @@ def _checked_call(
     v_layer,
     sinks,
     pages_per_split,
-    kernel_split,
+    kernel,
     interpret,
     return_lse=False,
     skip_first=0,
@@ -302,11 +295,16 @@ def _checked_call(
     code_loads="gather",
     new_mask=None,
 ):
-    """Validates the public arguments and runs the jitted body; `kernel_split` None reads the
-    stored context with the jnp path instead of the kernel; stored positions below
-    `skip_first` (or the sinks' count) are left out."""
+    """Validates the public arguments and runs the jitted body: the stored context through the
+    kernel (`kernel`) or the jnp path; stored positions below `skip_first` (or the sinks'
+    count) are left out. `pages_per_split` and `code_loads` None take
+    `default_pages_per_split` and `default_code_loads`."""
     q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new = args
     _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
+    if pages_per_split is None:
+        pages_per_split = default_pages_per_split(q.shape[0], k_pool["codes"].shape[3], block_table.shape[1])
+    if code_loads is None:
+        code_loads = default_code_loads(k_codec.bits, v_codec.bits)
     if pages_per_step is not None and (
         not isinstance(pages_per_step, int) or pages_per_step < 1 or pages_per_split % pages_per_step
     ):
@@ -326,7 +324,7 @@ def _checked_call(
         new_mask=new_mask,
         k_codec=k_codec,
         v_codec=v_codec,
-        pages_per_split=kernel_split,
+        pages_per_split=pages_per_split if kernel else None,
         pages_per_step=pages_per_step,
         code_loads=code_loads,
         interpret=interpret,
@@ -358,7 +356,7 @@ def _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new,
         raise ValueError(f"block_table must be [B={b}, NP], got shape {block_table.shape}")
     if ctx_lens.shape != (b,) or num_new.shape != (b,):
         raise ValueError(f"ctx_lens and num_new must be [B={b}], got {ctx_lens.shape} and {num_new.shape}")
-    if not isinstance(pps, int) or pps < 1:
+    if pps is not None and (not isinstance(pps, int) or pps < 1):
         raise ValueError(f"pages_per_split must be a positive int, got {pps!r}")
 
 

@@ -97,8 +97,7 @@ class Server(contextlib.AbstractContextManager):
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs", str(args.max_num_seqs)]
         cmd += ["--max-model-len", str(args.max_model_len), "--max-queue", "256", "--log-level", "warning", *flags]
         # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe would stall it.
-        log_path = getattr(args, "server_log", None)
-        self.log = open(log_path, "a+") if log_path else tempfile.TemporaryFile("w+")
+        self.log = open(args.server_log, "a+") if args.server_log else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

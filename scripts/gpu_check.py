@@ -206,6 +206,11 @@ PROFILES = {
 }
 
 
+def xla_env(flags: str) -> dict[str, str]:
+    """This process's environment with `flags` added to XLA_FLAGS."""
+    return dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+
+
 def profile(targets: list[str]) -> int:
     """Runs each target of PROFILES under Nsight Compute and prints each kernel's device time
     and count (`ncu --print-summary per-kernel`). For the attention: the Pallas kernel against
@@ -217,7 +222,7 @@ def profile(targets: list[str]) -> int:
     if ncu is None:
         print("Nsight Compute (ncu) is not on this machine")
         return 1
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip())
+    env = xla_env("--xla_gpu_autotune_level=0")
     failed = 0
     for target in targets:
         cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--print-summary", "per-kernel"]
@@ -246,8 +251,7 @@ def compile_times(tmp_dir: pathlib.Path = pathlib.Path("/tmp/gpu_check_compile")
     tmp_dir.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name, flags in COMPILE_FLAGS.items():
-        env = dict(os.environ, AITHER_JAX_COMPILATION_CACHE="off")
-        env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
+        env = xla_env(flags) | {"AITHER_JAX_COMPILATION_CACHE": "off"}
         out = tmp_dir / f"compile_{name.split()[-1]}.json"
         cmd = [PY, *COMPILE_RUN, "--kv-cache-dtype", kv, "--out", str(out)]
         print(f"== compile, {name} (XLA_FLAGS={env['XLA_FLAGS']!r}): {' '.join(cmd[1:])}", flush=True)

@@ -237,13 +237,13 @@ def test_pallas_path_loading_byte_planes_matches_reference_path(short_ids, monke
     logits stay as close to the reference path's as the gathers' do, and greedy text agrees."""
     from pallas_kernels import tq_attention
 
-    loads, inner = [], tq_attention._checked_call
+    loads, inner = [], tq_attention._tq_paged_attention
 
     def recorded(*args, **kwargs):
         loads.append(kwargs["code_loads"])
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(tq_attention, "_checked_call", recorded)
+    monkeypatch.setattr(tq_attention, "_tq_paged_attention", recorded)
     kv, ids = "tq4-b13-s2", short_ids[:40]
     ref, ker = small_llm(kv, "reference"), small_llm(kv, "pallas")
     a, b = ker.logits(ids), ref.logits(ids)

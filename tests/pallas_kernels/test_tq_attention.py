@@ -159,9 +159,11 @@ def test_defaults_pick_planes_for_byte_aligned_widths_and_match_reference(monkey
         "gather",
     ]
     seen = []
-    inner = tq_attention._checked_call
+    inner = tq_attention._tq_paged_attention
     monkeypatch.setattr(
-        tq_attention, "_checked_call", lambda *a, **kw: seen.append((a[5], kw["code_loads"])) or inner(*a, **kw)
+        tq_attention,
+        "_tq_paged_attention",
+        lambda *a, **kw: seen.append((kw["pages_per_split"], kw["code_loads"])) or inner(*a, **kw),
     )
     for k_bits, v_bits in [(4, 4), (5, 3)]:
         args, codecs = make_case(k_bits=k_bits, v_bits=v_bits, page_size=8, ctx_lens=(61, 0, 17))
