@@ -49,6 +49,11 @@ TILE_ELEMENTS = 4096
 # offset; "planes" loads each byte plane contiguously, unpacks the 8 code chunks and joins them
 # into one tile whose columns are in `joined_order` (the queries and outputs are permuted to it).
 CODE_LOADS = ("gather", "planes")
+# How the kernel's two products per tile (scores, then weights x values) are computed:
+# "float32" exactly (Triton's FMA loop; no tensor cores), "bf16x3" as three bfloat16
+# tensor-core products whose sum is within ~1e-6 relative of float32, "bf16" as one product
+# of operands rounded to bfloat16 (float32 accumulation).
+DOT_PRECISIONS = ("float32", "bf16x3", "bf16")
 # The split sizes `default_pages_per_split` chooses from, and the programs (rows x KV heads x
 # splits) a grid needs before a larger split pays. On an H200 (132 SMs, 2026-11-26,
 # docs/BENCHMARKS.md "The tile kernel on an H200"): at 1 x 512 tokens (3 programs with a split
@@ -56,6 +61,8 @@ CODE_LOADS = ("gather", "planes")
 # 8192 (768 programs with 64) splits of 64 were 2% and 16% faster than splits of 4.
 SPLIT_SIZES = (4, 8, 16, 32, 64)
 MIN_PROGRAMS = 512
+# Query rows one program holds by default, by `DOT_PRECISIONS` entry (`default_query_rows`).
+QUERY_ROWS = {"float32": 32, "bf16x3": 64, "bf16": 64}
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -162,6 +169,8 @@ def tq_paged_attention(
     pages_per_split: int | None = None,
     pages_per_step: int | None = None,
     code_loads: str | None = None,
+    dot_precision: str = "float32",
+    query_rows: int | None = None,
     interpret: bool | None = None,
     return_lse: bool = False,
     new_mask: jax.Array | None = None,
@@ -179,6 +188,10 @@ def tq_paged_attention(
             `pages_per_split` (default: `default_pages_per_step`).
         code_loads: how a tile's codes are loaded, one of `CODE_LOADS` (same result); default:
             `default_code_loads`.
+        dot_precision: how the kernel multiplies its tiles, one of `DOT_PRECISIONS`.
+        query_rows: the most query rows (new tokens x query heads of a KV head) one program
+            holds, a power of two >= 16; more go to further programs, which read the same
+            pages (default: `default_query_rows`).
         interpret: run the kernel in the Pallas interpreter (default: on CPU).
     """
     if interpret is None:
@@ -196,6 +209,8 @@ def tq_paged_attention(
         return_lse,
         pages_per_step=pages_per_step,
         code_loads=code_loads,
+        dot_precision=dot_precision,
+        query_rows=query_rows,
         new_mask=new_mask,
     )
 
@@ -293,24 +308,34 @@ def _checked_call(
     skip_first=0,
     pages_per_step=None,
     code_loads="gather",
+    dot_precision="float32",
+    query_rows=None,
     new_mask=None,
 ):
     """Validates the public arguments and runs the jitted body: the stored context through the
     kernel (`kernel`) or the jnp path; stored positions below `skip_first` (or the sinks'
-    count) are left out. `pages_per_split` and `code_loads` None take
-    `default_pages_per_split` and `default_code_loads`."""
+    count) are left out. `pages_per_split`, `code_loads` and `query_rows` None take
+    `default_pages_per_split`, `default_code_loads` and `default_query_rows`."""
     q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new = args
     _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
-    if pages_per_split is None:
-        pages_per_split = default_pages_per_split(q.shape[0], k_pool["codes"].shape[3], block_table.shape[1])
     if code_loads is None:
         code_loads = default_code_loads(k_codec.bits, v_codec.bits)
+    if code_loads not in CODE_LOADS:
+        raise ValueError(f"code_loads must be one of {CODE_LOADS}, got {code_loads!r}")
+    if dot_precision not in DOT_PRECISIONS:
+        raise ValueError(f"dot_precision must be one of {DOT_PRECISIONS}, got {dot_precision!r}")
+    if query_rows is None:
+        query_rows = default_query_rows(dot_precision)
+    if not isinstance(query_rows, int) or query_rows < _MIN_DOT or query_rows & (query_rows - 1):
+        raise ValueError(f"query_rows must be a power of two >= {_MIN_DOT}, got {query_rows!r}")
+    hkv = k_pool["codes"].shape[3]
+    if pages_per_split is None:  # a program per (row, KV head, query block, split)
+        q_blocks = -(-q.shape[1] * (q.shape[2] // hkv) // query_rows)
+        pages_per_split = default_pages_per_split(q.shape[0] * q_blocks, hkv, block_table.shape[1])
     if pages_per_step is not None and (
         not isinstance(pages_per_step, int) or pages_per_step < 1 or pages_per_split % pages_per_step
     ):
         raise ValueError(f"pages_per_step must be a positive divisor of pages_per_split, got {pages_per_step!r}")
-    if code_loads not in CODE_LOADS:
-        raise ValueError(f"code_loads must be one of {CODE_LOADS}, got {code_loads!r}")
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(layer if v_layer is None else v_layer, jnp.int32)])
     b, t = q.shape[:2]
     if new_mask is not None and new_mask.shape != (b, t, t):
@@ -327,6 +352,8 @@ def _checked_call(
         pages_per_split=pages_per_split if kernel else None,
         pages_per_step=pages_per_step,
         code_loads=code_loads,
+        dot_precision=dot_precision,
+        query_rows=query_rows,
         interpret=interpret,
         return_lse=return_lse,
         skip_first=skip_first,
@@ -366,6 +393,8 @@ _STATIC = (
     "pages_per_split",
     "pages_per_step",
     "code_loads",
+    "dot_precision",
+    "query_rows",
     "interpret",
     "return_lse",
     "skip_first",
@@ -393,6 +422,8 @@ def _tq_paged_attention(
     skip_first=0,
     pages_per_step=None,
     code_loads="gather",
+    dot_precision="float32",
+    query_rows=None,
     new_mask=None,
 ):
     b, t, hq, dh = q.shape
@@ -418,7 +449,8 @@ def _tq_paged_attention(
             q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks
         )
     else:
-        padded_q = max(_MIN_DOT, pl.next_power_of_2(num_q))
+        rows = min(max(_MIN_DOT, pl.next_power_of_2(num_q)), query_rows or default_query_rows(dot_precision))
+        padded_q = -(-num_q // rows) * rows
         q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, padded_q - num_q), (0, 0)))
         num_pages = block_table.shape[1]
         num_splits = -(-num_pages // pages_per_split)
@@ -437,6 +469,8 @@ def _tq_paged_attention(
             interpret,
             pages_per_step,
             code_loads,
+            dot_precision,
+            rows,
         )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
     num_splits = acc.shape[2]
     acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
@@ -537,10 +571,15 @@ def _context_partials(
     interpret,
     pages_per_step=None,
     code_loads="gather",
+    dot_precision="float32",
+    query_rows=None,
 ):
-    """Runs the kernel: per (row, KV head, split) the unnormalized rotated-domain output, the
-    running max and the softmax denominator over that split's stored keys."""
+    """Runs the kernel: per (row, KV head, block of `query_rows` queries, split) the
+    unnormalized rotated-domain output, the running max and the softmax denominator over that
+    split's stored keys."""
     b, hkv, padded_q, dh = q_blocks.shape
+    query_rows = query_rows or padded_q
+    num_q_blocks = padded_q // query_rows
     joined = code_loads == "planes"
     if joined:  # the tiles' columns come in the joined order: the queries follow it
         order = joined_order(dh)
@@ -557,10 +596,11 @@ def _context_partials(
         pages_per_step=pages_per_step or default_pages_per_step(pages_per_split, page_size, dh),
         num_sinks=num_sinks,
         joined=joined,
+        dot_precision=dot_precision,
     )
-    full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j, r, s: (0,) * len(shape))  # noqa: E731
     in_specs = [
-        pl.BlockSpec((None, None, padded_q, dh), lambda i, j, s: (i, j, 0, 0)),  # queries of (row, head)
+        pl.BlockSpec((None, None, query_rows, dh), lambda i, j, r, s: (i, j, r, 0)),  # a query block of (row, head)
         full(table.shape),
         full((2,)),  # key and value pool layers
         full(ctx_lens.shape),
@@ -573,9 +613,9 @@ def _context_partials(
     ]
     part = (b, hkv, num_splits, padded_q)
     out_specs = [
-        pl.BlockSpec((None, None, None, padded_q, dh), lambda i, j, s: (i, j, s, 0, 0)),
-        pl.BlockSpec((None, None, None, padded_q), lambda i, j, s: (i, j, s, 0)),
-        pl.BlockSpec((None, None, None, padded_q), lambda i, j, s: (i, j, s, 0)),
+        pl.BlockSpec((None, None, None, query_rows, dh), lambda i, j, r, s: (i, j, s, r, 0)),
+        pl.BlockSpec((None, None, None, query_rows), lambda i, j, r, s: (i, j, s, r)),
+        pl.BlockSpec((None, None, None, query_rows), lambda i, j, r, s: (i, j, s, r)),
     ]
     out_shape = [
         jax.ShapeDtypeStruct((*part, dh), jnp.float32),
@@ -584,7 +624,7 @@ def _context_partials(
     ]
     acc, m, sums = pl.pallas_call(
         kernel,
-        grid=(b, hkv, num_splits),
+        grid=(b, hkv, num_q_blocks, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -616,6 +656,13 @@ def default_pages_per_split(batch: int, kv_heads: int, num_pages: int) -> int:
         if num_pages % size == 0 and batch * kv_heads * (num_pages // size) >= MIN_PROGRAMS:
             return size
     return SPLIT_SIZES[0]
+
+
+def default_query_rows(dot_precision: str) -> int:
+    """Query rows per program: as many as a program holds without spilling registers to
+    memory (scripts/kernel_resources.py compiles the kernel for sm_90 without a GPU and reads
+    ptxas's report)."""
+    return QUERY_ROWS[dot_precision]
 
 
 def default_code_loads(k_bits: int, v_bits: int) -> str:
@@ -656,8 +703,9 @@ def _context_kernel(
     pages_per_step: int,
     num_sinks: int,
     joined: bool,
+    dot_precision: str,
 ):
-    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     tokens = pages_per_step * page_size
     q = q_ref[...]
     ctx_len = ctx_ref[row]
@@ -696,7 +744,7 @@ def _context_kernel(
         pos = first * page_size + t[:, 0]
         valid = ((pos >= num_sinks) & (pos < ctx_len))[None, :]  # [1, T]; sinks are read unquantized outside
         k_vals, k_norms = tile(kc_ref, kn_ref, kcb_ref, k_bits, pages, 0)
-        scores = _dot(q, k_vals, ((1,), (1,))) * k_norms[None, :]  # [Qp, T]
+        scores = _dot(q, k_vals, ((1,), (1,)), dot_precision) * k_norms[None, :]  # [Qp, T]
         # Replace (not add): garbage in unused pages may be NaN.
         scores = jnp.where(valid, scores, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(scores, axis=1))
@@ -704,7 +752,7 @@ def _context_kernel(
         p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
         v_vals, v_norms = tile(vc_ref, vn_ref, vcb_ref, v_bits, pages, 1)
         weights = p * jnp.where(valid, v_norms[None, :], 0.0)
-        acc = acc * alpha[:, None] + _dot(weights, v_vals, ((1,), (0,)))
+        acc = acc * alpha[:, None] + _dot(weights, v_vals, ((1,), (0,)), dot_precision)
         return m_next, sums * alpha + jnp.sum(p, axis=1), acc
 
     padded_q = q_ref.shape[0]
@@ -735,6 +783,10 @@ def joined_order(head_dim: int) -> np.ndarray:
     return _join([np.arange(m * chunk, (m + 1) * chunk)[None, :] for m in range(8)], np)[0]
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int], tuple[int]]) -> jax.Array:
-    """A float32 product of two tiles (every dimension >= 16, as Triton's dot wants)."""
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=_HI, preferred_element_type=jnp.float32)
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int], tuple[int]], precision: str = "float32") -> jax.Array:
+    """A product of two float32 tiles (every dimension >= 16, as Triton's dot wants), with a
+    float32 result, computed as `precision` says (see `DOT_PRECISIONS`)."""
+    if precision == "bf16":  # rounded here, so the interpreter computes what the tensor cores do
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    algorithm = {"float32": _HI, "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, "bf16": None}[precision]
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=algorithm, preferred_element_type=jnp.float32)
