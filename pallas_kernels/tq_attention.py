@@ -51,9 +51,14 @@ TILE_ELEMENTS = 4096
 CODE_LOADS = ("gather", "planes")
 # How the kernel's two products per tile (scores, then weights x values) are computed:
 # "float32" exactly (Triton's FMA loop; no tensor cores), "bf16x3" as three bfloat16
-# tensor-core products whose sum is within ~1e-6 relative of float32, "bf16" as one product
-# of operands rounded to bfloat16 (float32 accumulation).
+# tensor-core products (each operand split into a bfloat16 part and a bfloat16 remainder;
+# the product of the remainders is left out, ~1e-5 relative), "bf16" as one product of
+# operands rounded to bfloat16 (float32 accumulation).
 DOT_PRECISIONS = ("float32", "bf16x3", "bf16")
+# The default. Built for sm_90 (scripts/kernel_resources.py; docs/BENCHMARKS.md, "The kernel
+# built for sm_90 without a GPU"), a float32 tile step is ~1,040 FMAs and 226-424 loads from
+# unswizzled shared memory per thread, against 48 MMAs and 26-62 shared loads for bf16x3.
+DOT_PRECISION = "bf16x3"
 # The split sizes `default_pages_per_split` chooses from, and the programs (rows x KV heads x
 # splits) a grid needs before a larger split pays. On an H200 (132 SMs, 2026-11-26,
 # docs/BENCHMARKS.md "The tile kernel on an H200"): at 1 x 512 tokens (3 programs with a split
@@ -62,7 +67,7 @@ DOT_PRECISIONS = ("float32", "bf16x3", "bf16")
 SPLIT_SIZES = (4, 8, 16, 32, 64)
 MIN_PROGRAMS = 512
 # Query rows one program holds by default, by `DOT_PRECISIONS` entry (`default_query_rows`).
-QUERY_ROWS = {"float32": 32, "bf16x3": 64, "bf16": 64}
+QUERY_ROWS = {"float32": 16, "bf16x3": 64, "bf16": 64}
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -169,7 +174,7 @@ def tq_paged_attention(
     pages_per_split: int | None = None,
     pages_per_step: int | None = None,
     code_loads: str | None = None,
-    dot_precision: str = "float32",
+    dot_precision: str = DOT_PRECISION,
     query_rows: int | None = None,
     interpret: bool | None = None,
     return_lse: bool = False,
@@ -308,7 +313,7 @@ def _checked_call(
     skip_first=0,
     pages_per_step=None,
     code_loads="gather",
-    dot_precision="float32",
+    dot_precision=DOT_PRECISION,
     query_rows=None,
     new_mask=None,
 ):
@@ -422,7 +427,7 @@ def _tq_paged_attention(
     skip_first=0,
     pages_per_step=None,
     code_loads="gather",
-    dot_precision="float32",
+    dot_precision=DOT_PRECISION,
     query_rows=None,
     new_mask=None,
 ):
@@ -571,7 +576,7 @@ def _context_partials(
     interpret,
     pages_per_step=None,
     code_loads="gather",
-    dot_precision="float32",
+    dot_precision=DOT_PRECISION,
     query_rows=None,
 ):
     """Runs the kernel: per (row, KV head, block of `query_rows` queries, split) the
@@ -785,8 +790,18 @@ def joined_order(head_dim: int) -> np.ndarray:
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int], tuple[int]], precision: str = "float32") -> jax.Array:
     """A product of two float32 tiles (every dimension >= 16, as Triton's dot wants), with a
-    float32 result, computed as `precision` says (see `DOT_PRECISIONS`)."""
-    if precision == "bf16":  # rounded here, so the interpreter computes what the tensor cores do
-        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-    algorithm = {"float32": _HI, "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, "bf16": None}[precision]
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=algorithm, preferred_element_type=jnp.float32)
+    float32 result, computed as `precision` says (see `DOT_PRECISIONS`). The bfloat16 splits
+    are written out, not left to a dot algorithm, so that the interpreter computes what the
+    tensor cores do (XLA's CPU backend computes bfloat16 dot algorithms in float32)."""
+
+    def product(x, y):
+        return jax.lax.dot_general(x, y, (contract, ((), ())), precision=_HI, preferred_element_type=jnp.float32)
+
+    if precision == "float32":
+        return product(a, b)
+    a_hi, b_hi = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    if precision == "bf16":
+        return product(a_hi, b_hi)
+    a_lo = (a - a_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    b_lo = (b - b_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return product(a_lo, b_hi) + product(a_hi, b_lo) + product(a_hi, b_hi)  # the small terms first

@@ -284,6 +284,45 @@ def test_kernel_differs_from_reference_of_other_codebook():
     assert np.abs(out - ref).max() > 1e-2
 
 
+@pytest.mark.parametrize("t, ctx_lens", [(1, (0, 5, 19)), (16, (3, 40))])
+def test_dot_precisions_match_reference_within_their_rounding(t, ctx_lens):
+    """float32 and bf16x3 stay within the kernel's usual tolerance; bf16 rounds its operands,
+    so it is farther off, but by far less than a wrong read would be. bf16x3's split must
+    recover most of what bf16 loses (a dropped remainder term shows as bf16's error)."""
+    args, codecs = make_case(k_bits=4, v_bits=4, t=t, ctx_lens=ctx_lens)
+    err = {}
+    for precision in ("float32", "bf16x3", "bf16"):
+        out, ref = run_both(args, codecs, pages_per_split=2, dot_precision=precision)
+        valid = np.arange(t)[None, :] < np.asarray(args[8])[:, None]
+        err[precision] = np.abs(out[valid] - ref[valid]).max()
+    assert err["float32"] < 2e-5
+    assert err["bf16x3"] < 2e-4
+    assert 2e-3 < err["bf16"] < 0.1
+    assert err["bf16x3"] < err["bf16"] / 50
+
+
+@pytest.mark.parametrize("dot_precision", ["float32", "bf16x3"])
+def test_query_blocks_split_a_long_chunk_across_programs(dot_precision):
+    """37 new tokens x 3 query heads = 111 query rows: 7 blocks of 16 or 2 of 64, every block a
+    program that reads the row's pages; any split gives the reference's result."""
+    args, codecs = make_case(k_bits=5, v_bits=3, t=37, ctx_lens=(0, 21, 9), page_size=8)
+    valid = np.arange(37)[None, :] < np.asarray(args[8])[:, None]
+    outs = []
+    for rows in (16, 64, 128):
+        out, ref = run_both(args, codecs, pages_per_split=2, dot_precision=dot_precision, query_rows=rows)
+        np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
+        outs.append(out[valid])
+    np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5)
+
+
+def test_default_query_rows_bound_each_program():
+    """The defaults hold at most 16 query rows per program for float32 FMA products and 64 for
+    the tensor-core ones (more spill registers when built for sm_90)."""
+    from pallas_kernels.tq_attention import DOT_PRECISION, DOT_PRECISIONS, default_query_rows
+
+    assert DOT_PRECISION in DOT_PRECISIONS
+    assert [default_query_rows(p) for p in DOT_PRECISIONS] == [16, 64, 64]
+
 def test_bad_arguments_raise_clear_errors():
     args, codecs = make_case(k_bits=4, v_bits=4)
     with pytest.raises(ValueError, match="QJL"):
@@ -297,6 +336,11 @@ def test_bad_arguments_raise_clear_errors():
             tq_paged_attention(*args, **codecs, pages_per_split=4, pages_per_step=step)
     with pytest.raises(ValueError, match="code_loads must be one of"):
         tq_paged_attention(*args, **codecs, code_loads="rows")
+    with pytest.raises(ValueError, match="dot_precision must be one of"):
+        tq_paged_attention(*args, **codecs, dot_precision="tf32")
+    for rows in (8, 24, 32.0):
+        with pytest.raises(ValueError, match="query_rows must be a power of two >= 16"):
+            tq_paged_attention(*args, **codecs, query_rows=rows)
     with pytest.raises(ValueError, match="q must be"):
         tq_paged_attention(args[0][0], *args[1:], **codecs)
     with pytest.raises(ValueError, match="QJL"):

@@ -1,0 +1,38 @@
+"""The TurboQuant attention kernel built for sm_90 on this machine (scripts/kernel_resources.py):
+at the engine's shapes it must fit an H100/H200 program without spilling registers. A kernel
+that spills also builds for minutes, which on a GPU shows only as a stalled warm-up."""
+
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
+import kernel_resources  # noqa: E402
+
+
+def build(tokens, k_bits, v_bits, **knobs):
+    fn, args = kernel_resources.attention_case(tokens, k_bits, v_bits, batch=1, pages=64, **knobs)
+    kernels = kernel_resources.triton_kernels(fn, *args)
+    assert [k["name"] for k in kernels] == ["tq_paged_attention"]
+    found = kernel_resources.compile_sm90(kernels[0], timeout=240)
+    assert "error" not in found, found
+    return found
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_default_kernel_fits_a_hopper_program_at_engine_shapes(tokens):
+    """Decode (1 token), a verify pass (16) and a prefill chunk (256) in the default format's
+    widest pair: no spills, shared memory within an SM's, and tensor-core products."""
+    found = build(tokens, 6, 5)
+    assert found["spill_store_bytes"] == found["spill_load_bytes"] == 0
+    assert found["shared_bytes"] <= kernel_resources.MAX_SHARED_BYTES
+    assert found["mma"] > 0 and found["fma"] < 100
+
+
+def test_an_oversized_query_block_is_seen_to_spill():
+    """The check can fail: 64 tokens x 3 heads in one float32 program (query_rows 256, what
+    every prefill chunk got before query blocks) spill."""
+    found = build(64, 6, 5, dot_precision="float32", query_rows=256)
+    assert found["spill_store_bytes"] > 0
+    assert found["fma"] > 1000 and found["mma"] == 0
