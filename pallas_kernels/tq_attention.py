@@ -637,7 +637,7 @@ def _context_partials(
         # Triton parameters select the Triton lowering on GPU (Mosaic GPU is the default there).
         # 4 warps measured best on an H100 (2 and 8 were 1.3-1.6x slower).
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
-        name="tq_paged_attention",
+        name=f"tq_paged_attention_{dot_precision}",  # one name per variant in a profiler's summary
     )(
         q_blocks,
         table,

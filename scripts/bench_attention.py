@@ -7,9 +7,10 @@ One decode token per row attends to its context and to itself. Three ways are ti
 
 * `pallas`: `tq_paged_attention`, the Pallas kernel over the packed pages (interpreted on
   CPU, so CPU figures of this path say nothing about speed), once per `--pages-per-split`
-  (`pallas/16`), and once more per `--pages-per-step` that divides it (`pallas/16x2`: tiles
-  of 2 pages), for each `--code-loads` (`pallas/16-planes`; a variant that fails to build is
-  reported and skipped);
+  (`pallas/16`; default: the kernel's own choice), and once more per `--pages-per-step` that
+  divides it (`pallas/16x2`: tiles of 2 pages), for each `--code-loads` (`pallas/16-planes`)
+  and each `--dot-precision` (`pallas/16-bf16x3`; float32 has no suffix). A variant other
+  than gathers in float32 that fails to build is reported and skipped;
 * `xla`: `tq_paged_attention_xla`, the same rotated-domain algorithm in jnp;
 * `bf16`: what the engine does for an unquantized layer: gather the row's bf16 pages through
   the block table, then `paged_attention_reference` in bf16.
@@ -57,6 +58,9 @@ from bench_serving import append_row, environment  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
 from pallas_kernels.tq_attention import (  # noqa: E402
     CODE_LOADS,
+    DOT_PRECISION,
+    DOT_PRECISIONS,
+    default_pages_per_split,
     tq_paged_attention,
     tq_paged_attention_reference,
     tq_paged_attention_xla,
@@ -106,7 +110,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=_positive, default=3)
     p.add_argument("--group", type=_positive, default=3, help="query heads per KV head")
     p.add_argument("--page-size", type=_positive, default=16)
-    p.add_argument("--pages-per-split", type=_positive, nargs="+", default=[4, 16, 64], help="kernel split-K sizes")
+    p.add_argument(
+        "--pages-per-split",
+        type=_positive,
+        nargs="+",
+        default=None,
+        help="kernel split-K sizes (default: the kernel's own choice for each case, default_pages_per_split)",
+    )
     p.add_argument(
         "--code-loads",
         nargs="+",
@@ -114,6 +124,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=["gather"],
         help="how the kernel loads its code tiles (pallas_kernels/tq_attention.py: CODE_LOADS); "
         "paths other than gather are named pallas/<split>-<loads>",
+    )
+    p.add_argument(
+        "--dot-precision",
+        nargs="+",
+        choices=DOT_PRECISIONS,
+        default=[DOT_PRECISION],
+        help="how the kernel multiplies its tiles (DOT_PRECISIONS); paths other than float32 are named "
+        "pallas/<split>-<precision>",
     )
     p.add_argument(
         "--pages-per-step",
@@ -253,15 +271,18 @@ def run_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
 
     check_and_time("xla", tq_step(tq_paged_attention_xla), c["tq_copies"], ref, 2e-3)
     if not args.no_kernel:
-        for loads, pps in itertools.product(args.code_loads, args.pages_per_split):
-            suffix = "" if loads == "gather" else f"-{loads}"
+        splits = args.pages_per_split or [default_pages_per_split(batch, args.kv_heads, context // args.page_size)]
+        for loads, pps, precision in itertools.product(args.code_loads, splits, args.dot_precision):
+            suffix = ("" if loads == "gather" else f"-{loads}") + ("" if precision == "float32" else f"-{precision}")
             for tile in [None, *(n for n in args.pages_per_step if pps % n == 0)]:
                 name = f"pallas/{pps}{'' if tile is None else f'x{tile}'}{suffix}"
-                step = tq_step(tq_paged_attention, pages_per_split=pps, pages_per_step=tile, code_loads=loads)
+                knobs = {"pages_per_step": tile, "code_loads": loads, "dot_precision": precision}
+                step = tq_step(tq_paged_attention, pages_per_split=pps, **knobs)
+                tol = 2e-2 if precision == "bf16" else 2e-3  # bf16 rounds the operands (~1% of the output)
                 try:
-                    check_and_time(name, step, c["tq_copies"], ref, 2e-3)
+                    check_and_time(name, step, c["tq_copies"], ref, tol)
                 except Exception as e:  # noqa: BLE001 (compiler errors have no common type)
-                    if loads == "gather":  # only another variant may fail to build (a wrong result always stops)
+                    if loads == "gather" and precision == "float32":  # the plainest variant must build
                         raise
                     timed[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                     print(f"  {name:>10}: failed to build or run: {timed[name]['error']}", file=sys.stderr)

@@ -60,8 +60,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         "",
     ),
     "attention": (
-        [PY, "scripts/bench_attention.py", "--pages-per-split", "4", "64", "--code-loads", "gather", "planes"]
-        + ["--no-record", "--out", "{out}/attention.json"],
+        [PY, "scripts/bench_attention.py", "--code-loads", "gather", "planes"]
+        + ["--dot-precision", "float32", "bf16x3", "bf16", "--no-record", "--out", "{out}/attention.json"],
         480,
         "",
     ),
@@ -198,7 +198,8 @@ NSIGHT_ROOT = pathlib.Path("/opt/nvidia")  # where the device machine keeps Nsig
 # of bench_attention.py once or twice), and our batch-1 decode of a few tokens (random weights).
 PROFILES = {
     "attention": ["scripts/bench_attention.py"]
-    + "--cases 32x8192 --bits 4:4 --pages-per-split 64 --repeats 1 --inner 2 --copies 2".split()
+    + "--cases 32x8192 --bits 4:4 --pages-per-split 64 --dot-precision float32 bf16x3 --repeats 1".split()
+    + "--inner 2 --copies 2".split()
     + "--bandwidth-mib 256 --no-record".split(),
     "decode": ["scripts/bench_decode.py"]
     + "--random-weights --no-hf --batch-sizes 1 --prompt-len 32 --decode-tokens 8 --repeats 1".split()

@@ -14,7 +14,7 @@ import kernel_resources  # noqa: E402
 def build(tokens, k_bits, v_bits, **knobs):
     fn, args = kernel_resources.attention_case(tokens, k_bits, v_bits, batch=1, pages=64, **knobs)
     kernels = kernel_resources.triton_kernels(fn, *args)
-    assert [k["name"] for k in kernels] == ["tq_paged_attention"]
+    assert [k["name"] for k in kernels] == [f"tq_paged_attention_{knobs.get('dot_precision', 'bf16x3')}"]
     found = kernel_resources.compile_sm90(kernels[0], timeout=240)
     assert "error" not in found, found
     return found

@@ -323,6 +323,7 @@ def test_default_query_rows_bound_each_program():
     assert DOT_PRECISION in DOT_PRECISIONS
     assert [default_query_rows(p) for p in DOT_PRECISIONS] == [16, 64, 64]
 
+
 def test_bad_arguments_raise_clear_errors():
     args, codecs = make_case(k_bits=4, v_bits=4)
     with pytest.raises(ValueError, match="QJL"):
