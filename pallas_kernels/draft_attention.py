@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_attention import MASK_VALUE, dot_precision
 
@@ -82,8 +83,9 @@ def draft_attention_reference(
     return draft_attention_dense(q, k_blk, v_blk, k_ctx, v_ctx, ctx_lens, scale=scale)
 
 
-def _kernel(table_ref, lens_ref, q_ref, kb_ref, vb_ref, kp_ref, vp_ref, o_ref, *, scale, page, num_pages):
-    """One (row, KV head): queries [T*G, Dh] over the row's pages, then over the block."""
+def _kernel(table_ref, lens_ref, q_ref, kb_ref, vb_ref, kp_ref, vp_ref, o_ref, *, scale, page, num_pages, block):
+    """One (row, KV head): queries [T*G, Dh] over the row's pages, then over the block's first
+    `block` keys (the rest pad the block to a power of two, as the query rows are padded)."""
     row = pl.program_id(0)
     ctx_len = lens_ref[row]
     q = q_ref[...].astype(jnp.float32) * scale  # [TG, Dh]
@@ -111,7 +113,7 @@ def _kernel(table_ref, lens_ref, q_ref, kb_ref, vb_ref, kp_ref, vp_ref, o_ref, *
     carry = jax.lax.fori_loop(0, num_pages, body, init)
     kb = kb_ref[...].astype(jnp.float32)  # [T, Dh]
     vb = vb_ref[...].astype(jnp.float32)
-    m, l_, acc = attend(carry, kb, vb, jnp.ones((kb.shape[0],), bool))
+    m, l_, acc = attend(carry, kb, vb, jnp.arange(kb.shape[0]) < block)
     o_ref[...] = (acc / l_[:, None]).astype(o_ref.dtype)
 
 
@@ -129,7 +131,9 @@ def draft_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """Pallas kernel twin of `draft_attention_reference`: one program per (row, KV head),
-    pages read in place through the block table, online softmax, no gathered buffer."""
+    pages read in place through the block table, online softmax, no gathered buffer. Built
+    with Triton on a GPU, whose tiles are powers of two: the group's T*G query rows and the
+    block's T keys are padded to the next one (at least 16) and the padding masked or cut."""
     _check(q, k_blk, v_blk, k_pool, v_pool, block_table, ctx_lens)
     r, t, hq, dh = q.shape
     hkv = k_blk.shape[2]
@@ -138,12 +142,14 @@ def draft_attention(
     num_pages = block_table.shape[1]
     scale = dh**-0.5 if scale is None else scale
     # Queries of one KV head's group laid out as [T*G, Dh]; pools as [Hkv, P, page, Dh].
+    rows, keys = (max(16, pl.next_power_of_2(n)) for n in (t * g, t))
     qh = q.reshape(r, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(r, hkv, t * g, dh)
-    kb = k_blk.transpose(0, 2, 1, 3)  # [R, Hkv, T, Dh]
-    vb = v_blk.transpose(0, 2, 1, 3)
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
+    kb = jnp.pad(k_blk.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, keys - t), (0, 0)))  # [R, Hkv, Tp, Dh]
+    vb = jnp.pad(v_blk.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, keys - t), (0, 0)))
     kp = k_pool.transpose(2, 0, 1, 3)  # [Hkv, P, page, Dh]
     vp = v_pool.transpose(2, 0, 1, 3)
-    kernel = functools.partial(_kernel, scale=scale, page=page, num_pages=num_pages)
+    kernel = functools.partial(_kernel, scale=scale, page=page, num_pages=num_pages, block=t)
     full = lambda *shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,
@@ -151,14 +157,17 @@ def draft_attention(
         in_specs=[
             full(r, num_pages),
             full(r),
-            pl.BlockSpec((None, None, t * g, dh), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, t, dh), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, None, t, dh), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None, None, rows, dh), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None, None, keys, dh), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None, None, keys, dh), lambda i, h: (i, h, 0, 0)),
             pl.BlockSpec((None, *kp.shape[1:]), lambda i, h: (h, 0, 0, 0)),
             pl.BlockSpec((None, *vp.shape[1:]), lambda i, h: (h, 0, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, t * g, dh), lambda i, h: (i, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((r, hkv, t * g, dh), q.dtype),
+        out_specs=pl.BlockSpec((None, None, rows, dh), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((r, hkv, rows, dh), q.dtype),
         interpret=interpret,
+        # Triton parameters select the Triton lowering: Mosaic GPU, the default on GPU, copies
+        # each block whole into shared memory, and a block here is a KV head's whole pool.
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
     )(block_table.astype(jnp.int32), ctx_lens.astype(jnp.int32), qh, kb, vb, kp, vp)
-    return out.reshape(r, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(r, t, hq, dh)
+    return out[:, :, : t * g].reshape(r, hkv, t, g, dh).transpose(0, 2, 1, 3, 4).reshape(r, t, hq, dh)

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 MASK = -1
 
@@ -53,15 +54,26 @@ def _kernel(tok_ref, pred_ref, conf_ref, out_ref, *, count):
 def confidence_unmask(
     tokens: jax.Array, pred: jax.Array, conf: jax.Array, count: int, *, interpret: bool = False
 ) -> jax.Array:
-    """Pallas kernel twin of `confidence_unmask_reference`: one program per row."""
+    """Pallas kernel twin of `confidence_unmask_reference`: one program per row. Triton's
+    tiles are powers of two, so a row is padded with positions that are not masked (never
+    revealed, never ranked) and cut back after."""
     _check(tokens, pred, conf, count)
     b, t = tokens.shape
-    spec = pl.BlockSpec((1, t), lambda i: (i, 0))
-    return pl.pallas_call(
+    padded = pl.next_power_of_2(t)
+
+    def pad(x, dtype):
+        return jnp.pad(x.astype(dtype), ((0, 0), (0, padded - t)))
+
+    spec = pl.BlockSpec((1, padded), lambda i: (i, 0))
+    out = pl.pallas_call(
         functools.partial(_kernel, count=count),
         grid=(b,),
         in_specs=[spec, spec, spec],
         out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct((b, t), jnp.int32),
+        out_shape=jax.ShapeDtypeStruct((b, padded), jnp.int32),
         interpret=interpret,
-    )(tokens.astype(jnp.int32), pred.astype(jnp.int32), conf.astype(jnp.float32))
+        # The Triton lowering: Mosaic GPU (the default on GPU) copies blocks to shared memory in
+        # multiples of 128 bytes, more than a 16-token row holds.
+        compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),
+    )(pad(tokens, jnp.int32), pad(pred, jnp.int32), pad(conf, jnp.float32))
+    return out[:, :t]

@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -97,14 +98,18 @@ def compile_sm90(kernel: dict, *, timeout: float = 300.0) -> dict:
         path.write_text(kernel["ir"])
         cmd = [sys.executable, __file__, "--build", str(path), str(kernel["num_warps"]), str(kernel["num_stages"])]
         start = time.perf_counter()
+        # A session of its own: a build past its time is ended with its ptxas, not just the child.
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            stdout, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
             return {"error": f"build timed out after {timeout:.0f} s", "seconds": timeout}
         seconds = time.perf_counter() - start
-    if done.returncode:
-        return {"error": (done.stderr.strip().splitlines() or ["build failed"])[-1][:300], "seconds": seconds}
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "seconds": round(seconds, 2)}
+    if child.returncode:
+        return {"error": (stderr.strip().splitlines() or ["build failed"])[-1][:300], "seconds": seconds}
+    return {**json.loads(stdout.strip().splitlines()[-1]), "seconds": round(seconds, 2)}
 
 
 def _build(path: str, num_warps: int, num_stages: int) -> dict:

@@ -11,7 +11,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
 import bench_attention  # noqa: E402
 
 TINY = ["--cases", "2x32", "--bits", "3:2", "--pages-per-split", "1", "--repeats", "1", "--inner", "2"]
-TINY += ["--copies", "2", "--bandwidth-mib", "1", "--page-size", "8", "--no-record"]
+TINY += ["--copies", "2", "--bandwidth-mib", "1", "--page-size", "8", "--no-record", "--dot-precision", "float32"]
 
 
 def test_tiny_run_reports_every_path(tmp_path):
@@ -57,6 +57,38 @@ def test_code_loads_variants_are_timed_and_one_that_fails_to_build_is_reported(t
     (r,) = json.loads(out.read_text())["results"]
     assert "too many resources" in r["timings"]["pallas/1-planes"]["error"]
     assert r["kernel_best"] == "pallas/1"
+
+
+def test_dot_precisions_are_timed_under_their_own_names_at_the_default_split(tmp_path, monkeypatch):
+    """Without --pages-per-split the kernel's own split is timed (`default_pages_per_split`:
+    4 pages for 2 rows of 32 tokens); each precision but float32 gets a suffix, and bf16 is
+    held to its own, looser bound."""
+    from pallas_kernels.tq_attention import default_pages_per_split
+
+    out = tmp_path / "attn.json"
+    split_at = TINY.index("--pages-per-split")
+    argv = TINY[:split_at] + TINY[split_at + 2 : -2]  # no split, no precision
+    argv += ["--dot-precision", "float32", "bf16x3", "bf16", "--out", str(out)]
+    assert bench_attention.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    split = default_pages_per_split(2, 3, 32 // 8)
+    names = {f"pallas/{split}", f"pallas/{split}-bf16x3", f"pallas/{split}-bf16"}
+    assert set(r["timings"]) == {"xla", "bf16"} | names
+    assert r["timings"][f"pallas/{split}-bf16x3"]["max_abs_diff"] < 2e-3
+    assert 1e-4 < r["timings"][f"pallas/{split}-bf16"]["max_abs_diff"] < 2e-2
+
+    real = bench_attention.tq_paged_attention
+
+    def broken(*a, dot_precision="float32", **kw):
+        if dot_precision == "bf16":
+            raise RuntimeError("failed to legalize bf16 dot")
+        return real(*a, dot_precision=dot_precision, **kw)
+
+    monkeypatch.setattr(bench_attention, "tq_paged_attention", broken)
+    assert bench_attention.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert "legalize" in r["timings"][f"pallas/{split}-bf16"]["error"]
+    assert r["kernel_best"] in names - {f"pallas/{split}-bf16"}
 
 
 def test_chained_calls_cycle_the_copies_and_depend_on_each_other():

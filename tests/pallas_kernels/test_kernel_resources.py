@@ -36,3 +36,28 @@ def test_an_oversized_query_block_is_seen_to_spill():
     found = build(64, 6, 5, dot_precision="float32", query_rows=256)
     assert found["spill_store_bytes"] > 0
     assert found["fma"] > 1000 and found["mma"] == 0
+
+
+@pytest.mark.parametrize("block", [16, 12])
+def test_draft_kernels_build_for_hopper_at_dflash_shapes(block):
+    """The draft's attention (a block of 16 positions x 9 query heads over 64 pages of a
+    256-page pool) and its unmasking step build with Triton: padded to powers of two, and
+    not Mosaic GPU, which cannot hold a KV head's whole pool in shared memory."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.draft_attention import draft_attention
+    from pallas_kernels.unmask import confidence_unmask
+
+    q, kb, kp = jnp.zeros((1, block, 9, 64)), jnp.zeros((1, block, 3, 64)), jnp.zeros((256, 16, 3, 64))
+    table, lens = jnp.zeros((1, 64), jnp.int32), jnp.full((1,), 1000, jnp.int32)
+    tokens, conf = jnp.zeros((4, block), jnp.int32), jnp.zeros((4, block))
+    cases = [
+        (lambda q, kb, kp: draft_attention(q, kb, kb, kp, kp, table, lens), (q, kb, kp)),
+        (lambda t, c: confidence_unmask(t, t, c, 5), (tokens, conf)),
+    ]
+    for fn, args in cases:
+        [kernel] = kernel_resources.triton_kernels(fn, *args)
+        found = kernel_resources.compile_sm90(kernel, timeout=240)
+        assert "error" not in found, found
+        assert found["spill_store_bytes"] == 0
+        assert found["shared_bytes"] <= kernel_resources.MAX_SHARED_BYTES
