@@ -65,6 +65,14 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         480,
         "",
     ),
+    # The same, short enough for what a 15-minute session has left after calls 1 and 2: the
+    # default format's widest pair and 4:4, float32 against bf16x3 products.
+    "attention-quick": (
+        [PY, "scripts/bench_attention.py", "--bits", "6:5", "4:4", "--dot-precision", "float32", "bf16x3"]
+        + ["--repeats", "10", "--no-record", "--out", "{out}/attention-quick.json"],
+        240,
+        "",
+    ),
     # Per-kernel device times under Nsight Compute: TurboQuant attention, a batch-1 decode.
     "profile": ([PY, "scripts/gpu_check.py", "profile", "attention", "decode"], 400, ""),
     # The cold compilation of our decode steps, with XLA's autotuning on and off.
@@ -116,8 +124,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
 # Each entry is the arguments of `run` (stages, then options). On 2026-11-26 (H200) the
 # serving stage alone took 337 s before it failed in its warm-up, and the speculative stage's
 # first configuration did not finish in 213 s: each needs a call of its own.
-CALLS: list[list[str]] = [[], ["serving", "--budget", "560"], ["env", "profile"], ["attention"], ["decode"]]
-CALLS += [["tests"], ["tests-2"]]
+CALLS: list[list[str]] = [[], ["serving", "--budget", "560"], ["attention-quick", "--budget", "200"]]
+CALLS += [["env", "profile"], ["attention"], ["decode"], ["tests"], ["tests-2"]]
 
 
 def call_command(run_args: list[str]) -> str:
@@ -288,7 +296,7 @@ def env_report() -> int:
 
 def headline(stage: str, report: dict) -> str:
     """One line of the figures each report is run for."""
-    if stage == "attention":
+    if stage in ("attention", "attention-quick"):
         return "; ".join(
             f"{r['batch']}x{r['context']} {r['k_bits']}:{r['v_bits']} kernel/bf16 "
             f"{r.get('kernel_speedup_vs_bf16', float('nan')):.2f}x, "
@@ -392,13 +400,13 @@ def record(report_dir: pathlib.Path) -> int:
     if summary_path.exists():
         commands = {e["stage"]: "python " + e["command"] for e in json.loads(summary_path.read_text())}
     done = 0
-    for stage in ("attention", "decode", "speculative", "serving"):
+    for stage in ("attention", "attention-quick", "decode", "speculative", "serving"):
         path = report_dir / f"{stage}.json"
         if not path.exists():
             continue
         report = json.loads(path.read_text())
         command = commands.get(stage, f"python scripts/gpu_check.py run {stage}")
-        if stage == "attention":
+        if stage in ("attention", "attention-quick"):
             import bench_attention
 
             bench_attention.record(report, command)
