@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_attention import MASK_VALUE, dot_precision
+from pallas_kernels.paged_attention import MASK_VALUE, dot_precision, tile_dot
 
 
 def draft_attention_dense(
@@ -83,7 +83,7 @@ def draft_attention_reference(
     return draft_attention_dense(q, k_blk, v_blk, k_ctx, v_ctx, ctx_lens, scale=scale)
 
 
-def _kernel(table_ref, lens_ref, q_ref, kb_ref, vb_ref, kp_ref, vp_ref, o_ref, *, scale, page, num_pages, block):
+def _kernel(table_ref, lens_ref, q_ref, kb_ref, vb_ref, kp_ref, vp_ref, o_ref, *, scale, page, num_pages, block, prec):
     """One (row, KV head): queries [T*G, Dh] over the row's pages, then over the block's first
     `block` keys (the rest pad the block to a power of two, as the query rows are padded)."""
     row = pl.program_id(0)
@@ -93,13 +93,13 @@ def _kernel(table_ref, lens_ref, q_ref, kb_ref, vb_ref, kp_ref, vp_ref, o_ref, *
 
     def attend(carry, k, v, valid):
         m, l_, acc = carry
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [TG, N]
+        s = tile_dot(q, k, ((1,), (1,)), prec)  # [TG, N]
         s = jnp.where(valid[None, :], s, MASK_VALUE)
         v = jnp.where(valid[:, None], v, 0.0)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
-        return m_new, alpha * l_ + p.sum(axis=1), alpha[:, None] * acc + jnp.dot(p, v)
+        return m_new, alpha * l_ + p.sum(axis=1), alpha[:, None] * acc + tile_dot(p, v, ((1,), (0,)), prec)
 
     def body(i, carry):
         pid = table_ref[row, i]
@@ -149,7 +149,10 @@ def draft_attention(
     vb = jnp.pad(v_blk.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, keys - t), (0, 0)))
     kp = k_pool.transpose(2, 0, 1, 3)  # [Hkv, P, page, Dh]
     vp = v_pool.transpose(2, 0, 1, 3)
-    kernel = functools.partial(_kernel, scale=scale, page=page, num_pages=num_pages, block=t)
+    # float32 inputs: three tensor-core passes (~1e-5 relative; one float32 FMA program spilled
+    # when built for sm_90); bfloat16 inputs: one, as the reference's bfloat16 products.
+    prec = "bf16x3" if q.dtype == jnp.float32 else "bf16"
+    kernel = functools.partial(_kernel, scale=scale, page=page, num_pages=num_pages, block=t, prec=prec)
     full = lambda *shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel,

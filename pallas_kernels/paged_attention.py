@@ -25,6 +25,35 @@ def dot_precision(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+# How a Pallas kernel multiplies two float32 tiles (`tile_dot`): "float32" exactly (on a GPU,
+# Triton's FMA loop; no tensor cores), "bf16x3" as three bfloat16 tensor-core products (each
+# operand split into a bfloat16 part and a bfloat16 remainder; the product of the remainders
+# is left out, ~1e-5 relative), "bf16" as one product of operands rounded to bfloat16
+# (float32 accumulation).
+DOT_PRECISIONS = ("float32", "bf16x3", "bf16")
+
+
+def tile_dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int], tuple[int]], precision: str) -> jax.Array:
+    """A product of two float32 tiles in a kernel (every dimension >= 16, as Triton's dot
+    wants), with a float32 result, computed as `precision` says (`DOT_PRECISIONS`). The
+    bfloat16 splits are written out, not left to a dot algorithm, so that the interpreter
+    computes what the tensor cores do (XLA's CPU backend computes bfloat16 dot algorithms in
+    float32)."""
+
+    def product(x, y):
+        hi = jax.lax.Precision.HIGHEST
+        return jax.lax.dot_general(x, y, (contract, ((), ())), precision=hi, preferred_element_type=jnp.float32)
+
+    if precision == "float32":
+        return product(a, b)
+    a_hi, b_hi = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    if precision == "bf16":
+        return product(a_hi, b_hi)
+    a_lo = (a - a_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    b_lo = (b - b_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return product(a_lo, b_hi) + product(a_hi, b_lo) + product(a_hi, b_hi)  # the small terms first
+
+
 # XLA's CPU dot emitter wants both operands' contracted axis last, so a [S, Dh] block of
 # keys or values becomes a transposed copy as large as the context before every product.
 # With a handful of query rows per KV head (decode) over a long context, the same sums as

@@ -32,11 +32,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_attention import (
+    DOT_PRECISIONS,
     MASK_VALUE,
     causal_mask,
     context_scores,
     context_sum,
     paged_attention_reference,
+    tile_dot,
 )
 from pallas_kernels.turboquant import TurboQuant, unpack_bits, unpack_planes
 
@@ -49,15 +51,11 @@ TILE_ELEMENTS = 4096
 # offset; "planes" loads each byte plane contiguously, unpacks the 8 code chunks and joins them
 # into one tile whose columns are in `joined_order` (the queries and outputs are permuted to it).
 CODE_LOADS = ("gather", "planes")
-# How the kernel's two products per tile (scores, then weights x values) are computed:
-# "float32" exactly (Triton's FMA loop; no tensor cores), "bf16x3" as three bfloat16
-# tensor-core products (each operand split into a bfloat16 part and a bfloat16 remainder;
-# the product of the remainders is left out, ~1e-5 relative), "bf16" as one product of
-# operands rounded to bfloat16 (float32 accumulation).
-DOT_PRECISIONS = ("float32", "bf16x3", "bf16")
-# The default. Built for sm_90 (scripts/kernel_resources.py; docs/BENCHMARKS.md, "The kernel
-# built for sm_90 without a GPU"), a float32 tile step is ~1,040 FMAs and 226-424 loads from
-# unswizzled shared memory per thread, against 48 MMAs and 26-62 shared loads for bf16x3.
+# How the kernel's two products per tile (scores, then weights x values) are computed: one of
+# `DOT_PRECISIONS` (pallas_kernels/paged_attention.py: `tile_dot`). The default: built for sm_90
+# (scripts/kernel_resources.py; docs/BENCHMARKS.md, "The kernel built for sm_90 without a
+# GPU"), a float32 tile step is ~1,040 FMAs and 226-424 loads from unswizzled shared memory
+# per thread, against 48 MMAs and 26-62 shared loads for bf16x3.
 DOT_PRECISION = "bf16x3"
 # The split sizes `default_pages_per_split` chooses from, and the programs (rows x KV heads x
 # splits) a grid needs before a larger split pays. On an H200 (132 SMs, 2026-11-26,
@@ -70,7 +68,6 @@ MIN_PROGRAMS = 512
 QUERY_ROWS = {"float32": 16, "bf16x3": 64, "bf16": 64}
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
-_HI = jax.lax.Precision.HIGHEST
 
 
 @struct.dataclass
@@ -749,7 +746,7 @@ def _context_kernel(
         pos = first * page_size + t[:, 0]
         valid = ((pos >= num_sinks) & (pos < ctx_len))[None, :]  # [1, T]; sinks are read unquantized outside
         k_vals, k_norms = tile(kc_ref, kn_ref, kcb_ref, k_bits, pages, 0)
-        scores = _dot(q, k_vals, ((1,), (1,)), dot_precision) * k_norms[None, :]  # [Qp, T]
+        scores = tile_dot(q, k_vals, ((1,), (1,)), dot_precision) * k_norms[None, :]  # [Qp, T]
         # Replace (not add): garbage in unused pages may be NaN.
         scores = jnp.where(valid, scores, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(scores, axis=1))
@@ -757,7 +754,7 @@ def _context_kernel(
         p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
         v_vals, v_norms = tile(vc_ref, vn_ref, vcb_ref, v_bits, pages, 1)
         weights = p * jnp.where(valid, v_norms[None, :], 0.0)
-        acc = acc * alpha[:, None] + _dot(weights, v_vals, ((1,), (0,)), dot_precision)
+        acc = acc * alpha[:, None] + tile_dot(weights, v_vals, ((1,), (0,)), dot_precision)
         return m_next, sums * alpha + jnp.sum(p, axis=1), acc
 
     padded_q = q_ref.shape[0]
@@ -786,22 +783,3 @@ def joined_order(head_dim: int) -> np.ndarray:
     j of the joined tile holds coordinate order[j]."""
     chunk = head_dim // 8
     return _join([np.arange(m * chunk, (m + 1) * chunk)[None, :] for m in range(8)], np)[0]
-
-
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[tuple[int], tuple[int]], precision: str = "float32") -> jax.Array:
-    """A product of two float32 tiles (every dimension >= 16, as Triton's dot wants), with a
-    float32 result, computed as `precision` says (see `DOT_PRECISIONS`). The bfloat16 splits
-    are written out, not left to a dot algorithm, so that the interpreter computes what the
-    tensor cores do (XLA's CPU backend computes bfloat16 dot algorithms in float32)."""
-
-    def product(x, y):
-        return jax.lax.dot_general(x, y, (contract, ((), ())), precision=_HI, preferred_element_type=jnp.float32)
-
-    if precision == "float32":
-        return product(a, b)
-    a_hi, b_hi = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-    if precision == "bf16":
-        return product(a_hi, b_hi)
-    a_lo = (a - a_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    b_lo = (b - b_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    return product(a_lo, b_hi) + product(a_hi, b_lo) + product(a_hi, b_hi)  # the small terms first

@@ -40,7 +40,7 @@ def test_draft_attention_kernel_matches_reference(rows, t, hq, hkv, dh, page, np
     vb = jnp.asarray(rng.standard_normal((rows, t, hkv, dh)), dtype)
     ref = draft_attention_reference(q, kb, vb, k_pool, v_pool, table, lens)
     out = draft_attention(q, kb, vb, k_pool, v_pool, table, lens, interpret=not ON_GPU)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2  # float32 inputs: bf16x3 products (~1e-5 relative)
     assert np.isfinite(np.asarray(ref, np.float32)).all()
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
 
