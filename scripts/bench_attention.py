@@ -85,7 +85,7 @@ def _case(text: str) -> tuple[int, int]:
     return batch, context
 
 
-def _bits(text: str) -> tuple[int, int]:
+def bit_pair(text: str) -> tuple[int, int]:
     try:
         k, v = (int(x) for x in text.split(":"))
     except ValueError:
@@ -95,7 +95,7 @@ def _bits(text: str) -> tuple[int, int]:
     return k, v
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -105,14 +105,14 @@ def _positive(text: str) -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=_case, nargs="+", default=[(32, 8192), (1, 512)], help="BATCHxCONTEXT ...")
-    p.add_argument("--bits", type=_bits, nargs="+", default=[(4, 4), (6, 5), (3, 3)], help="K:V bit pairs")
-    p.add_argument("--head-dim", type=_positive, default=64)
-    p.add_argument("--kv-heads", type=_positive, default=3)
-    p.add_argument("--group", type=_positive, default=3, help="query heads per KV head")
-    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--bits", type=bit_pair, nargs="+", default=[(4, 4), (6, 5), (3, 3)], help="K:V bit pairs")
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--kv-heads", type=positive_int, default=3)
+    p.add_argument("--group", type=positive_int, default=3, help="query heads per KV head")
+    p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument(
         "--pages-per-split",
-        type=_positive,
+        type=positive_int,
         nargs="+",
         default=None,
         help="kernel split-K sizes (default: the kernel's own choice for each case, default_pages_per_split)",
@@ -135,19 +135,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pages-per-step",
-        type=_positive,
+        type=positive_int,
         nargs="+",
         default=[],
         help="also time the kernel with these tile sizes (pages per loop step; those dividing the split), "
         "besides its default",
     )
     p.add_argument("--no-kernel", action="store_true", help="skip the Pallas kernel (slow when interpreted)")
-    p.add_argument("--repeats", type=_positive, default=20)
-    p.add_argument("--inner", type=_positive, default=8, help="calls chained in one jitted run per timed repeat")
+    p.add_argument("--repeats", type=positive_int, default=20)
+    p.add_argument("--inner", type=positive_int, default=8, help="calls chained in one jitted run per timed repeat")
     p.add_argument(
-        "--copies", type=_positive, default=4, help="pool copies the chained calls cycle through (L2 is 50-60 MB)"
+        "--copies", type=positive_int, default=4, help="pool copies the chained calls cycle through (L2 is 50-60 MB)"
     )
-    p.add_argument("--bandwidth-mib", type=_positive, default=None, help="default: 2048 on GPU, 256 on CPU")
+    p.add_argument("--bandwidth-mib", type=positive_int, default=None, help="default: 2048 on GPU, 256 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_attention.json")
     p.add_argument("--no-record", action="store_true", help="do not append rows to docs/BENCHMARKS.md")

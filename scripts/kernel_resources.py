@@ -38,8 +38,11 @@ import jax
 import jax.numpy as jnp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "scripts"):  # run as a script or imported from the tests
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from bench_attention import bit_pair, positive_int  # noqa: E402
 
 from pallas_kernels.tq_attention import DOT_PRECISIONS, tq_paged_attention  # noqa: E402
 from pallas_kernels.turboquant import TurboQuant  # noqa: E402
@@ -173,33 +176,16 @@ def attention_case(tokens: int, k_bits: int, v_bits: int, *, batch: int, pages: 
     return fn, (q, k_pool, v_pool)
 
 
-def _bits(text: str) -> tuple[int, int]:
-    try:
-        k, v = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bits are K:V, e.g. 6:5, got {text!r}") from None
-    if not (1 <= k <= 8 and 1 <= v <= 8):
-        raise argparse.ArgumentTypeError(f"bits must be in 1..8, got {text!r}")
-    return k, v
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=_positive, nargs="+", default=[1, 16, 256],
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 16, 256],
                    help="new tokens per row: 1 decodes, 16 verifies a draft block, 256 is a prefill chunk")  # fmt: skip
-    p.add_argument("--bits", type=_bits, nargs="+", default=[(6, 5), (4, 4)], help="K:V bit pairs")
+    p.add_argument("--bits", type=bit_pair, nargs="+", default=[(6, 5), (4, 4)], help="K:V bit pairs")
     p.add_argument("--dot-precision", nargs="+", choices=DOT_PRECISIONS, default=list(DOT_PRECISIONS))
-    p.add_argument("--query-rows", type=_positive, nargs="+", default=[0],
+    p.add_argument("--query-rows", type=positive_int, nargs="+", default=[0],
                    help="query rows per program (0: the kernel's default for the precision)")  # fmt: skip
-    p.add_argument("--batch", type=_positive, default=1)
-    p.add_argument("--pages", type=_positive, default=64, help="stored pages per row")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--pages", type=positive_int, default=64, help="stored pages per row")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one build may take")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "kernel_resources.json")
     return p.parse_args(argv)
