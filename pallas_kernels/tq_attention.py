@@ -64,7 +64,8 @@ DOT_PRECISION = "bf16x3"
 # 8192 (768 programs with 64) splits of 64 were 2% and 16% faster than splits of 4.
 SPLIT_SIZES = (4, 8, 16, 32, 64)
 MIN_PROGRAMS = 512
-# Query rows one program holds by default, by `DOT_PRECISIONS` entry (`default_query_rows`).
+# Query rows one program holds by default at head_dim 64, by `DOT_PRECISIONS` entry; wider
+# heads hold proportionally fewer (`default_query_rows`).
 QUERY_ROWS = {"float32": 16, "bf16x3": 64, "bf16": 64}
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
@@ -327,7 +328,7 @@ def _checked_call(
     if dot_precision not in DOT_PRECISIONS:
         raise ValueError(f"dot_precision must be one of {DOT_PRECISIONS}, got {dot_precision!r}")
     if query_rows is None:
-        query_rows = default_query_rows(dot_precision)
+        query_rows = default_query_rows(dot_precision, q.shape[3])
     if not isinstance(query_rows, int) or query_rows < _MIN_DOT or query_rows & (query_rows - 1):
         raise ValueError(f"query_rows must be a power of two >= {_MIN_DOT}, got {query_rows!r}")
     hkv = k_pool["codes"].shape[3]
@@ -451,7 +452,7 @@ def _tq_paged_attention(
             q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks
         )
     else:
-        rows = min(max(_MIN_DOT, pl.next_power_of_2(num_q)), query_rows or default_query_rows(dot_precision))
+        rows = min(max(_MIN_DOT, pl.next_power_of_2(num_q)), query_rows or default_query_rows(dot_precision, dh))
         padded_q = -(-num_q // rows) * rows
         q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, padded_q - num_q), (0, 0)))
         num_pages = block_table.shape[1]
@@ -660,11 +661,13 @@ def default_pages_per_split(batch: int, kv_heads: int, num_pages: int) -> int:
     return SPLIT_SIZES[0]
 
 
-def default_query_rows(dot_precision: str) -> int:
+def default_query_rows(dot_precision: str, head_dim: int = 64) -> int:
     """Query rows per program: as many as a program holds without spilling registers to
-    memory (scripts/kernel_resources.py compiles the kernel for sm_90 without a GPU and reads
-    ptxas's report)."""
-    return QUERY_ROWS[dot_precision]
+    memory (scripts/kernel_resources.py builds the kernel for sm_90 without a GPU and reads
+    ptxas's report). The accumulator is rows x head_dim, so wider heads get fewer rows: in
+    bf16x3, 64 rows at head_dim 128 spilled and 32 did not; at 256, 64 spilled 1 KB and 16
+    did not. At least 16, Triton's smallest dot."""
+    return max(_MIN_DOT, QUERY_ROWS[dot_precision] * 64 // head_dim)
 
 
 def default_code_loads(k_bits: int, v_bits: int) -> str:

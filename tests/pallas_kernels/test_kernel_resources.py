@@ -30,6 +30,16 @@ def test_default_kernel_fits_a_hopper_program_at_engine_shapes(tokens):
     assert found["mma"] > 0 and found["fma"] < 100
 
 
+def test_default_kernel_fits_at_gemma_head_width():
+    """Gemma 3's shape (head_dim 256, one KV head of four query heads), a verify pass: the
+    default holds 16 query rows there, where 64 spilled."""
+    fn, args = kernel_resources.attention_case(16, 5, 4, batch=1, pages=64, kv_heads=1, group=4, head_dim=256)
+    [kernel] = kernel_resources.triton_kernels(fn, *args)
+    found = kernel_resources.compile_sm90(kernel, timeout=240)
+    assert "error" not in found, found
+    assert found["spill_store_bytes"] == found["spill_load_bytes"] == 0
+
+
 def test_an_oversized_query_block_is_seen_to_spill():
     """The check can fail: 64 tokens x 3 heads in one float32 program (query_rows 256, what
     every prefill chunk got before query blocks) spill."""

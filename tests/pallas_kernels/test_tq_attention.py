@@ -316,12 +316,15 @@ def test_query_blocks_split_a_long_chunk_across_programs(dot_precision):
 
 
 def test_default_query_rows_bound_each_program():
-    """The defaults hold at most 16 query rows per program for float32 FMA products and 64 for
-    the tensor-core ones (more spill registers when built for sm_90)."""
+    """At head_dim 64 the defaults hold at most 16 query rows per program for float32 FMA
+    products and 64 for the tensor-core ones (more spill registers when built for sm_90), and
+    proportionally fewer for wider heads, never under Triton's 16."""
     from pallas_kernels.tq_attention import DOT_PRECISION, DOT_PRECISIONS, default_query_rows
 
     assert DOT_PRECISION in DOT_PRECISIONS
     assert [default_query_rows(p) for p in DOT_PRECISIONS] == [16, 64, 64]
+    assert [default_query_rows("bf16x3", d) for d in (64, 128, 256)] == [64, 32, 16]
+    assert default_query_rows("float32", 256) == 16
 
 
 def test_bad_arguments_raise_clear_errors():
