@@ -333,7 +333,7 @@ def _checked_call(
         raise ValueError(f"query_rows must be a power of two >= {_MIN_DOT}, got {query_rows!r}")
     hkv = k_pool["codes"].shape[3]
     if pages_per_split is None:  # a program per (row, KV head, query block, split)
-        q_blocks = -(-q.shape[1] * (q.shape[2] // hkv) // query_rows)
+        _, q_blocks = _query_blocks(q.shape[1] * (q.shape[2] // hkv), query_rows)
         pages_per_split = default_pages_per_split(q.shape[0] * q_blocks, hkv, block_table.shape[1])
     if pages_per_step is not None and (
         not isinstance(pages_per_step, int) or pages_per_step < 1 or pages_per_split % pages_per_step
@@ -452,8 +452,8 @@ def _tq_paged_attention(
             q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks
         )
     else:
-        rows = min(max(_MIN_DOT, pl.next_power_of_2(num_q)), query_rows or default_query_rows(dot_precision, dh))
-        padded_q = -(-num_q // rows) * rows
+        rows, num_blocks = _query_blocks(num_q, query_rows or default_query_rows(dot_precision, dh))
+        padded_q = num_blocks * rows
         q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, padded_q - num_q), (0, 0)))
         num_pages = block_table.shape[1]
         num_splits = -(-num_pages // pages_per_split)
@@ -572,16 +572,15 @@ def _context_partials(
     pages_per_split,
     num_sinks,
     interpret,
-    pages_per_step=None,
-    code_loads="gather",
-    dot_precision=DOT_PRECISION,
-    query_rows=None,
+    pages_per_step,
+    code_loads,
+    dot_precision,
+    query_rows,
 ):
     """Runs the kernel: per (row, KV head, block of `query_rows` queries, split) the
     unnormalized rotated-domain output, the running max and the softmax denominator over that
     split's stored keys."""
     b, hkv, padded_q, dh = q_blocks.shape
-    query_rows = query_rows or padded_q
     num_q_blocks = padded_q // query_rows
     joined = code_loads == "planes"
     if joined:  # the tiles' columns come in the joined order: the queries follow it
@@ -659,6 +658,13 @@ def default_pages_per_split(batch: int, kv_heads: int, num_pages: int) -> int:
         if num_pages % size == 0 and batch * kv_heads * (num_pages // size) >= MIN_PROGRAMS:
             return size
     return SPLIT_SIZES[0]
+
+
+def _query_blocks(num_q: int, query_rows: int) -> tuple[int, int]:
+    """Rows per program and programs for `num_q` query rows: one block padded to a power of
+    two (at least Triton's 16) while they fit in `query_rows`, else blocks of `query_rows`."""
+    rows = min(max(_MIN_DOT, pl.next_power_of_2(num_q)), query_rows)
+    return rows, -(-num_q // rows)
 
 
 def default_query_rows(dot_precision: str, head_dim: int = 64) -> int:

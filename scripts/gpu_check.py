@@ -116,6 +116,10 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
 }
 
 
+# The stages whose report is bench_attention.py's.
+ATTENTION_STAGES = ("attention", "attention-quick")
+
+
 # The device calls of one session, in order: call i carries .gpu/setup and .gpu/model_<i> (the
 # model in two xz parts). The machine keeps the first part only while it stays warm (30 s), so
 # the first call only leaves it there and returns within seconds, and the second, made at once,
@@ -296,7 +300,7 @@ def env_report() -> int:
 
 def headline(stage: str, report: dict) -> str:
     """One line of the figures each report is run for."""
-    if stage in ("attention", "attention-quick"):
+    if stage in ATTENTION_STAGES:
         return "; ".join(
             f"{r['batch']}x{r['context']} {r['k_bits']}:{r['v_bits']} kernel/bf16 "
             f"{r.get('kernel_speedup_vs_bf16', float('nan')):.2f}x, "
@@ -400,13 +404,13 @@ def record(report_dir: pathlib.Path) -> int:
     if summary_path.exists():
         commands = {e["stage"]: "python " + e["command"] for e in json.loads(summary_path.read_text())}
     done = 0
-    for stage in ("attention", "attention-quick", "decode", "speculative", "serving"):
+    for stage in (*ATTENTION_STAGES, "decode", "speculative", "serving"):
         path = report_dir / f"{stage}.json"
         if not path.exists():
             continue
         report = json.loads(path.read_text())
         command = commands.get(stage, f"python scripts/gpu_check.py run {stage}")
-        if stage in ("attention", "attention-quick"):
+        if stage in ATTENTION_STAGES:
             import bench_attention
 
             bench_attention.record(report, command)

@@ -182,8 +182,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="new tokens per row: 1 decodes, 16 verifies a draft block, 256 is a prefill chunk")  # fmt: skip
     p.add_argument("--bits", type=bit_pair, nargs="+", default=[(6, 5), (4, 4)], help="K:V bit pairs")
     p.add_argument("--dot-precision", nargs="+", choices=DOT_PRECISIONS, default=list(DOT_PRECISIONS))
-    p.add_argument("--query-rows", type=positive_int, nargs="+", default=[0],
-                   help="query rows per program (0: the kernel's default for the precision)")  # fmt: skip
+    p.add_argument("--query-rows", type=positive_int, nargs="+", default=[None],
+                   help="query rows per program (default: the kernel's own for the precision)")  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--pages", type=positive_int, default=64, help="stored pages per row")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one build may take")
