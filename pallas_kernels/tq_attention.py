@@ -52,11 +52,12 @@ TILE_ELEMENTS = 4096
 # into one tile whose columns are in `joined_order` (the queries and outputs are permuted to it).
 CODE_LOADS = ("gather", "planes")
 # How the kernel's two products per tile (scores, then weights x values) are computed: one of
-# `DOT_PRECISIONS` (pallas_kernels/paged_attention.py: `tile_dot`). The default: built for sm_90
-# (scripts/kernel_resources.py; docs/BENCHMARKS.md, "The kernel built for sm_90 without a
-# GPU"), a float32 tile step is ~1,040 FMAs and 226-424 loads from unswizzled shared memory
-# per thread, against 48 MMAs and 26-62 shared loads for bf16x3.
-DOT_PRECISION = "bf16x3"
+# `DOT_PRECISIONS` (pallas_kernels/paged_attention.py: `tile_dot`). The default, float32, was the
+# faster on an H200 (2026-11-26, docs/BENCHMARKS.md "The tile kernel on an H200"): 536 against
+# 1,290 us at 32 x 8192 (6:5) and 45 against 84 us at 1 x 512. Built for sm_90 a float32 tile
+# step is ~1,040 FMAs against bf16x3's 48 MMAs (scripts/kernel_resources.py), but decode's 3
+# query rows per KV head fill 3/16 of an MMA, and the hi/lo splits cost more than they save.
+DOT_PRECISION = "float32"
 # The split sizes `default_pages_per_split` chooses from, and the programs (rows x KV heads x
 # splits) a grid needs before a larger split pays. On an H200 (132 SMs, 2026-11-26,
 # docs/BENCHMARKS.md "The tile kernel on an H200"): at 1 x 512 tokens (3 programs with a split

@@ -10,24 +10,31 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "scripts"))
 import kernel_resources  # noqa: E402
 
+from pallas_kernels.tq_attention import DOT_PRECISION  # noqa: E402
+
 
 def build(tokens, k_bits, v_bits, **knobs):
     fn, args = kernel_resources.attention_case(tokens, k_bits, v_bits, batch=1, pages=64, **knobs)
     kernels = kernel_resources.triton_kernels(fn, *args)
-    assert [k["name"] for k in kernels] == [f"tq_paged_attention_{knobs.get('dot_precision', 'bf16x3')}"]
+    assert [k["name"] for k in kernels] == [f"tq_paged_attention_{knobs.get('dot_precision', DOT_PRECISION)}"]
     found = kernel_resources.compile_sm90(kernels[0], timeout=240)
     assert "error" not in found, found
     return found
 
 
+@pytest.mark.parametrize("dot_precision", ["float32", "bf16x3"])
 @pytest.mark.parametrize("tokens", [1, 16, 256])
-def test_default_kernel_fits_a_hopper_program_at_engine_shapes(tokens):
+def test_kernel_fits_a_hopper_program_at_engine_shapes(tokens, dot_precision):
     """Decode (1 token), a verify pass (16) and a prefill chunk (256) in the default format's
-    widest pair: no spills, shared memory within an SM's, and tensor-core products."""
-    found = build(tokens, 6, 5)
+    widest pair, with float32 (the default) and tensor-core products: no spills, shared memory
+    within an SM's, and the products on the units `dot_precision` names."""
+    found = build(tokens, 6, 5, dot_precision=dot_precision)
     assert found["spill_store_bytes"] == found["spill_load_bytes"] == 0
     assert found["shared_bytes"] <= kernel_resources.MAX_SHARED_BYTES
-    assert found["mma"] > 0 and found["fma"] < 100
+    if dot_precision == "float32":
+        assert found["mma"] == 0 and found["fma"] > 100
+    else:
+        assert found["mma"] > 0 and found["fma"] < 100
 
 
 def test_default_kernel_fits_at_gemma_head_width():
