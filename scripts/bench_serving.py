@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--concurrency", default="1,4,16", help="comma-separated in-flight limits")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated in-flight limits; empty to skip")
     p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency point (at least 2 x c)")
     p.add_argument("--rates", default="1,4", help="comma-separated request rates (per second); empty to skip")
     p.add_argument("--rate-requests", type=int, default=16)
@@ -73,8 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- the server -------------------------------------------------------------------------------
 
 
-# The server's running totals of XLA compilations and their seconds.
-COMPILE_METRICS = ("aither:xla_compilations_total", "aither:xla_compile_seconds_total")
+# The server's running totals of XLA compilations, their seconds, and the seconds spent lowering
+# steps (where jaxlib >= 0.10.3 builds the Pallas kernels).
+COMPILE_METRICS = (
+    "aither:xla_compilations_total",
+    "aither:xla_compile_seconds_total",
+    "aither:xla_lowering_seconds_total",
+)
 
 
 def compilations_since(server: Server, before: float) -> int:
@@ -240,17 +245,26 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
             (the server's count)."""
             before = [server.metric(m) for m in COMPILE_METRICS]
             _, wall = asyncio.run(workload)
-            count, seconds = (server.metric(m) - b for m, b in zip(COMPILE_METRICS, before, strict=True))
-            warm_up[name] = {"seconds": wall, "compilations": int(count), "compile_seconds": seconds}
-            print(f"  {name}: {wall:.1f} s, {int(count)} compilations taking {seconds:.1f} s", flush=True)
+            count, seconds, lowering = (server.metric(m) - b for m, b in zip(COMPILE_METRICS, before, strict=True))
+            warm_up[name] = {
+                "seconds": wall,
+                "compilations": int(count),
+                "compile_seconds": seconds,
+                "lowering_seconds": lowering,
+            }
+            print(
+                f"  {name}: {wall:.1f} s, {int(count)} compilations taking {seconds:.1f} s, lowering {lowering:.1f} s",
+                flush=True,
+            )
 
         # The same request count as the timed run: its tail (the last few rows, the second
         # wave's prefill) has step shapes a smaller warm-up never reaches. First, since it is
         # the only workload that runs the shared-prefix attention: a failure there shows early.
         warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up", rng)
         phase("shared prefix", run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
+        # No levels (`--concurrency ""`): no concurrency sweep, and no warm-up of its buckets.
         buckets = sorted({1 << i for i in range(max(levels + [args.max_num_seqs]).bit_length())} | set(levels))
-        for c in buckets:
+        for c in buckets if levels else []:
             prompts = distinct_prompts(c, args.prompt_words, rng)
             phase(f"concurrency {c}", run_closed_loop(server.url, prompts, args.max_tokens, c))
         for r in rates:
@@ -330,18 +344,22 @@ def plot(report: dict, path: pathlib.Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     rows = report["concurrency"]
-    xs = [r["concurrency"] for r in rows]
-    axes[0].plot(xs, [r["throughput_tok_s"] for r in rows], "o-")
-    axes[0].set(xscale="log", xlabel="concurrent requests", ylabel="generated tok/s", title="Throughput")
-    axes[0].set_xticks(xs, [str(x) for x in xs])
-    for q in (50, 90, 99):
-        axes[1].plot(xs, [r[f"ttft_p{q}_s"] for r in rows], "o-", label=f"TTFT p{q}")
-    axes[1].plot(xs, [r["itl_p50_s"] for r in rows], "s--", label="ITL p50")
-    axes[1].set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="seconds", title="Latency")
-    axes[1].set_xticks(xs, [str(x) for x in xs])
-    axes[1].legend()
+    if rows:
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        xs = [r["concurrency"] for r in rows]
+        axes[0].plot(xs, [r["throughput_tok_s"] for r in rows], "o-")
+        axes[0].set(xscale="log", xlabel="concurrent requests", ylabel="generated tok/s", title="Throughput")
+        axes[0].set_xticks(xs, [str(x) for x in xs])
+        for q in (50, 90, 99):
+            axes[1].plot(xs, [r[f"ttft_p{q}_s"] for r in rows], "o-", label=f"TTFT p{q}")
+        axes[1].plot(xs, [r["itl_p50_s"] for r in rows], "s--", label="ITL p50")
+        axes[1].set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="seconds", title="Latency")
+        axes[1].set_xticks(xs, [str(x) for x in xs])
+        axes[1].legend()
+    else:  # `--concurrency ""`: the shared-prefix comparison alone
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        axes = [None, None, ax]
     sp = report["shared_prefix"]
     axes[2].bar(["caching off", "caching on"], [sp["off"]["ttft_mean_s"], sp["on"]["ttft_mean_s"]], color=["C3", "C2"])
     axes[2].set(
@@ -380,21 +398,22 @@ def record(report: dict, command: str) -> None:
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = report["concurrency"]
-    if not rows:
-        print("no concurrency rows in the report: nothing to record", file=sys.stderr)
-        return
-    tput = ", ".join(f"{r['concurrency']}: {r['throughput_tok_s']:.0f}" for r in rows)
-    ttft = ", ".join(f"{r['concurrency']}: {r['ttft_p50_s']:.2f}" for r in rows)
-    ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
     sp = report["shared_prefix"]
-    # A run cut off before the shared-prefix workload keeps its concurrency rows.
+    if not rows and "ttft_speedup" not in sp:
+        print("no concurrency rows and no shared-prefix comparison in the report: nothing to record", file=sys.stderr)
+        return
+    # A run cut off before the shared-prefix workload keeps its concurrency rows; a run with
+    # `--concurrency ""` has only the shared-prefix comparison.
+    tput = ", ".join(f"{r['concurrency']}: {r['throughput_tok_s']:.0f}" for r in rows) or "not measured"
+    ttft = ", ".join(f"{r['concurrency']}: {r['ttft_p50_s']:.2f}" for r in rows) or "-"
+    ratio = f"{rows[-1]['throughput_tok_s'] / rows[0]['throughput_tok_s']:.1f}x" if rows else "-"
     on_off, speedup = "not measured", "-"
     if "ttft_speedup" in sp:
         on_off = f"{sp['on']['ttft_mean_s']:.2f} / {sp['off']['ttft_mean_s']:.2f}"
         speedup = f"{sp['ttft_speedup']:.1f}x"
     env = report["env"]
     row = (
-        f"| {env['date']} | {env['device']} | {report['config']['kv_cache_dtype']} | {tput} | {ratio:.1f}x | {ttft} | "
+        f"| {env['date']} | {env['device']} | {report['config']['kv_cache_dtype']} | {tput} | {ratio} | {ttft} | "
         f"{on_off} | {speedup} | jax {env['jax']}, Python {env['python']} | `{command}` |\n"
     )
     append_row(header, columns, row)

@@ -75,7 +75,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     # Per-kernel device times under Nsight Compute: TurboQuant attention, a batch-1 decode.
     "profile": ([PY, "scripts/gpu_check.py", "profile", "attention", "decode"], 400, ""),
-    # The cold compilation of our decode steps, with XLA's autotuning on and off.
+    # The cold compilation of our decode steps: XLA's defaults, autotuning off, Triton GEMMs off.
     "compile": ([PY, "scripts/gpu_check.py", "compile"], 300, ""),
     "decode": (
         [PY, "scripts/bench_decode.py", "--random-weights", "--hf-compile", "--batch-sizes", "1,8"]
@@ -98,6 +98,14 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         560,
         "model",
     ),
+    # The shared-prefix comparison alone (caching on against off), which the full stage did not
+    # reach on 2026-11-26 (H200): its warm-ups compiled for 463 s (about 13 s a step shape).
+    "serving-shared": (
+        [PY, "scripts/bench_serving.py", "--concurrency", "", "--rates", "", "--no-record"]
+        + ["--out", "{out}/serving-shared.json", "--server-log", "{out}/serving_server.log"],
+        560,
+        "model",
+    ),
     "model-tests": (
         [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/aither_jax/test_engine.py"]
         + ["tests/aither_jax/test_quantized_cache.py", "tests/speculative/test_speculative_engine.py"],
@@ -116,8 +124,9 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
 }
 
 
-# The stages whose report is bench_attention.py's.
+# The stages whose report is bench_attention.py's, and bench_serving.py's.
 ATTENTION_STAGES = ("attention", "attention-quick")
+SERVING_STAGES = ("serving", "serving-shared")
 
 
 # The device calls of one session, in order: call i carries .gpu/setup and .gpu/model_<i> (the
@@ -127,8 +136,10 @@ ATTENTION_STAGES = ("attention", "attention-quick")
 # gone cold in between costs a start but loses nothing (gpu_bundle.py prints these).
 # Each entry is the arguments of `run` (stages, then options). On 2026-11-26 (H200) the
 # serving stage alone took 337 s before it failed in its warm-up, and the speculative stage's
-# first configuration did not finish in 213 s: each needs a call of its own.
-CALLS: list[list[str]] = [[], ["serving", "--budget", "560"], ["attention-quick", "--budget", "200"]]
+# first configuration did not finish in 213 s: each needs a call of its own. In the next
+# session the whole serving stage ran out of its 555 s after its throughput sweep (compiling
+# for 463 s of it), so call 2 runs the shared-prefix comparison alone (`serving-shared`).
+CALLS: list[list[str]] = [[], ["serving-shared", "--budget", "560"], ["compile", "--budget", "200"]]
 CALLS += [["env", "profile"], ["attention"], ["decode"], ["tests"], ["tests-2"]]
 
 
@@ -245,18 +256,25 @@ def profile(targets: list[str]) -> int:
     return int(failed)
 
 
-# What `compile` runs twice: our decode at batches 1 and 8 with random weights, in the model's
-# default TurboQuant widths (6 key/value width pairs, so 6 attention kernels a step shape; less
-# the fitted key transform, which random weights have none of).
+# What `compile` runs once per setting of COMPILE_FLAGS: our decode at batch 8 with random
+# weights, in the model's default TurboQuant widths (6 key/value width pairs, so 6 attention
+# kernels a step shape; less the fitted key transform, which random weights have none of).
+# Batch 8 alone: on 2026-11-26 (H200) its decode step took ~57 s to compile, batch 1's a few.
 COMPILE_RUN = ["scripts/bench_decode.py", "--random-weights", "--no-hf"]
-COMPILE_RUN += "--batch-sizes 1,8 --decode-tokens 16 --repeats 2 --no-record".split()
-COMPILE_FLAGS = {"autotune on": "", "autotune off": "--xla_gpu_autotune_level=0"}
+COMPILE_RUN += "--batch-sizes 8 --decode-tokens 16 --repeats 1 --no-record".split()
+# XLA's defaults; no autotuning (its default GEMM configurations); GEMMs on cuBLAS, not Triton.
+COMPILE_FLAGS = {
+    "default": "",
+    "autotune off": "--xla_gpu_autotune_level=0",
+    "triton gemm off": "--xla_gpu_enable_triton_gemm=false",
+}
 
 
 def compile_times(tmp_dir: pathlib.Path = pathlib.Path("/tmp/gpu_check_compile")) -> int:
-    """How much of a cold GPU run is compilation: `COMPILE_RUN` in a fresh process per setting of
-    `COMPILE_FLAGS`, the persistent compilation cache off, each line giving the compilations,
-    their seconds and the decode speed (whether autotuning's choices matter for speed)."""
+    """How much of a cold GPU run is compilation, and what in it: `COMPILE_RUN` in a fresh
+    process per setting of `COMPILE_FLAGS`, the persistent compilation cache off, each line
+    giving the compilations, their seconds, the seconds spent lowering (where jaxlib builds
+    the Pallas kernels) and the decode speed (whether the flag costs speed)."""
     sys.path.insert(0, str(ROOT))
     from models.registry import SMOLLM2_KV
 
@@ -265,7 +283,7 @@ def compile_times(tmp_dir: pathlib.Path = pathlib.Path("/tmp/gpu_check_compile")
     failed = 0
     for name, flags in COMPILE_FLAGS.items():
         env = xla_env(flags) | {"AITHER_JAX_COMPILATION_CACHE": "off"}
-        out = tmp_dir / f"compile_{name.split()[-1]}.json"
+        out = tmp_dir / f"compile_{name.replace(' ', '_')}.json"
         cmd = [PY, *COMPILE_RUN, "--kv-cache-dtype", kv, "--out", str(out)]
         print(f"== compile, {name} (XLA_FLAGS={env['XLA_FLAGS']!r}): {' '.join(cmd[1:])}", flush=True)
         if subprocess.call(cmd, cwd=ROOT, env=env) != 0 or not out.exists():
@@ -275,7 +293,7 @@ def compile_times(tmp_dir: pathlib.Path = pathlib.Path("/tmp/gpu_check_compile")
         speed = ", ".join(f"batch {r['batch']} {r['ours']['decode_tok_s'] or 0:.0f} tok/s" for r in report["results"])
         print(
             f"compile, {name}: {report['ours_compilations']} compilations taking "
-            f"{report['ours_compile_seconds']:.1f} s; {speed}",
+            f"{report['ours_compile_seconds']:.1f} s, lowering {report.get('ours_lowering_seconds', 0):.1f} s; {speed}",
             flush=True,
         )
     return failed
@@ -316,13 +334,16 @@ def headline(stage: str, report: dict) -> str:
         from bench_speculative import label
 
         return "; ".join(f"{label(r)}: tau {r['tau_mean']:.2f}, {r['speedup']:.2f}x" for r in report["rows"])
-    if stage == "serving":
-        rows = report["concurrency"]
-        if not rows:  # cut off in the warm-up
-            return "no workload finished"
+    if stage in SERVING_STAGES:
+        rows, sp = report["concurrency"], report["shared_prefix"]
+        ttft = "not measured"
+        if "ttft_speedup" in sp:
+            ttft = f"{sp['ttft_speedup']:.1f}x"
+            if "on" in sp and "off" in sp:
+                ttft += f" ({sp['on']['ttft_mean_s']:.2f} / {sp['off']['ttft_mean_s']:.2f} s)"
+        if not rows:  # cut off in the warm-up, or a run of the shared-prefix comparison alone
+            return "no workload finished" if "ttft_speedup" not in sp else f"shared-prefix TTFT {ttft}"
         ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"]
-        ttft = report["shared_prefix"].get("ttft_speedup")
-        ttft = f"{ttft:.1f}x" if ttft is not None else "not measured"
         return f"{ratio:.1f}x tok/s at {rows[-1]['concurrency']} vs 1 in flight; shared-prefix TTFT {ttft}"
     return ""
 
@@ -404,7 +425,7 @@ def record(report_dir: pathlib.Path) -> int:
     if summary_path.exists():
         commands = {e["stage"]: "python " + e["command"] for e in json.loads(summary_path.read_text())}
     done = 0
-    for stage in (*ATTENTION_STAGES, "decode", "speculative", "serving"):
+    for stage in (*ATTENTION_STAGES, "decode", "speculative", *SERVING_STAGES):
         path = report_dir / f"{stage}.json"
         if not path.exists():
             continue

@@ -285,16 +285,16 @@ class AsyncEngine:
             ),
             ("aither:xla_compile_seconds_total", "Seconds spent in those compilations.", CompileCounter.seconds),
             (
+                "aither:xla_lowering_seconds_total",
+                "Seconds spent lowering steps for XLA (with jaxlib >= 0.10.3, building the Pallas kernels too).",
+                CompileCounter.lowering_seconds,
+            ),
+            (
                 "aither:prefill_tokens_total",
                 "Tokens prefilled for requests: prompt tokens not found in the prefix cache, plus recomputes.",
                 lambda: self.num_prefilled_tokens,
             ),
             ("aither:engine_steps_total", "Engine steps run.", lambda: self.engine.num_steps),
-            (
-                "aither:xla_compilations_total",
-                "XLA compilations in the server process (a step shape is compiled on its first use).",
-                lambda: eng.num_compiles,
-            ),
             (
                 "aither:compiled_code_releases_total",
                 "Times every compiled step was dropped because the process neared vm.max_map_count.",

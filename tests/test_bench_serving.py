@@ -87,3 +87,55 @@ def test_compilations_in_a_timed_workload_are_counted_and_warned(capsys):
     server.total = 15.0
     assert bench_serving.compilations_since(server, 12.0) == 3
     assert "3 compilation(s) during a timed workload" in capsys.readouterr().err
+
+
+def test_a_shared_prefix_only_run_records_its_comparison_and_plots_it(tmp_path, monkeypatch):
+    """`--concurrency "" --rates ""`: the row says the sweep was not measured and keeps the
+    shared-prefix figures; the plot is the comparison alone."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_serving, "ROOT", tmp_path)
+    whole = {"on": {"ttft_mean_s": 0.1}, "off": {"ttft_mean_s": 0.8}, "ttft_speedup": 8.0}
+    only = report(whole) | {"concurrency": []}
+    bench_serving.record(only, "cmd")
+    [row] = [r for r in (tmp_path / "docs" / "BENCHMARKS.md").read_text().splitlines() if "H200" in r]
+    assert "| not measured | - | - | 0.10 / 0.80 | 8.0x |" in row
+    pytest.importorskip("matplotlib")
+    only["config"] |= {"model": "smollm2-135m", "shared_requests": 32, "shared_prefix_tokens": 1000}
+    bench_serving.plot(only, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_no_concurrency_levels_skip_the_sweep_and_its_warm_ups(monkeypatch):
+    """With no levels the bench runs only the shared-prefix workload (on, then off), and its
+    warm-up: no bucket warm-ups, no sweep rows."""
+    sent = []
+
+    class FakeServer:
+        url = "http://server"
+
+        def __init__(self, args, *flags):
+            self.flags = flags
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def metric(self, name):
+            return 1.0
+
+    async def closed_loop(url, prompts, max_tokens, concurrency):
+        sent.append((len(prompts), concurrency))
+        return [{"ttft": 0.1, "itl": [0.01], "e2e": 0.2, "tokens": max_tokens}] * len(prompts), 1.0
+
+    monkeypatch.setattr(bench_serving, "Server", FakeServer)
+    monkeypatch.setattr(bench_serving, "run_closed_loop", closed_loop)
+    monkeypatch.setattr(bench_serving, "summarize", lambda results, wall: {"ttft_mean_s": 0.5})
+    args = bench_serving.parse_args(["--concurrency", "", "--rates", "", "--shared-requests", "4"])
+    out = bench_serving.bench(args)
+    assert out["concurrency"] == [] and out["rates"] == []
+    assert list(out["warm_up"]) == ["shared prefix"]
+    assert sent == [(4, 4)] * 4  # warm-up and timed run, on and off
+    assert out["shared_prefix"]["ttft_speedup"] == 1.0

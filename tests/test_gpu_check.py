@@ -170,6 +170,9 @@ def test_headlines_pick_the_goal_figures():
     cut = {"concurrency": conc, "shared_prefix": {}}  # a report rewritten before its last workload
     assert gpu_check.headline("serving", cut) == "4.5x tok/s at 16 vs 1 in flight; shared-prefix TTFT not measured"
     assert gpu_check.headline("serving", {"concurrency": [], "shared_prefix": {}}) == "no workload finished"
+    alone = {"on": {"ttft_mean_s": 0.37}, "off": {"ttft_mean_s": 3.1}, "ttft_speedup": 8.4}
+    shared = {"concurrency": [], "shared_prefix": alone}  # serving-shared: the comparison alone
+    assert gpu_check.headline("serving-shared", shared) == "shared-prefix TTFT 8.4x (0.37 / 3.10 s)"
 
 
 def test_the_budget_skips_what_it_cannot_fit_and_a_timeout_ends_the_whole_stage(monkeypatch, tmp_path):
@@ -224,7 +227,7 @@ def test_profile_runs_its_targets_under_ncu_and_says_when_there_is_none(tmp_path
     assert "--xla_gpu_autotune_level=0" in (tmp_path / "flags").read_text()
 
 
-def test_compile_runs_the_decode_bench_with_autotuning_on_and_off_and_the_cache_off(tmp_path, monkeypatch, capsys):
+def test_compile_runs_the_decode_bench_once_per_flag_setting_with_the_cache_off(tmp_path, monkeypatch, capsys):
     import bench_decode
 
     bench_decode.parse_args(gpu_check.COMPILE_RUN[1:])  # a typo would cost a device call
@@ -236,18 +239,21 @@ def test_compile_runs_the_decode_bench_with_autotuning_on_and_off_and_the_cache_
         assert kv.startswith("tq-") and "-pc" not in kv  # the default widths, no fitted transform
         out = pathlib.Path(cmd[cmd.index("--out") + 1])
         n = 40 if "autotune_level=0" not in env["XLA_FLAGS"] else 38
-        results = [{"batch": 1, "ours": {"decode_tok_s": 480.0}}, {"batch": 8, "ours": {"decode_tok_s": 2500.0}}]
-        out.write_text(json.dumps({"ours_compilations": n, "ours_compile_seconds": 3.0 * n, "results": results}))
+        results = [{"batch": 8, "ours": {"decode_tok_s": 2500.0}}]
+        report = {"ours_compilations": n, "ours_compile_seconds": 3.0 * n, "ours_lowering_seconds": 7.5}
+        out.write_text(json.dumps(report | {"results": results}))
         return 0
 
     monkeypatch.setattr(gpu_check.subprocess, "call", fake_call)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     assert gpu_check.compile_times(tmp_path) == 0
-    assert [e["AITHER_JAX_COMPILATION_CACHE"] for e in calls] == ["off", "off"]
+    assert [e["AITHER_JAX_COMPILATION_CACHE"] for e in calls] == ["off", "off", "off"]
     assert calls[0]["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
     assert calls[1]["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=0"
+    assert calls[2]["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=false"
     out = capsys.readouterr().out
-    assert "autotune on: 40 compilations taking 120.0 s; batch 1 480 tok/s, batch 8 2500 tok/s" in out
+    assert "default: 40 compilations taking 120.0 s, lowering 7.5 s; batch 8 2500 tok/s" in out
     assert "autotune off: 38 compilations taking 114.0 s" in out
+    assert "triton gemm off: 40 compilations" in out
     monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd, env: 1)
     assert gpu_check.compile_times(tmp_path / "failed") == 1

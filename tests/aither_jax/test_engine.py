@@ -93,10 +93,11 @@ def test_compile_counter_sees_new_compilations(llm_f32):
 
     from aither_jax.steps import CompileCounter
 
-    before, seconds = llm_f32.engine.num_compiles, CompileCounter.seconds()
+    before, seconds, lowering = llm_f32.engine.num_compiles, CompileCounter.seconds(), CompileCounter.lowering_seconds()
     jax.jit(lambda x: x * 3 + 1)(jnp.arange(7)).block_until_ready()
     assert llm_f32.engine.num_compiles > before
     assert CompileCounter.seconds() > seconds  # their time adds up too (the server's metric)
+    assert CompileCounter.lowering_seconds() > lowering  # and so does lowering, counted apart
 
 
 def test_steady_state_decoding_does_not_recompile(llm_f32):

@@ -230,6 +230,7 @@ def test_metrics_count_the_servers_compilations(server):
     seconds, for telling compilation from serving in a cold run."""
     m = server.metrics()
     assert m["aither:xla_compilations_total"] >= 1 and m["aither:xla_compile_seconds_total"] > 0
+    assert m["aither:xla_lowering_seconds_total"] > 0
     chat(server.url, "One more question about the library hours.")
     after = server.metrics()
     assert after["aither:xla_compilations_total"] >= m["aither:xla_compilations_total"]
