@@ -8,6 +8,11 @@ boundaries below each coordinate (a static loop of compares, no gather), pack th
 with shifts and masks, and for QJL rebuild the centroid values with selects, take the residual
 and its projection, and pack the signs.
 
+Wider heads go in blocks of `COLUMN_BLOCK` rotated coordinates, one program each (the norm is
+computed in every one, written by the first): column block j holds positions 8j .. 8j + 7 of
+every chunk, so it packs bytes 8j .. 8j + 7 of every plane. With QJL a program takes every
+coordinate (the residual needs the whole decoded vector).
+
 Triton has no lowering for slicing a loaded value (`lax.slice`), so the planar chunks are not
 cut out of the codes. The kernel gets the rotation (and QJL) matrix with its rows permuted so
 that output column p * 8 + m is coordinate m * c + p (chunk m, position p, c = d / 8): a
@@ -33,6 +38,11 @@ from pallas_kernels.turboquant import NORM_DTYPE, TurboQuant, store_norms
 
 _HI = jax.lax.Precision.HIGHEST
 _MIN_ROWS = 16  # Triton's dot wants every dimension >= 16
+# Rotated coordinates one program computes, packs and stores (a second grid axis covers the
+# rest). The whole [d, d] rotation in one program needed 288 KiB of shared memory at head_dim
+# 256, more than an H100/H200 SM has, and spilled 1,952 bytes a thread at 128 (built for sm_90
+# by scripts/kernel_resources.py); a block of 64 rotation rows needs a quarter of that at 256.
+COLUMN_BLOCK = 64
 
 
 def tq_encode_reference(x: jax.Array, codec: TurboQuant) -> dict[str, jax.Array]:
@@ -91,6 +101,7 @@ def _tq_encode(x, *, codec, block_rows, num_warps, interpret):
         return out
 
     rows = min(block_rows, max(_MIN_ROWS, pl.next_power_of_2(n)))
+    cols = COLUMN_BLOCK if d % COLUMN_BLOCK == 0 and not codec.qjl else d
     n_pad = -(-n // rows) * rows
     flat = x.reshape(n, d)
     if n_pad != n:
@@ -104,10 +115,10 @@ def _tq_encode(x, *, codec, block_rows, num_warps, interpret):
         jnp.asarray(codec.boundaries),
         jnp.asarray(codec.centroids),
     ]
-    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
     in_specs = [
-        pl.BlockSpec((rows, d), lambda i: (i, 0)),
-        full((d, d)),
+        pl.BlockSpec((rows, d), lambda i, j: (i, 0)),
+        pl.BlockSpec((cols, d), lambda i, j: (j, 0)),  # the rotation rows of column block j
         full(codec.boundaries.shape),
         full(codec.centroids.shape),
     ]
@@ -116,19 +127,19 @@ def _tq_encode(x, *, codec, block_rows, num_warps, interpret):
         jax.ShapeDtypeStruct((n_pad,), jnp.float32),
     ]
     out_specs = [
-        pl.BlockSpec((rows, bits, c), lambda i: (i, 0, 0)),
-        pl.BlockSpec((rows,), lambda i: (i,)),
+        pl.BlockSpec((rows, bits, cols // 8), lambda i, j: (i, 0, j)),
+        pl.BlockSpec((rows,), lambda i, j: (i,)),
     ]
     if codec.qjl:
         operands.append(jnp.asarray(codec.qjl_matrix[perm]))
         in_specs.append(full((d, d)))
         out_shape += [jax.ShapeDtypeStruct((n_pad, 1, c), jnp.uint8), jax.ShapeDtypeStruct((n_pad,), jnp.float32)]
-        out_specs += [pl.BlockSpec((rows, 1, c), lambda i: (i, 0, 0)), pl.BlockSpec((rows,), lambda i: (i,))]
+        out_specs += [pl.BlockSpec((rows, 1, c), lambda i, j: (i, 0, 0)), pl.BlockSpec((rows,), lambda i, j: (i,))]
 
     kernel = functools.partial(_encode_kernel, bits=bits, qjl=codec.qjl)
     outs = pl.pallas_call(
         kernel,
-        grid=(n_pad // rows,),
+        grid=(n_pad // rows, d // cols),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -164,10 +175,10 @@ def _pack_planes(codes: jax.Array, bits: int) -> list[jax.Array]:
 
 def _encode_kernel(
     x_ref,  # [R, d] vectors, any float dtype
-    rot_ref,  # [d, d] float32 rotation R, rows permuted (see the module doc)
+    rot_ref,  # [C, d] float32 rows of the rotation R (permuted, see the module doc) for this column block
     bnd_ref,  # [2^b - 1] float32 cell boundaries, ascending
     cb_ref,  # [2^b] float32 centroids, ascending
-    *refs,  # (qjl_ref [d, d] permuted S, if QJL), codes_ref [R, b, c], norms_ref [R], (signs_ref [R, 1, c], qn_ref [R])
+    *refs,  # (qjl_ref [d, d] permuted S, if QJL), codes_ref [R, b, C/8], norms_ref [R], (signs_ref [R, 1, c], qn_ref [R])
     bits: int,
     qjl: bool,
 ):
@@ -194,7 +205,10 @@ def _encode_kernel(
 
     for r, plane in enumerate(_pack_planes(idx, bits)):
         codes_ref[:, r, :] = plane.astype(jnp.uint8)
-    norms_ref[...] = norms
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        norms_ref[...] = norms
 
     if qjl:
         u_hat = jax.lax.dot_general(

@@ -109,6 +109,14 @@ def test_matches_reference(bits, head_dim, lead, rotation):
     _run(_gaussian(lead, head_dim, seed=bits), codec)
 
 
+@pytest.mark.parametrize("bits, lead", [(3, (5,)), (5, (3, 7, 2)), (8, (40,))])
+def test_matches_reference_at_gemma_head_width(bits, lead):
+    """head_dim 256 (Gemma 3): four column blocks per row block, each packing its own bytes of
+    every plane; 40 rows make two row blocks of 32."""
+    codec = _codec(256, bits, ("haar", "hadamard")[bits % 2])
+    _run(_gaussian(lead, 256, seed=20 + bits), codec)
+
+
 @pytest.mark.parametrize(
     "bits, head_dim, lead, rotation",
     [
