@@ -37,12 +37,16 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.turboquant import NORM_DTYPE, TurboQuant, store_norms
 
 _HI = jax.lax.Precision.HIGHEST
-_MIN_ROWS = 16  # Triton's dot wants every dimension >= 16
+# Rows a program holds at least, fewer rows padded (Triton's dot wants every dimension >= 16).
+# 32, not 16: built for sm_90, a 16-row block at head_dim 256 kept a 3.4 KB array in local
+# memory (32 registers, ~4 KB spilled); 32 rows build with none at every head width up to 6 bits.
+_MIN_ROWS = 32
 # Rotated coordinates one program computes, packs and stores (a second grid axis covers the
 # rest). The whole [d, d] rotation in one program needed 288 KiB of shared memory at head_dim
-# 256, more than an H100/H200 SM has, and spilled 1,952 bytes a thread at 128 (built for sm_90
-# by scripts/kernel_resources.py); a block of 64 rotation rows needs a quarter of that at 256.
-COLUMN_BLOCK = 64
+# 256, more than an H100/H200 SM has, and spilled 1,952 bytes a thread at 128; blocks of 32
+# rotation rows need 64 KiB at 256 and spill nothing up to 6 bits at head_dim 64, 128 or 256
+# (scripts/kernel_resources.py; tests/pallas_kernels/test_kernel_resources.py).
+COLUMN_BLOCK = 32
 
 
 def tq_encode_reference(x: jax.Array, codec: TurboQuant) -> dict[str, jax.Array]:
@@ -62,10 +66,9 @@ def tq_encode(
     """Encodes x with a Pallas kernel; same result as `tq_encode_reference`.
 
     Args:
-        block_rows: vectors per kernel program (a power of two; fewer when there are fewer
-            rows, but at least 16 when block_rows allows it).
-        num_warps: Triton warps per program (default 4, or 8 for head_dim 256; ignored in
-            interpret mode).
+        block_rows: vectors per kernel program, at most (a power of two; fewer vectors are
+            padded to min(block_rows, 32) rows).
+        num_warps: Triton warps per program (default 4; ignored in interpret mode).
         interpret: run the kernel in the Pallas interpreter (default: on CPU).
     """
     if not isinstance(codec, TurboQuant):
@@ -80,7 +83,7 @@ def tq_encode(
     if not isinstance(block_rows, int) or block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a positive power of two, got {block_rows!r}")
     if num_warps is None:
-        num_warps = 4 if codec.head_dim <= 128 else 8
+        num_warps = 4
     if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a positive power of two, got {num_warps!r}")
     if interpret is None:

@@ -11,6 +11,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]
 import kernel_resources  # noqa: E402
 
 from pallas_kernels.tq_attention import DOT_PRECISION  # noqa: E402
+from pallas_kernels.turboquant import TurboQuant  # noqa: E402
 
 
 def build(tokens, k_bits, v_bits, **knobs):
@@ -78,3 +79,20 @@ def test_draft_kernels_build_for_hopper_at_dflash_shapes(block):
         assert "error" not in found, found
         assert found["spill_store_bytes"] == 0
         assert found["shared_bytes"] <= kernel_resources.MAX_SHARED_BYTES
+
+
+@pytest.mark.parametrize("head_dim, bits", [(64, 7), (128, 6), (256, 6)])
+def test_encoder_fits_a_hopper_program_at_every_head_width(head_dim, bits):
+    """The quantize-on-write kernel at SmolLM2's width (with the default format's widest keys),
+    and at 128 and 256 (Gemma 3), for a decode step's few vectors: no spills, and shared
+    memory within an SM's (the whole 256 x 256 rotation in one program needed 288 KiB)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.tq_encode import tq_encode
+
+    codec = TurboQuant(head_dim=head_dim, bits=bits, seed=0)
+    [kernel] = kernel_resources.triton_kernels(lambda x: tq_encode(x, codec, interpret=False), jnp.zeros((8, head_dim)))
+    found = kernel_resources.compile_sm90(kernel, timeout=240)
+    assert "error" not in found, found
+    assert found["spill_store_bytes"] == 0
+    assert found["shared_bytes"] <= kernel_resources.MAX_SHARED_BYTES
