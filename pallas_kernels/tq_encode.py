@@ -181,7 +181,7 @@ def _encode_kernel(
     rot_ref,  # [C, d] float32 rows of the rotation R (permuted, see the module doc) for this column block
     bnd_ref,  # [2^b - 1] float32 cell boundaries, ascending
     cb_ref,  # [2^b] float32 centroids, ascending
-    *refs,  # (qjl_ref [d, d] permuted S, if QJL), codes_ref [R, b, C/8], norms_ref [R], (signs_ref [R, 1, c], qn_ref [R])
+    *refs,  # (qjl_ref [d, d] permuted S), codes_ref [R, b, C/8], norms_ref [R], (signs_ref [R, 1, c], qn_ref [R])
     bits: int,
     qjl: bool,
 ):
