@@ -32,7 +32,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.paged_attention import (
-    DOT_PRECISIONS,
+    DOT_PRECISIONS as TILE_DOT_PRECISIONS,
+)
+from pallas_kernels.paged_attention import (
     MASK_VALUE,
     causal_mask,
     context_scores,
@@ -47,6 +49,10 @@ _MIN_DOT = 16
 # A kernel loop step reads up to this many pages, in code tiles of at most this many elements.
 TILE_PAGES = 4
 TILE_ELEMENTS = 4096
+# ... and with the "rows" products, whose tiles stay in registers through every row's
+# multiply-reduce: built for sm_90 at 32 rows x 64 pages (a pipelined 16-step loop), tiles of
+# 4 pages spilled 1.6 KB a thread, 2 pages took 229 registers and 1 page 128.
+ROWS_TILE_ELEMENTS = 1024
 # How the kernel loads a tile's codes: "gather" reads each coordinate's byte(s) at its own
 # offset; "planes" loads each byte plane contiguously, unpacks the 8 code chunks and joins them
 # into one tile whose columns are in `joined_order` (the queries and outputs are permuted to it).
@@ -58,6 +64,12 @@ CODE_LOADS = ("gather", "planes")
 # step is ~1,040 FMAs against bf16x3's 48 MMAs (scripts/kernel_resources.py), but decode's 3
 # query rows per KV head fill 3/16 of an MMA, and the hi/lo splits cost more than they save.
 DOT_PRECISION = "float32"
+# `tile_dot`'s precisions, and "rows": no matrix product at all. Each query row of the program
+# multiplies the [T, Dh] key tile elementwise and sums along Dh (its scores), then sums its
+# weights times the value tile along T, in float32. A decode program holds 3 query rows per KV
+# head (SmolLM2), which the float32 dot pads to 16: 5.3x the FMAs, and its operands go through
+# shared memory. Per row it is 2 x T x Dh FMAs on the tiles as loaded, reductions within warps.
+DOT_PRECISIONS = (*TILE_DOT_PRECISIONS, "rows")
 # The split sizes `default_pages_per_split` chooses from, and the programs (rows x KV heads x
 # splits) a grid needs before a larger split pays. On an H200 (132 SMs, 2026-11-26,
 # docs/BENCHMARKS.md "The tile kernel on an H200"): at 1 x 512 tokens (3 programs with a split
@@ -67,7 +79,7 @@ SPLIT_SIZES = (4, 8, 16, 32, 64)
 MIN_PROGRAMS = 512
 # Query rows one program holds by default at head_dim 64, by `DOT_PRECISIONS` entry; wider
 # heads hold proportionally fewer (`default_query_rows`).
-QUERY_ROWS = {"float32": 16, "bf16x3": 64, "bf16": 64}
+QUERY_ROWS = {"float32": 16, "bf16x3": 64, "bf16": 64, "rows": 4}
 # Query rows one kernel program of `tq_shared_prefix_attention` holds.
 SHARED_QUERY_ROWS = 64
 
@@ -194,8 +206,8 @@ def tq_paged_attention(
             `default_code_loads`.
         dot_precision: how the kernel multiplies its tiles, one of `DOT_PRECISIONS`.
         query_rows: the most query rows (new tokens x query heads of a KV head) one program
-            holds, a power of two >= 16; more go to further programs, which read the same
-            pages (default: `default_query_rows`).
+            holds, a power of two (>= 16 for the products `tile_dot` computes); more go to
+            further programs, which read the same pages (default: `default_query_rows`).
         interpret: run the kernel in the Pallas interpreter (default: on CPU).
     """
     if interpret is None:
@@ -330,11 +342,12 @@ def _checked_call(
         raise ValueError(f"dot_precision must be one of {DOT_PRECISIONS}, got {dot_precision!r}")
     if query_rows is None:
         query_rows = default_query_rows(dot_precision, q.shape[3])
-    if not isinstance(query_rows, int) or query_rows < _MIN_DOT or query_rows & (query_rows - 1):
-        raise ValueError(f"query_rows must be a power of two >= {_MIN_DOT}, got {query_rows!r}")
+    least = _min_rows(dot_precision)
+    if not isinstance(query_rows, int) or query_rows < least or query_rows & (query_rows - 1):
+        raise ValueError(f"query_rows must be a power of two >= {least}, got {query_rows!r}")
     hkv = k_pool["codes"].shape[3]
     if pages_per_split is None:  # a program per (row, KV head, query block, split)
-        _, q_blocks = _query_blocks(q.shape[1] * (q.shape[2] // hkv), query_rows)
+        _, q_blocks = _query_blocks(q.shape[1] * (q.shape[2] // hkv), query_rows, dot_precision)
         pages_per_split = default_pages_per_split(q.shape[0] * q_blocks, hkv, block_table.shape[1])
     if pages_per_step is not None and (
         not isinstance(pages_per_step, int) or pages_per_step < 1 or pages_per_split % pages_per_step
@@ -453,7 +466,7 @@ def _tq_paged_attention(
             q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks
         )
     else:
-        rows, num_blocks = _query_blocks(num_q, query_rows or default_query_rows(dot_precision, dh))
+        rows, num_blocks = _query_blocks(num_q, query_rows or default_query_rows(dot_precision, dh), dot_precision)
         padded_q = num_blocks * rows
         q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, padded_q - num_q), (0, 0)))
         num_pages = block_table.shape[1]
@@ -596,7 +609,7 @@ def _context_partials(
         head_dim=dh,
         page_size=page_size,
         pages_per_split=pages_per_split,
-        pages_per_step=pages_per_step or default_pages_per_step(pages_per_split, page_size, dh),
+        pages_per_step=pages_per_step or default_pages_per_step(pages_per_split, page_size, dh, dot_precision),
         num_sinks=num_sinks,
         joined=joined,
         dot_precision=dot_precision,
@@ -661,10 +674,16 @@ def default_pages_per_split(batch: int, kv_heads: int, num_pages: int) -> int:
     return SPLIT_SIZES[0]
 
 
-def _query_blocks(num_q: int, query_rows: int) -> tuple[int, int]:
+def _min_rows(dot_precision: str) -> int:
+    """The fewest query rows a program holds: Triton's smallest dot, or 1 without a dot."""
+    return 1 if dot_precision == "rows" else _MIN_DOT
+
+
+def _query_blocks(num_q: int, query_rows: int, dot_precision: str) -> tuple[int, int]:
     """Rows per program and programs for `num_q` query rows: one block padded to a power of
-    two (at least Triton's 16) while they fit in `query_rows`, else blocks of `query_rows`."""
-    rows = min(max(_MIN_DOT, pl.next_power_of_2(num_q)), query_rows)
+    two (at least Triton's 16 for a dot) while they fit in `query_rows`, else blocks of
+    `query_rows`."""
+    rows = min(max(_min_rows(dot_precision), pl.next_power_of_2(num_q)), query_rows)
     return rows, -(-num_q // rows)
 
 
@@ -673,7 +692,10 @@ def default_query_rows(dot_precision: str, head_dim: int = 64) -> int:
     memory (scripts/kernel_resources.py builds the kernel for sm_90 without a GPU and reads
     ptxas's report). The accumulator is rows x head_dim, so wider heads get fewer rows: in
     bf16x3, 64 rows at head_dim 128 spilled and 32 did not; at 256, 64 spilled 1 KB and 16
-    did not. At least 16, Triton's smallest dot."""
+    did not. At least 16, Triton's smallest dot ("rows" has no dot: its rows are unrolled
+    loops, so a few per program, whatever the width)."""
+    if dot_precision == "rows":
+        return QUERY_ROWS["rows"]
     return max(_MIN_DOT, QUERY_ROWS[dot_precision] * 64 // head_dim)
 
 
@@ -685,10 +707,12 @@ def default_code_loads(k_bits: int, v_bits: int) -> str:
     return "planes" if k_bits in (1, 2, 4, 8) and v_bits in (1, 2, 4, 8) else "gather"
 
 
-def default_pages_per_step(pages_per_split: int, page_size: int, head_dim: int) -> int:
+def default_pages_per_step(pages_per_split: int, page_size: int, head_dim: int, dot_precision: str = "float32") -> int:
     """Pages one loop step of the kernel reads: up to `TILE_PAGES`, a divisor of the split,
-    and a code tile of at most `TILE_ELEMENTS` (past that the tiles spill out of registers)."""
-    most = max(1, min(TILE_PAGES, TILE_ELEMENTS // (page_size * head_dim)))
+    and a code tile of at most `TILE_ELEMENTS` (`ROWS_TILE_ELEMENTS` with the "rows"
+    products; past that the tiles spill out of registers)."""
+    elements = ROWS_TILE_ELEMENTS if dot_precision == "rows" else TILE_ELEMENTS
+    most = max(1, min(TILE_PAGES, elements // (page_size * head_dim)))
     return math.gcd(pages_per_split, 1 << (most.bit_length() - 1))
 
 
@@ -749,6 +773,14 @@ def _context_kernel(
         code = code & ((1 << bits) - 1)
         return codebook_ref[code], norms
 
+    num_steps = pages_per_split // pages_per_step
+    if dot_precision == "rows":
+        walk = dict(pages_per_split=pages_per_split, pages_per_step=pages_per_step, page_size=page_size)
+        tiles = ((kc_ref, kn_ref, kcb_ref, k_bits), (vc_ref, vn_ref, vcb_ref, v_bits))
+        outs = (acc_ref, m_ref, sum_ref)
+        _rows_loop(q_ref, outs, tile, tiles, table_ref, row, split, ctx_len, t, num_steps, num_sinks, **walk)
+        return
+
     def body(i, carry):
         m, sums, acc = carry
         first = split * pages_per_split + i * pages_per_step
@@ -773,10 +805,55 @@ def _context_kernel(
         jnp.zeros((padded_q,), jnp.float32),
         jnp.zeros((padded_q, head_dim), jnp.float32),
     )
-    m, sums, acc = jax.lax.fori_loop(0, pages_per_split // pages_per_step, body, init)
+    m, sums, acc = jax.lax.fori_loop(0, num_steps, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
     sum_ref[...] = sums
+
+
+def _rows_loop(q_ref, outs, tile, tiles, table_ref, row, split, ctx_len, t, num_steps, num_sinks, *,
+               pages_per_split, pages_per_step, page_size):  # fmt: skip
+    """`_context_kernel`'s walk over the split with the "rows" products: every query row keeps
+    its own running max, denominator and [Dh] accumulator, and meets the step's key and value
+    tiles in multiply-reduce loops (the module doc of `DOT_PRECISIONS`). Triton cannot slice a
+    loaded value, so each row's query is loaded from its ref, and the rows' results are put
+    back together with selects before the stores."""
+    acc_ref, m_ref, sum_ref = outs
+    (kc_ref, kn_ref, kcb_ref, k_bits), (vc_ref, vn_ref, vcb_ref, v_bits) = tiles
+    num_rows, head_dim = q_ref.shape
+    queries = [q_ref[r, :] for r in range(num_rows)]  # [Dh] each
+
+    def body(i, carry):
+        first = split * pages_per_split + i * pages_per_step
+        pages = table_ref[row, first + t // page_size]  # [T, 1]
+        pos = first * page_size + t[:, 0]
+        valid = (pos >= num_sinks) & (pos < ctx_len)  # [T]; sinks are read unquantized outside
+        # Every row's scores first, then the value tile: the key tile is dead by then.
+        k_vals, k_norms = tile(kc_ref, kn_ref, kcb_ref, k_bits, pages, 0)
+        softmax = []
+        for q, (m, sums, _) in zip(queries, carry, strict=True):
+            scores = jnp.sum(k_vals * q[None, :], axis=1) * k_norms  # [T]
+            scores = jnp.where(valid, scores, MASK_VALUE)  # replace: unused pages may hold NaN
+            m_next = jnp.maximum(m, jnp.max(scores))
+            alpha = jnp.exp(m - m_next)
+            p = jnp.where(valid, jnp.exp(scores - m_next), 0.0)
+            softmax.append((m_next, alpha, p, sums * alpha + jnp.sum(p)))
+        v_vals, v_norms = tile(vc_ref, vn_ref, vcb_ref, v_bits, pages, 1)
+        v_norms = jnp.where(valid, v_norms, 0.0)
+        out = []
+        for (m_next, alpha, p, sums), (_, _, acc) in zip(softmax, carry, strict=True):
+            acc = acc * alpha + jnp.sum((p * v_norms)[:, None] * v_vals, axis=0)  # [Dh]
+            out.append((m_next, sums, acc))
+        return tuple(out)
+
+    init = tuple(
+        (jnp.float32(MASK_VALUE), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32)) for _ in range(num_rows)
+    )
+    final = jax.lax.fori_loop(0, num_steps, body, init)
+    which = jax.lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0)
+    acc_ref[...] = sum(jnp.where(which == r, acc[None, :], 0.0) for r, (_, _, acc) in enumerate(final))
+    m_ref[...] = sum(jnp.where(which[:, 0] == r, m, 0.0) for r, (m, _, _) in enumerate(final))
+    sum_ref[...] = sum(jnp.where(which[:, 0] == r, sums, 0.0) for r, (_, sums, _) in enumerate(final))
 
 
 def _join(chunks: list, xp=jnp):

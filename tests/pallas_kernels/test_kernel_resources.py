@@ -14,8 +14,8 @@ from pallas_kernels.tq_attention import DOT_PRECISION  # noqa: E402
 from pallas_kernels.turboquant import TurboQuant  # noqa: E402
 
 
-def build(tokens, k_bits, v_bits, **knobs):
-    fn, args = kernel_resources.attention_case(tokens, k_bits, v_bits, batch=1, pages=64, **knobs)
+def build(tokens, k_bits, v_bits, batch=1, **knobs):
+    fn, args = kernel_resources.attention_case(tokens, k_bits, v_bits, batch=batch, pages=64, **knobs)
     kernels = kernel_resources.triton_kernels(fn, *args)
     assert [k["name"] for k in kernels] == [f"tq_paged_attention_{knobs.get('dot_precision', DOT_PRECISION)}"]
     found = kernel_resources.compile_sm90(kernels[0], timeout=240)
@@ -23,17 +23,22 @@ def build(tokens, k_bits, v_bits, **knobs):
     return found
 
 
-@pytest.mark.parametrize("dot_precision", ["float32", "bf16x3"])
+@pytest.mark.parametrize("dot_precision", ["float32", "bf16x3", "rows"])
 @pytest.mark.parametrize("tokens", [1, 16, 256])
 def test_kernel_fits_a_hopper_program_at_engine_shapes(tokens, dot_precision):
     """Decode (1 token), a verify pass (16) and a prefill chunk (256) in the default format's
-    widest pair, with float32 (the default) and tensor-core products: no spills, shared memory
-    within an SM's, and the products on the units `dot_precision` names."""
-    found = build(tokens, 6, 5, dot_precision=dot_precision)
+    widest pair, with float32 (the default), tensor-core and multiply-reduce products: no
+    spills, shared memory within an SM's, and the products on the units `dot_precision` names
+    ("rows": FMAs for 4 query rows, not a dot's 16 padded ones, on 1-page tiles)."""
+    # Decode at 32 rows: splits of 64 pages, so the loop runs 16 steps and Triton pipelines it
+    # (one row's 4-page split is a single step, which built without spills where 32 rows did not).
+    found = build(tokens, 6, 5, batch=32 if tokens == 1 else 1, dot_precision=dot_precision)
     assert found["spill_store_bytes"] == found["spill_load_bytes"] == 0
     assert found["shared_bytes"] <= kernel_resources.MAX_SHARED_BYTES
-    if dot_precision == "float32":
-        assert found["mma"] == 0 and found["fma"] > 100
+    if dot_precision == "rows":
+        assert found["mma"] == 0 and 0 < found["fma"] < 200  # a 1-page tile: 4 rows x 16 x 64 x 2 over 128 threads
+    elif dot_precision == "float32":
+        assert found["mma"] == 0 and found["fma"] > 1000
     else:
         assert found["mma"] > 0 and found["fma"] < 100
 

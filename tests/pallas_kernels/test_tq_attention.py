@@ -291,11 +291,11 @@ def test_dot_precisions_match_reference_within_their_rounding(t, ctx_lens):
     recover most of what bf16 loses (a dropped remainder term shows as bf16's error)."""
     args, codecs = make_case(k_bits=4, v_bits=4, t=t, ctx_lens=ctx_lens)
     err = {}
-    for precision in ("float32", "bf16x3", "bf16"):
+    for precision in ("float32", "bf16x3", "bf16", "rows"):
         out, ref = run_both(args, codecs, pages_per_split=2, dot_precision=precision)
         valid = np.arange(t)[None, :] < np.asarray(args[8])[:, None]
         err[precision] = np.abs(out[valid] - ref[valid]).max()
-    assert err["float32"] < 2e-5
+    assert err["float32"] < 2e-5 and err["rows"] < 2e-5
     assert err["bf16x3"] < 2e-4
     assert 2e-3 < err["bf16"] < 0.1
     assert err["bf16x3"] < err["bf16"] / 50
@@ -315,6 +315,22 @@ def test_query_blocks_split_a_long_chunk_across_programs(dot_precision):
     np.testing.assert_allclose(outs[0], outs[2], rtol=1e-5, atol=1e-5)
 
 
+def test_rows_products_keep_each_query_row_apart():
+    """The "rows" products: every query row its own running softmax, put back together in
+    order. 5 tokens x 3 heads = 15 rows in programs of 1, 2 and 4 rows (a padded block
+    included), over pages of 8 in tiles of 1 and 2 pages, match the reference."""
+    args, codecs = make_case(k_bits=6, v_bits=5, t=5, ctx_lens=(0, 29, 11), page_size=8)
+    valid = np.arange(5)[None, :] < np.asarray(args[8])[:, None]
+    for rows in (1, 2, 4):
+        for step in (1, 2):
+            out, ref = run_both(
+                args, codecs, pages_per_split=2, pages_per_step=step, dot_precision="rows", query_rows=rows
+            )
+            np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        run_both(args, codecs, pages_per_split=2, dot_precision="float32", query_rows=4)
+
+
 def test_default_query_rows_bound_each_program():
     """At head_dim 64 the defaults hold at most 16 query rows per program for float32 FMA
     products and 64 for the tensor-core ones (more spill registers when built for sm_90), and
@@ -322,7 +338,8 @@ def test_default_query_rows_bound_each_program():
     from pallas_kernels.tq_attention import DOT_PRECISION, DOT_PRECISIONS, default_query_rows
 
     assert DOT_PRECISION in DOT_PRECISIONS
-    assert [default_query_rows(p) for p in DOT_PRECISIONS] == [16, 64, 64]
+    assert [default_query_rows(p) for p in DOT_PRECISIONS] == [16, 64, 64, 4]
+    assert default_query_rows("rows", 256) == 4  # no dot: a few unrolled rows at any width
     assert [default_query_rows("bf16x3", d) for d in (64, 128, 256)] == [64, 32, 16]
     assert default_query_rows("float32", 256) == 16
 
@@ -433,3 +450,14 @@ def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t, code_loads):
     lowered = jax.jit(run).trace(q, k_new, v_new, k_pool, v_pool, table, layers, ctx, num_new, None)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "tq_paged_attention" in text
+
+
+def test_rows_products_take_one_page_tiles():
+    """The "rows" products hold their tiles through every row's loops: 1,024-element tiles
+    (one page of 16 x 64), where the dot's are up to 4,096 (4 pages)."""
+    from pallas_kernels.tq_attention import default_pages_per_step
+
+    assert default_pages_per_step(64, 16, 64) == 4
+    assert default_pages_per_step(64, 16, 64, "rows") == 1
+    assert default_pages_per_step(64, 8, 64, "rows") == 2
+    assert default_pages_per_step(64, 16, 256, "rows") == 1
