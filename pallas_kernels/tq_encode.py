@@ -4,9 +4,10 @@
 turboquant.py): per vector the planar-packed codes and the float16 norm, and with QJL the
 packed residual sign bits and the residual's norm. One kernel program takes a block of rows
 [R, d] and does the whole encode in registers: norm, normalize, rotate (one matmul), count the
-boundaries below each coordinate (a static loop of compares, no gather), pack the byte planes
-with shifts and masks, and for QJL rebuild the centroid values with selects, take the residual
-and its projection, and pack the signs.
+boundaries below each coordinate (a static loop of compares, or at 7-8 bits a binary search of
+b gathered compares: `SEARCH_FROM_BITS`), pack the byte planes with shifts and masks, and for QJL rebuild the
+centroid values (by selects, or one gather), take the residual and its projection, and pack the
+signs.
 
 Wider heads go in blocks of `COLUMN_BLOCK` rotated coordinates, one program each (the norm is
 computed in every one, written by the first): column block j holds positions 8j .. 8j + 7 of
@@ -47,6 +48,13 @@ _MIN_ROWS = 32
 # rotation rows need 64 KiB at 256 and spill nothing up to 6 bits at head_dim 64, 128 or 256
 # (scripts/kernel_resources.py; tests/pallas_kernels/test_kernel_resources.py).
 COLUMN_BLOCK = 32
+# From which width, by head width, the kernel finds a code by binary search over the boundaries
+# (b gathered compares) instead of one compare per boundary (2^b - 1, unrolled). Built for sm_90
+# (32 vectors): at head_dim 64 the search takes 126 registers at 6-8 bits, where the compares
+# took 110 / 183 / 255 and spilled 448 bytes at 8 bits; at 128 the search spills 200 bytes at
+# every width, the compares 40 at 7 bits and 512 at 8; at 256 the search's gathers put an 8 KB
+# array in local memory, so the compares stay (2.8 and 1.4 KB spilled at 7 and 8 bits).
+SEARCH_FROM_BITS = {64: 7, 128: 8}
 
 
 def tq_encode_reference(x: jax.Array, codec: TurboQuant) -> dict[str, jax.Array]:
@@ -196,15 +204,21 @@ def _encode_kernel(
     rot = rot_ref[...]
     y = jax.lax.dot_general(u, rot, (((1,), (1,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32)
 
-    # Code = number of boundaries strictly below y; with QJL also its centroid, by selects
-    # (boundaries ascend, so the last boundary passed names the cell).
-    idx = jnp.zeros(y.shape, jnp.int32)
-    values = jnp.full(y.shape, cb_ref[0], jnp.float32) if qjl else None
-    for k in range((1 << bits) - 1):
-        above = y > bnd_ref[k]
-        idx = idx + above.astype(jnp.int32)
-        if qjl:
-            values = jnp.where(above, cb_ref[k + 1], values)
+    # Code = number of boundaries strictly below y; with QJL also its centroid.
+    if bits < SEARCH_FROM_BITS.get(rot_ref.shape[1], 9):  # a compare per boundary, the centroid by selects
+        idx = jnp.zeros(y.shape, jnp.int32)
+        values = jnp.full(y.shape, cb_ref[0], jnp.float32) if qjl else None
+        for k in range((1 << bits) - 1):
+            above = y > bnd_ref[k]
+            idx = idx + above.astype(jnp.int32)
+            if qjl:
+                values = jnp.where(above, cb_ref[k + 1], values)
+    else:  # binary search over the ascending boundaries: a gathered compare per bit
+        idx = jnp.zeros(y.shape, jnp.int32)
+        for level in reversed(range(bits)):
+            step = idx + (1 << level)
+            idx = jnp.where(y > bnd_ref[step - 1], step, idx)
+        values = cb_ref[idx] if qjl else None
 
     for r, plane in enumerate(_pack_planes(idx, bits)):
         codes_ref[:, r, :] = plane.astype(jnp.uint8)

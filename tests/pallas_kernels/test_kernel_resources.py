@@ -86,11 +86,12 @@ def test_draft_kernels_build_for_hopper_at_dflash_shapes(block):
         assert found["shared_bytes"] <= kernel_resources.MAX_SHARED_BYTES
 
 
-@pytest.mark.parametrize("head_dim, bits", [(64, 7), (128, 6), (256, 6)])
+@pytest.mark.parametrize("head_dim, bits", [(64, 7), (64, 8), (128, 6), (256, 6)])
 def test_encoder_fits_a_hopper_program_at_every_head_width(head_dim, bits):
-    """The quantize-on-write kernel at SmolLM2's width (with the default format's widest keys),
-    and at 128 and 256 (Gemma 3), for a decode step's few vectors: no spills, and shared
-    memory within an SM's (the whole 256 x 256 rotation in one program needed 288 KiB)."""
+    """The quantize-on-write kernel at SmolLM2's width (the default format's widest keys, and
+    tq8, whose 255 boundary compares spilled before the binary search) and at 128 and 256
+    (Gemma 3), for a decode step's few vectors: no spills, and shared memory within an SM's
+    (the whole 256 x 256 rotation in one program needed 288 KiB)."""
     import jax.numpy as jnp
 
     from pallas_kernels.tq_encode import tq_encode
