@@ -815,7 +815,7 @@ def _rows_loop(q_ref, outs, tile, tiles, table_ref, row, split, ctx_len, t, num_
                pages_per_split, pages_per_step, page_size):  # fmt: skip
     """`_context_kernel`'s walk over the split with the "rows" products: every query row keeps
     its own running max, denominator and [Dh] accumulator, and meets the step's key and value
-    tiles in multiply-reduce loops (the module doc of `DOT_PRECISIONS`). Triton cannot slice a
+    tiles in multiply-reduce loops (the comment at `DOT_PRECISIONS`). Triton cannot slice a
     loaded value, so each row's query is loaded from its ref, and the rows' results are put
     back together with selects before the stores."""
     acc_ref, m_ref, sum_ref = outs
