@@ -261,12 +261,16 @@ def profile(targets: list[str]) -> int:
 # weights, in the model's default TurboQuant widths (6 key/value width pairs, so 6 attention
 # kernels a step shape; less the fitted key transform, which random weights have none of).
 # Batch 8 alone: on 2026-11-26 (H200) its decode step took ~57 s to compile, batch 1's a few.
+# 120 prompt tokens and 4 new ones stay within 8 pages: one decode shape, one prefill shape.
 COMPILE_RUN = ["scripts/bench_decode.py", "--random-weights", "--no-hf"]
-COMPILE_RUN += "--batch-sizes 8 --decode-tokens 16 --repeats 1 --no-record".split()
-# XLA's defaults; no autotuning (its default GEMM configurations); GEMMs on cuBLAS, not Triton.
+COMPILE_RUN += "--batch-sizes 8 --prompt-len 120 --decode-tokens 4 --repeats 1 --no-record".split()
+# XLA's defaults; no autotuning (its default GEMM configurations); each module's LLVM IR split
+# and compiled in parallel (NVIDIA's JAX-Toolbox recommends it); GEMMs on cuBLAS, not Triton.
+# In this order, since a stage cut off at its limit keeps the runs it finished.
 COMPILE_FLAGS = {
     "default": "",
     "autotune off": "--xla_gpu_autotune_level=0",
+    "parallel llvm": "--xla_gpu_enable_llvm_module_compilation_parallelism=true",
     "triton gemm off": "--xla_gpu_enable_triton_gemm=false",
 }
 
