@@ -123,6 +123,28 @@ def test_run_goes_on_past_failures_and_timeouts(gpu_dir, tmp_path, monkeypatch, 
     assert "`python scripts/bench_attention.py --cases 2x32" in text
 
 
+def test_record_takes_the_shared_prefix_report_of_serving_shared(tmp_path, monkeypatch):
+    """`serving-shared` writes serving-shared.json, with no concurrency rows: `record` appends
+    its comparison under the serving table, with the stage's command."""
+    import bench_serving
+
+    docs = tmp_path / "repo" / "docs"
+    docs.mkdir(parents=True)
+    (docs / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_serving, "ROOT", tmp_path / "repo")
+    out = tmp_path / "out"
+    out.mkdir()
+    shared = {"on": {"ttft_mean_s": 0.37}, "off": {"ttft_mean_s": 3.3}, "ttft_speedup": 8.9}
+    env = {"date": "2026-11-27", "device": "NVIDIA H200", "jax": "0.11.2", "python": "3.12.3"}
+    report = {"concurrency": [], "rates": [], "shared_prefix": shared, "env": env, "config": {"kv_cache_dtype": "auto"}}
+    (out / "serving-shared.json").write_text(json.dumps(report))
+    summary = [{"stage": "serving-shared", "command": "scripts/bench_serving.py --concurrency  --rates  --no-record"}]
+    (out / "summary.json").write_text(json.dumps(summary))
+    assert gpu_check.record(out) == 0
+    [row] = [r for r in (docs / "BENCHMARKS.md").read_text().splitlines() if "H200" in r]
+    assert "0.37 / 3.30 | 8.9x" in row and "`python scripts/bench_serving.py --concurrency" in row
+
+
 def test_record_without_reports_is_an_error(tmp_path):
     assert gpu_check.record(tmp_path) == 1
 
