@@ -329,6 +329,10 @@ def test_rows_products_keep_each_query_row_apart():
             np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="power of two >= 16"):
         run_both(args, codecs, pages_per_split=2, dot_precision="float32", query_rows=4)
+    # Whole byte planes (4:4's default loads): the tile's columns come joined, the queries follow.
+    args, codecs = make_case(k_bits=4, v_bits=4, t=5, ctx_lens=(0, 29, 11), page_size=8)
+    out, ref = run_both(args, codecs, pages_per_split=2, dot_precision="rows", code_loads="planes")
+    np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-5, atol=2e-5)
 
 
 def test_default_query_rows_bound_each_program():
