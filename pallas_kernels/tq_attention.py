@@ -743,7 +743,6 @@ def _context_kernel(
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     tokens = pages_per_step * page_size
-    q = q_ref[...]
     ctx_len = ctx_ref[row]
     t = jax.lax.broadcasted_iota(jnp.int32, (tokens, 1), 0)  # token of the step's tile
     slot = t % page_size
@@ -773,28 +772,34 @@ def _context_kernel(
         code = code & ((1 << bits) - 1)
         return codebook_ref[code], norms
 
+    def step_tokens(i):
+        """The pages [T, 1] of loop step i's tokens, and which of them to attend to [T]: stored
+        and past the sinks (which are read unquantized outside)."""
+        first = split * pages_per_split + i * pages_per_step
+        pos = first * page_size + t[:, 0]
+        return table_ref[row, first + t // page_size], (pos >= num_sinks) & (pos < ctx_len)
+
+    key_tile = functools.partial(tile, kc_ref, kn_ref, kcb_ref, k_bits, side=0)
+    value_tile = functools.partial(tile, vc_ref, vn_ref, vcb_ref, v_bits, side=1)
     num_steps = pages_per_split // pages_per_step
     if dot_precision == "rows":
-        walk = dict(pages_per_split=pages_per_split, pages_per_step=pages_per_step, page_size=page_size)
-        tiles = ((kc_ref, kn_ref, kcb_ref, k_bits), (vc_ref, vn_ref, vcb_ref, v_bits))
-        outs = (acc_ref, m_ref, sum_ref)
-        _rows_loop(q_ref, outs, tile, tiles, table_ref, row, split, ctx_len, t, num_steps, num_sinks, **walk)
+        _rows_loop(q_ref, (acc_ref, m_ref, sum_ref), step_tokens, key_tile, value_tile, num_steps)
         return
+
+    q = q_ref[...]
 
     def body(i, carry):
         m, sums, acc = carry
-        first = split * pages_per_split + i * pages_per_step
-        pages = table_ref[row, first + t // page_size]  # [T, 1]
-        pos = first * page_size + t[:, 0]
-        valid = ((pos >= num_sinks) & (pos < ctx_len))[None, :]  # [1, T]; sinks are read unquantized outside
-        k_vals, k_norms = tile(kc_ref, kn_ref, kcb_ref, k_bits, pages, 0)
+        pages, valid = step_tokens(i)
+        valid = valid[None, :]  # [1, T]
+        k_vals, k_norms = key_tile(pages)
         scores = tile_dot(q, k_vals, ((1,), (1,)), dot_precision) * k_norms[None, :]  # [Qp, T]
         # Replace (not add): garbage in unused pages may be NaN.
         scores = jnp.where(valid, scores, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(scores, axis=1))
         alpha = jnp.exp(m - m_next)
         p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
-        v_vals, v_norms = tile(vc_ref, vn_ref, vcb_ref, v_bits, pages, 1)
+        v_vals, v_norms = value_tile(pages)
         weights = p * jnp.where(valid, v_norms[None, :], 0.0)
         acc = acc * alpha[:, None] + tile_dot(weights, v_vals, ((1,), (0,)), dot_precision)
         return m_next, sums * alpha + jnp.sum(p, axis=1), acc
@@ -811,25 +816,20 @@ def _context_kernel(
     sum_ref[...] = sums
 
 
-def _rows_loop(q_ref, outs, tile, tiles, table_ref, row, split, ctx_len, t, num_steps, num_sinks, *,
-               pages_per_split, pages_per_step, page_size):  # fmt: skip
+def _rows_loop(q_ref, outs, step_tokens, key_tile, value_tile, num_steps):
     """`_context_kernel`'s walk over the split with the "rows" products: every query row keeps
     its own running max, denominator and [Dh] accumulator, and meets the step's key and value
     tiles in multiply-reduce loops (the comment at `DOT_PRECISIONS`). Triton cannot slice a
     loaded value, so each row's query is loaded from its ref, and the rows' results are put
     back together with selects before the stores."""
     acc_ref, m_ref, sum_ref = outs
-    (kc_ref, kn_ref, kcb_ref, k_bits), (vc_ref, vn_ref, vcb_ref, v_bits) = tiles
     num_rows, head_dim = q_ref.shape
     queries = [q_ref[r, :] for r in range(num_rows)]  # [Dh] each
 
     def body(i, carry):
-        first = split * pages_per_split + i * pages_per_step
-        pages = table_ref[row, first + t // page_size]  # [T, 1]
-        pos = first * page_size + t[:, 0]
-        valid = (pos >= num_sinks) & (pos < ctx_len)  # [T]; sinks are read unquantized outside
+        pages, valid = step_tokens(i)  # [T, 1], [T]
         # Every row's scores first, then the value tile: the key tile is dead by then.
-        k_vals, k_norms = tile(kc_ref, kn_ref, kcb_ref, k_bits, pages, 0)
+        k_vals, k_norms = key_tile(pages)
         softmax = []
         for q, (m, sums, _) in zip(queries, carry, strict=True):
             scores = jnp.sum(k_vals * q[None, :], axis=1) * k_norms  # [T]
@@ -838,7 +838,7 @@ def _rows_loop(q_ref, outs, tile, tiles, table_ref, row, split, ctx_len, t, num_
             alpha = jnp.exp(m - m_next)
             p = jnp.where(valid, jnp.exp(scores - m_next), 0.0)
             softmax.append((m_next, alpha, p, sums * alpha + jnp.sum(p)))
-        v_vals, v_norms = tile(vc_ref, vn_ref, vcb_ref, v_bits, pages, 1)
+        v_vals, v_norms = value_tile(pages)
         v_norms = jnp.where(valid, v_norms, 0.0)
         out = []
         for (m_next, alpha, p, sums), (_, _, acc) in zip(softmax, carry, strict=True):

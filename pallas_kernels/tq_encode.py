@@ -5,9 +5,9 @@ turboquant.py): per vector the planar-packed codes and the float16 norm, and wit
 packed residual sign bits and the residual's norm. One kernel program takes a block of rows
 [R, d] and does the whole encode in registers: norm, normalize, rotate (one matmul), count the
 boundaries below each coordinate (a static loop of compares, or at 7-8 bits a binary search of
-b gathered compares: `SEARCH_FROM_BITS`), pack the byte planes with shifts and masks, and for QJL rebuild the
-centroid values (by selects, or one gather), take the residual and its projection, and pack the
-signs.
+b gathered compares: `SEARCH_FROM_BITS`), pack the byte planes with shifts and masks, and for
+QJL rebuild the centroid values (by selects, or one gather), take the residual and its
+projection, and pack the signs.
 
 Wider heads go in blocks of `COLUMN_BLOCK` rotated coordinates, one program each (the norm is
 computed in every one, written by the first): column block j holds positions 8j .. 8j + 7 of
@@ -147,7 +147,8 @@ def _tq_encode(x, *, codec, block_rows, num_warps, interpret):
         out_shape += [jax.ShapeDtypeStruct((n_pad, 1, c), jnp.uint8), jax.ShapeDtypeStruct((n_pad,), jnp.float32)]
         out_specs += [pl.BlockSpec((rows, 1, c), lambda i, j: (i, 0, 0)), pl.BlockSpec((rows,), lambda i, j: (i,))]
 
-    kernel = functools.partial(_encode_kernel, bits=bits, qjl=codec.qjl)
+    search = bits >= SEARCH_FROM_BITS.get(d, bits + 1)
+    kernel = functools.partial(_encode_kernel, bits=bits, qjl=codec.qjl, search=search)
     outs = pl.pallas_call(
         kernel,
         grid=(n_pad // rows, d // cols),
@@ -192,6 +193,7 @@ def _encode_kernel(
     *refs,  # (qjl_ref [d, d] permuted S), codes_ref [R, b, C/8], norms_ref [R], (signs_ref [R, 1, c], qn_ref [R])
     bits: int,
     qjl: bool,
+    search: bool,
 ):
     if qjl:
         qjl_ref, codes_ref, norms_ref, signs_ref, qn_ref = refs
@@ -205,7 +207,7 @@ def _encode_kernel(
     y = jax.lax.dot_general(u, rot, (((1,), (1,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32)
 
     # Code = number of boundaries strictly below y; with QJL also its centroid.
-    if bits < SEARCH_FROM_BITS.get(rot_ref.shape[1], 9):  # a compare per boundary, the centroid by selects
+    if not search:  # a compare per boundary, the centroid by selects
         idx = jnp.zeros(y.shape, jnp.int32)
         values = jnp.full(y.shape, cb_ref[0], jnp.float32) if qjl else None
         for k in range((1 << bits) - 1):

@@ -76,7 +76,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     # Per-kernel device times under Nsight Compute: TurboQuant attention, a batch-1 decode.
     "profile": ([PY, "scripts/gpu_check.py", "profile", "attention", "decode"], 400, ""),
-    # The cold compilation of our decode steps: XLA's defaults, autotuning off, Triton GEMMs off.
+    # The cold compilation of our decode steps, once per setting of COMPILE_FLAGS.
     "compile": ([PY, "scripts/gpu_check.py", "compile"], 300, ""),
     "decode": (
         [PY, "scripts/bench_decode.py", "--random-weights", "--hf-compile", "--batch-sizes", "1,8"]
