@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -22,9 +23,11 @@ from aither_jax.code_maps import CodeMapBudget
 from aither_jax.draft_length import DraftLength
 from aither_jax.sampling import SamplingBatch, SamplingParams
 from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
+from aither_jax.step_jit import compile_workers
 from aither_jax.steps import (
     CompileCounter,
     copy_pages,
+    forward_step,
     model_step,
     refill_sinks,
     top_log_probs,
@@ -393,12 +396,17 @@ class Engine:
         its cache write and the draft context write: (accepted counts, next tokens, logits or
         None, the accepted path of each tree or None)."""
         self._note_shape("verify", (*tokens.shape, num_pages, return_logits, greedy_only), warmed=not return_logits)
-        accepted, next_tokens, logits, update, hidden, path = verify_step(
-            self.weights,
-            self.cache,
-            tokens,
-            batch,
-            sampling,
+        args, static = self._verify_call(tokens, batch, sampling, num_pages, greedy_only, return_logits, parents)
+        accepted, next_tokens, logits, update, hidden, path = verify_step(*args, **static)
+        self.cache = write_step(self.cache, update)
+        self._write_draft_context(hidden, batch)
+        return accepted, next_tokens, logits, path
+
+    def _verify_call(
+        self, tokens, batch, sampling, num_pages: int, greedy_only: bool, return_logits: bool, parents=None
+    ) -> tuple[tuple, dict]:
+        """The (positional, keyword) arguments of a `verify_step` call."""
+        static = dict(
             cfg=self.cfg,
             num_pages=num_pages,
             greedy_only=greedy_only,
@@ -407,9 +415,7 @@ class Engine:
             return_logits=return_logits,
             parents=parents,
         )
-        self.cache = write_step(self.cache, update)
-        self._write_draft_context(hidden, batch)
-        return accepted, next_tokens, logits, path
+        return (self.weights, self.cache, tokens, batch, sampling), static
 
     def _write_draft_context(self, hidden, batch: StepBatch) -> None:
         """Feeds a target call's tapped hidden states to the DFlash draft's context cache."""
@@ -575,12 +581,17 @@ class Engine:
         # Shared-prefix shapes depend on the prompts: they compile on first use.
         self._note_shape("decode", key, warmed=num_tokens == 1 and return_logits == "none" and not shared_pages)
         self.num_shared_prefix_steps += bool(shared_pages)
-        next_tokens, logits, self.cache, hidden = model_step(
-            self.weights,
-            self.cache,
-            tokens,
-            batch,
-            sampling,
+        args, static = self._forward_call(
+            tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared_pages
+        )
+        next_tokens, logits, self.cache, hidden = model_step(*args, **static)
+        return next_tokens, logits, hidden
+
+    def _forward_call(
+        self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
+    ) -> tuple[tuple, dict]:
+        """The (positional, keyword) arguments of a `forward_step` call."""
+        static = dict(
             cfg=self.cfg,
             num_pages=num_pages,
             return_logits=return_logits,
@@ -589,7 +600,7 @@ class Engine:
             taps=taps,
             shared_pages=shared_pages,
         )
-        return next_tokens, logits, hidden
+        return (self.weights, self.cache, tokens, batch, sampling), static
 
     def _note_shape(self, kind: str, key: tuple, *, warmed: bool) -> None:
         """Records a step shape; warns when warm-up should have compiled it (`warmed`) and did not."""
@@ -598,7 +609,9 @@ class Engine:
                 log.warning("%s shape %s was not compiled during warm-up: this step compiles", kind, key)
             self._seen_shapes.add((kind, *key))
 
-    def warmup(self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False) -> int:
+    def warmup(
+        self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False, workers: int | None = None
+    ) -> int:
         """Compiles every decode shape for sequences up to `max_len` tokens.
 
         Covers each batch bucket (1, 2, 4, .. max_num_seqs) times each of its page buckets
@@ -610,14 +623,22 @@ class Engine:
         shape outside this set logs a warning. Stops early, with a warning, once compiled code
         nears the process's memory-mapping limit (aither_jax/code_maps.py). Returns the number
         of shapes compiled.
+
+        The target's step calls compile on `workers` threads first (`_precompile`; default
+        `step_jit.compile_workers()`, 1 compiles each call when it first runs).
         """
         max_len = self.max_model_len if max_len is None else max_len
         if not 1 <= max_len <= self.max_model_len:
             raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
+        workers = compile_workers() if workers is None else workers
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
         max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # page_bucket() caps it
         pages = {r: sorted({self._pages_to_read(n, r) for n in range(1, max_pages + 1)}) for r in rows}
         shapes = [(r, p, g) for r in rows for p in pages[r] for g in ((True, False) if sampling else (True,))]
+        if workers > 1:
+            self._precompile(shapes, workers, progress)
         done, tokens = 0, None
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             if self.code_budget.over():
@@ -629,11 +650,7 @@ class Engine:
                     self.code_budget.limit,
                 )
                 break
-            zeros = np.zeros(num_rows, np.int32)
-            batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)
-            temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
-            params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
-            tokens = np.zeros((num_rows, 1), np.int32)
+            tokens, batch, params = self._padding_rows(num_rows, greedy_only)
             tokens, _, hidden = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
             self._write_draft_context(hidden, batch)
             if self.num_speculative_tokens:
@@ -643,6 +660,69 @@ class Engine:
             tokens.block_until_ready()
         self.warmed_up = True
         return done
+
+    def _padding_rows(self, num_rows: int, greedy_only: bool) -> tuple[np.ndarray, StepBatch, SamplingBatch]:
+        """A decode call's inputs on `num_rows` padding rows (out-of-range slots, so nothing is
+        written): tokens [num_rows, 1], the batch and greedy or sampled parameters."""
+        zeros = np.zeros(num_rows, np.int32)
+        batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)
+        temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
+        params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
+        return np.zeros((num_rows, 1), np.int32), batch, params
+
+    def _verify_shapes(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """The verify passes a decode shape of `num_rows` rows may need: (tokens, tree parents or
+        None) for every token bucket, since drafts may come short (a request near max_tokens,
+        prompt lookup). Empty without speculative decoding."""
+        if not self.num_speculative_tokens:
+            return []
+        buckets = {bucket(n, 2, self.max_prefill_chunk) for n in range(2, self.num_speculative_tokens + 2)}
+        tree = self.drafter is not None and self.drafter.tree
+        return [
+            (np.zeros((num_rows, t), np.int32), chain_parents(num_rows, t) if tree else None) for t in sorted(buckets)
+        ]
+
+    def _precompile(self, shapes: list[tuple[int, int, bool]], workers: int, progress: bool) -> None:
+        """Compiles the target's calls of the warm-up `shapes` on `workers` threads: each
+        shape's decode step, its cache writes and, with speculative decoding, its verify passes.
+
+        Lowering runs on this thread; XLA's backend compilation releases the GIL, so several
+        executables compile at once (on the H200's host a step shape takes ~13 s, almost all of it
+        there). Each lands in JAX's in-memory cache under the key that the warm-up's own call
+        of the same shape then finds, so those calls run without compiling. The drafting calls
+        are left to them.
+        """
+        writes: set[str] = set()
+        futures = []
+        bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
+        with ThreadPoolExecutor(workers, thread_name_prefix="aither-compile") as pool:
+
+            def submit(lowered) -> None:
+                bar.total += 1
+                bar.refresh()
+                futures.append(pool.submit(lowered.compile))
+                futures[-1].add_done_callback(lambda _: bar.update())
+
+            for num_rows, num_pages, greedy_only in shapes:
+                if self.code_budget.over():
+                    break  # the warm-up loop warns and stops at the same point
+                tokens, batch, params = self._padding_rows(num_rows, greedy_only)
+                args = self._forward_call(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
+                calls = [(forward_step, 2, args)]
+                for verify_tokens, parents in self._verify_shapes(num_rows):
+                    args = self._verify_call(verify_tokens, batch, params, num_pages, greedy_only, False, parents)
+                    calls.append((verify_step, 3, args))
+                for fn, update_at, (args, static) in calls:
+                    lowered = fn.lower(*args, **static)
+                    submit(lowered)
+                    update = lowered.out_info[update_at]
+                    key = str(jax.tree.map(lambda a: (a.shape, a.dtype), update))
+                    if key not in writes:
+                        writes.add(key)
+                        submit(write_step.lower(self.cache, update))
+            for future in futures:
+                future.result()
+        bar.close()
 
     def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
         """Compiles the drafting call and the verify pass of one decode shape on padding rows."""
@@ -654,13 +734,8 @@ class Engine:
                 self.drafter.propose_tree(table, zeros, zeros, [0] * num_rows)
             else:
                 self.drafter.propose(table, zeros, zeros)
-        # Drafts may come short (a request near max_tokens, prompt lookup): every token bucket.
-        for num_tokens in sorted(
-            {bucket(n, 2, self.max_prefill_chunk) for n in range(2, self.num_speculative_tokens + 2)}
-        ):
-            tokens = np.zeros((num_rows, num_tokens), np.int32)
-            tree = chain_parents(num_rows, num_tokens) if self.drafter is not None and self.drafter.tree else None
-            self._verify(tokens, batch, params, num_pages, greedy_only, return_logits=False, parents=tree)
+        for tokens, parents in self._verify_shapes(num_rows):
+            self._verify(tokens, batch, params, num_pages, greedy_only, return_logits=False, parents=parents)
 
     # -- scoring ----------------------------------------------------------------------------
 

@@ -210,10 +210,11 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self._run(texts, [self.tokenizer.encode(t) for t in texts], sampling_params, use_tqdm)
 
-    def warmup(self, max_len: int | None = None, *, sampling: bool = True) -> int:
+    def warmup(self, max_len: int | None = None, *, sampling: bool = True, workers: int | None = None) -> int:
         """Compiles every decode shape up to `max_len` tokens (default: max_model_len) now,
-        so decoding never compiles later; returns the number of shapes compiled."""
-        return self.engine.warmup(max_len, sampling=sampling, progress=self.progress)
+        so decoding never compiles later; returns the number of shapes compiled. `workers`:
+        threads compiling at once (default: the CPU cores, at most 8)."""
+        return self.engine.warmup(max_len, sampling=sampling, progress=self.progress, workers=workers)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] float32 at every position, through the paged-cache path."""

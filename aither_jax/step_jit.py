@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,11 @@ import jax
 import numpy as np
 
 log = logging.getLogger(__name__)
+
+# Threads that compile warm-up shapes at once (`compile_workers`): each XLA compilation holds
+# its module in host memory (~1 GB for a SmolLM2 step), and gains flatten past a few threads.
+MAX_COMPILE_WORKERS = 8
+COMPILE_WORKERS_ENV = "AITHER_JAX_COMPILE_WORKERS"
 
 # What XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false sets.
 CPU_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
@@ -79,3 +85,15 @@ def step_jit(fun: Callable | None = None, **jit_kwargs) -> Any:
     if fun is None:
         return functools.partial(step_jit, **jit_kwargs)
     return StepFunction(fun, jit_kwargs)
+
+
+def compile_workers() -> int:
+    """Threads for compiling warm-up shapes: `$AITHER_JAX_COMPILE_WORKERS` if set, otherwise
+    this process's CPU cores up to MAX_COMPILE_WORKERS."""
+    setting = os.environ.get(COMPILE_WORKERS_ENV, "").strip()
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise ValueError(f"{COMPILE_WORKERS_ENV} must be a whole number of threads >= 1, got {setting!r}")
+        return int(setting)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_COMPILE_WORKERS, cores))

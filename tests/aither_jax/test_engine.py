@@ -7,6 +7,7 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.engine import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS, bucket, page_bucket
+from aither_jax.steps import CompileCounter
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -228,6 +229,38 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
     assert not caplog.records  # every decode step had a warm shape
     for p, out in zip(prompts[:2], outs, strict=False):  # 4 pages read at 8 rows, 8 alone: same tokens
         assert out.token_ids == llm.generate([p], params)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"kv_cache_dtype": "auto", "num_pages": 36},
+        {"kv_cache_dtype": "bf16", "num_pages": 34, "speculative": {"method": "ngram", "num_speculative_tokens": 5}},
+    ],
+    ids=["turboquant", "ngram-verify"],
+)
+def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch, extra):
+    """Warm-up compiles its step calls on 2 threads first (`Engine._precompile`: decode steps,
+    cache writes, verify passes); its own calls of the same shapes must then find every
+    executable compiled. (num_pages is unique to this test, so no earlier test compiled
+    these shapes.)"""
+    llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, progress=False, **extra)
+    engine, counts = llm.engine, {}
+    precompile = engine._precompile
+
+    def counted(*args, **kwargs):
+        counts["before"] = CompileCounter.count()
+        precompile(*args, **kwargs)
+        counts["after"] = CompileCounter.count()
+
+    monkeypatch.setattr(engine, "_precompile", counted)
+    assert llm.warmup(max_len=120, sampling=True, workers=2) == 4  # rows {1, 2} x {greedy, sampled}, 8 pages
+    # Per shape a decode step (and with ngram 2 verify buckets, 4 and 8 tokens), one write per
+    # distinct update shape.
+    assert counts["after"] - counts["before"] >= (4 + 1 + 8 if "speculative" in extra else 4 + 1)
+    assert CompileCounter.count() == counts["after"]
+    with pytest.raises(ValueError, match="workers"):
+        llm.warmup(max_len=128, workers=0)
 
 
 def test_device_seq_lens_track_the_host_after_each_step(llm_f32):

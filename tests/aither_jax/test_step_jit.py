@@ -83,3 +83,24 @@ def test_step_jit_takes_jax_jit_arguments():
     assert "f32[4]" in lowered.as_text() or "tensor<4xf32>" in lowered.as_text()
     with pytest.raises(AttributeError):
         _ = raise_to.no_such_attribute
+
+
+@pytest.mark.parametrize("setting, want", [("3", 3), (" 1 ", 1)])
+def test_compile_workers_from_the_environment(monkeypatch, setting, want):
+    monkeypatch.setenv(sj.COMPILE_WORKERS_ENV, setting)
+    assert sj.compile_workers() == want
+
+
+@pytest.mark.parametrize("setting", ["0", "-2", "two", "1.5"])
+def test_compile_workers_refuses_what_is_not_a_thread_count(monkeypatch, setting):
+    monkeypatch.setenv(sj.COMPILE_WORKERS_ENV, setting)
+    with pytest.raises(ValueError, match=sj.COMPILE_WORKERS_ENV):
+        sj.compile_workers()
+
+
+def test_compile_workers_defaults_to_the_cores_up_to_the_cap(monkeypatch):
+    monkeypatch.delenv(sj.COMPILE_WORKERS_ENV, raising=False)
+    monkeypatch.setattr(sj.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert sj.compile_workers() == sj.MAX_COMPILE_WORKERS
+    monkeypatch.setattr(sj.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert sj.compile_workers() == 2
