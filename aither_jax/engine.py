@@ -27,6 +27,7 @@ from aither_jax.step_jit import compile_workers
 from aither_jax.steps import (
     CompileCounter,
     copy_pages,
+    decode_steps,
     forward_step,
     model_step,
     refill_sinks,
@@ -83,6 +84,7 @@ class Engine:
         speculative: SpeculativeConfig | str | dict | None = None,
         model_name: str = "",
         shared_prefix_attention: bool = True,
+        num_scheduler_steps: int = 1,
     ):
         max_num_batched_tokens = (
             max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
@@ -95,6 +97,7 @@ class Engine:
             ("page_size", page_size, 1),
             ("max_prefill_chunk", max_prefill_chunk, 1),
             ("max_num_batched_tokens", max_num_batched_tokens, 1),
+            ("num_scheduler_steps", num_scheduler_steps, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -158,7 +161,14 @@ class Engine:
             self.num_speculative_tokens = self.speculative.num_speculative_tokens or 8
         else:
             self.num_speculative_tokens = 0
-        self.scheduler.lookahead = self.num_speculative_tokens
+        if num_scheduler_steps > 1 and self.speculative is not None:
+            raise ValueError("num_scheduler_steps > 1 runs plain decode steps; it cannot be combined with speculative")
+        # Decode steps per call when only decoding is left to do (`_decode_steps`): the
+        # scheduler reserves pages for the extra tokens as it does for drafts.
+        self.num_scheduler_steps = num_scheduler_steps
+        self.num_multi_steps = 0  # `decode_steps` calls that ran more than one step
+        self.num_lookahead_tokens = self.num_speculative_tokens or num_scheduler_steps - 1
+        self.scheduler.lookahead = self.num_lookahead_tokens
         # Drafts per step chosen from measured acceptance and step times (`draft_length.py`).
         self.draft_length = (
             DraftLength(self.num_speculative_tokens) if self.speculative and self.speculative.adaptive else None
@@ -280,6 +290,10 @@ class Engine:
             self._speculate(plan.decode)
             if self.draft_length is not None:
                 self.draft_length.observe_step(self.scheduler.lookahead, rows, time.perf_counter() - start)
+        elif plan.decode and self._fused_decode(plan.decode):
+            # Several steps when nothing else waits for the device (no prefill chunk, no
+            # request waiting for a slot), so no one's first token is delayed.
+            self._decode_steps(plan.decode, several=not plan.prefill and not self.scheduler.waiting)
         elif plan.decode:
             self._decode(plan.decode)
         if plan.prefill:
@@ -299,6 +313,50 @@ class Engine:
             self.scheduler.computed(s, len(toks))
             if s.num_pending == 0:
                 self._append(s, int(tok), None if logits is None else logits[i])
+
+    def _fused_decode(self, rows: list[tuple[Sequence, list[int]]]) -> bool:
+        """Whether decode rows run through `decode_steps` (with num_scheduler_steps > 1): all
+        but those with a row that wants log probabilities, which need the step's logits."""
+        return self.num_scheduler_steps > 1 and all(s.num_logprobs is None for s, _ in rows)
+
+    def _decode_steps(self, rows: list[tuple[Sequence, list[int]]], *, several: bool) -> None:
+        """One `decode_steps` call over decode rows: with `several`, each row takes as many
+        steps as the pages reserved for it allow (its lookahead + 1), otherwise one."""
+        limits = [1 + self.scheduler.num_lookahead(s) if several else 1 for s, _ in rows]
+        tokens, batch, sampling, _, greedy_only, _ = self._pack(rows, all_logits=False)
+        longest = max(s.num_cached + n for (s, _), n in zip(rows, limits, strict=True))
+        num_pages = self._pages_to_read(self.scheduler.pages_needed(longest), tokens.shape[0])
+        padded = np.zeros(tokens.shape[0], np.int32)
+        padded[: len(rows)] = limits
+        out = np.asarray(self._steps(tokens, batch, sampling, padded, num_pages, greedy_only))
+        self.num_multi_steps += max(limits) > 1
+        for i, (s, _) in enumerate(rows):
+            appended = 0
+            for tok in out[i, : limits[i]]:
+                self._append(s, int(tok), None)
+                appended += 1
+                if s.finished:
+                    break
+            # The cache holds the row's last token and the sampled tokens fed back after it.
+            self.scheduler.computed(s, appended)
+
+    def _steps(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool):
+        """Runs `decode_steps`; returns its tokens [B, num_scheduler_steps] (a device array)."""
+        self._note_shape("decode", (*tokens.shape, num_pages, "steps", greedy_only), warmed=True)
+        args, static = self._steps_call(tokens, batch, sampling, limits, num_pages, greedy_only)
+        out, self.cache = decode_steps(*args, **static)
+        return out
+
+    def _steps_call(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool) -> tuple[tuple, dict]:
+        """The (positional, keyword) arguments of a `decode_steps` call."""
+        static = dict(
+            cfg=self.cfg,
+            num_pages=num_pages,
+            greedy_only=greedy_only,
+            num_steps=self.num_scheduler_steps,
+            attention=self.attention,
+        )
+        return (self.weights, self.cache, tokens, batch, sampling, limits), static
 
     def _propose(self, rows: list[tuple[Sequence, list[int]]]) -> tuple[list[list[int]], list[list[int]] | None]:
         """Drafts for each decoding row, at most the row's lookahead, and with tree drafts
@@ -634,7 +692,7 @@ class Engine:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         rows = sorted({bucket(n, 1, self.max_num_seqs) for n in range(1, self.max_num_seqs + 1)})
-        max_pages = self.scheduler.pages_needed(max_len + self.num_speculative_tokens)  # page_bucket() caps it
+        max_pages = self.scheduler.pages_needed(max_len + self.num_lookahead_tokens)  # page_bucket() caps it
         pages = {r: sorted({self._pages_to_read(n, r) for n in range(1, max_pages + 1)}) for r in rows}
         shapes = [(r, p, g) for r in rows for p in pages[r] for g in ((True, False) if sampling else (True,))]
         if workers > 1:
@@ -651,8 +709,13 @@ class Engine:
                 )
                 break
             tokens, batch, params = self._padding_rows(num_rows, greedy_only)
-            tokens, _, hidden = self._dispatch(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
-            self._write_draft_context(hidden, batch)
+            if self.num_scheduler_steps > 1:
+                tokens = self._steps(tokens, batch, params, np.zeros(num_rows, np.int32), num_pages, greedy_only)
+            else:
+                tokens, _, hidden = self._dispatch(
+                    tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps
+                )
+                self._write_draft_context(hidden, batch)
             if self.num_speculative_tokens:
                 self._warm_speculative(batch, params, num_pages, greedy_only)
             done += 1
@@ -684,7 +747,8 @@ class Engine:
 
     def _precompile(self, shapes: list[tuple[int, int, bool]], workers: int, progress: bool) -> None:
         """Compiles the target's calls of the warm-up `shapes` on `workers` threads: each
-        shape's decode step, its cache writes and, with speculative decoding, its verify passes.
+        shape's decode step (`decode_steps` with num_scheduler_steps > 1), its cache writes and,
+        with speculative decoding, its verify passes.
 
         Lowering runs on this thread; XLA's backend compilation releases the GIL, so several
         executables compile at once (on the H200's host a step shape takes ~13 s, almost all of it
@@ -707,6 +771,11 @@ class Engine:
                 if self.code_budget.over():
                     break  # the warm-up loop warns and stops at the same point
                 tokens, batch, params = self._padding_rows(num_rows, greedy_only)
+                if self.num_scheduler_steps > 1:
+                    limits = np.zeros(num_rows, np.int32)
+                    args, static = self._steps_call(tokens, batch, params, limits, num_pages, greedy_only)
+                    submit(decode_steps.lower(*args, **static))
+                    continue
                 args = self._forward_call(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
                 calls = [(forward_step, 2, args)]
                 for verify_tokens, parents in self._verify_shapes(num_rows):

@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         '\'{"method": "dflash", "num_speculative_tokens": 7, "steps": 2, "model": "draft.npz"}\' or '
         '\'{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}\'',
     )
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int_in("--num-scheduler-steps", 1, 64),
+        default=1,
+        help="decode steps per device call while nothing else waits (tokens then stream in bursts of this many); "
+        "not with --speculative-config",
+    )
     p.add_argument("--warmup", action="store_true", help="compile every decode shape before serving")
     p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0, help="seeds requests that bring none")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -157,6 +164,7 @@ def build_server(args: argparse.Namespace):
             seed=args.seed,
             speculative=args.speculative_config,
             shared_prefix_attention=args.shared_prefix_attention,
+            num_scheduler_steps=args.num_scheduler_steps,
             progress=True,
         )
         if args.chat_template is not None:

@@ -114,6 +114,67 @@ def verify_step(
     return accepted, next_tokens, logits if return_logits else None, update, hidden, path
 
 
+@step_jit(static_argnames=("cfg", "num_pages", "greedy_only", "attention", "num_steps"), donate_argnames=("cache",))
+def decode_steps(
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: jax.Array,  # [B, 1] int32: each row's last token, not yet in the cache
+    batch: StepBatch,  # num_new 1 for live rows, 0 for padding rows
+    sampling: SamplingBatch,
+    limits: jax.Array,  # [B] int32: steps each row takes, 1 .. num_steps (0 for padding rows)
+    *,
+    cfg: ModelConfig,
+    num_pages: int,
+    greedy_only: bool,
+    num_steps: int,
+    attention: str = "reference",
+) -> tuple[jax.Array, PagedKVCache]:
+    """`num_steps` decode steps in one call, each row feeding back the token it sampled
+    (vLLM's multi-step scheduling): one dispatch and one host sync for `num_steps` tokens.
+
+    Row b takes limits[b] steps (the call runs max(limits)); in the later ones it is a
+    padding row (no slot, so nothing is written for it). Each step is `forward_step` then
+    `write_step`, the same functions a single step calls, so every token and every page
+    written is what single steps give. `num_pages` must cover every row's final length,
+    start + limits.
+
+    Returns (the sampled tokens [B, num_steps] int32: entries j >= limits[b] are not
+    meaningful, the cache).
+    """
+    static = dict(cfg=cfg, num_pages=num_pages, return_logits="none", greedy_only=greedy_only, attention=attention)
+
+    def forward_at(cache, last, j):
+        live = j < limits
+        slots = jnp.where(live, batch.slots, cache.max_seqs)
+        batch_j = StepBatch(slots, batch.start + j, jnp.where(live, batch.num_new, 0))
+        # The step functions' bodies (`__wrapped__`): a jit inside a jit takes no compiler options.
+        next_tokens, _, update, _ = forward_step.__wrapped__(weights, cache, last, batch_j, sampling, **static)
+        return next_tokens, update
+
+    def step(j, carry):
+        # Step j - 1's keys/values are written first, then step j reads the pool. Written
+        # after the reads, the update would need the pool both before and after it in one
+        # iteration, and XLA copies the whole pool every step to provide that.
+        cache, update, last, out = carry
+        cache = write_step.__wrapped__(cache, update)
+        next_tokens, update = forward_at(cache, last, j)
+        return cache, update, next_tokens[:, None], out.at[:, j].set(next_tokens)
+
+    # Nothing to write before the first step: an update of the right shapes whose rows are
+    # all padding (out-of-range slots, the null page), so the write changes nothing.
+    shapes = jax.eval_shape(forward_at, cache, tokens, 0)[1]
+    nothing = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    nothing = nothing.replace(
+        pages=jnp.full_like(nothing.pages, NULL_PAGE), slots=jnp.full_like(nothing.slots, cache.max_seqs)
+    )
+    out = jnp.zeros((tokens.shape[0], num_steps), jnp.int32)
+    # As many steps as the longest row needs (a while loop: the count is not a shape).
+    count = jnp.minimum(jnp.max(limits), num_steps)
+    cache, update, _, out = jax.lax.fori_loop(0, count, step, (cache, nothing, tokens, out))
+    cache = write_step.__wrapped__(cache, update)
+    return out, cache
+
+
 @step_jit(static_argnames=("k",))
 def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The `k` most likely next tokens at every position of `logits` [..., V] and their log

@@ -205,6 +205,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--random-weights", action="store_true", help="random weights of the model's shapes for both (no GGUF needed)"
     )
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=_positive("--num-scheduler-steps"),
+        default=1,
+        help="ours' decode steps per device call (LLM(num_scheduler_steps=...)): 1 syncs with the host after "
+        "every token",
+    )
     p.add_argument("--out", default="out/bench_decode.json", help="JSON report path")
     p.add_argument("--no-record", action="store_true", help=f"do not append rows to {BENCHMARKS_MD.name}")
     return p.parse_args(argv)
@@ -330,6 +337,7 @@ def random_weights_llm(
     *,
     max_model_len: int,
     max_num_seqs: int,
+    num_scheduler_steps: int,
 ) -> LLM:
     """An `LLM` over random weights: `LLM.__init__` minus the GGUF (same engine, same generate path)."""
     llm = LLM.__new__(LLM)
@@ -352,6 +360,7 @@ def random_weights_llm(
         num_pages=num_pages,
         page_size=page_size,
         kv_cache_dtype=kv_cache_dtype,
+        num_scheduler_steps=num_scheduler_steps,
     )
     return llm
 
@@ -692,6 +701,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.max_model_len is not None and args.max_model_len < needed:
         sys.exit(f"--max-model-len must be at least prompt + decode + {CHECK_TOKENS} check tokens = {needed}")
     max_model_len = args.max_model_len or needed
+    steps = args.num_scheduler_steps
     dev = jax.devices()[0]
     cpu = cpu_model()
     device_summary = f"{cpu or 'CPU'} ({os.cpu_count()} cores)" if dev.platform == "cpu" else dev.device_kind
@@ -703,8 +713,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         cfg = model_config_for(args.model)
         state = random_hf_state(cfg)
         llm = random_weights_llm(
-            cfg, state, args.dtype, args.kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_b
-        )
+            cfg, state, args.dtype, args.kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_b,
+            num_scheduler_steps=steps,
+        )  # fmt: skip
     else:
         llm = LLM(
             args.model,
@@ -712,6 +723,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_b,
+            num_scheduler_steps=steps,
             progress=False,
         )
         cfg = llm.config
@@ -814,6 +826,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "random_weights": args.random_weights,
             "max_model_len": max_model_len,
             "max_num_seqs": max_b,
+            "num_scheduler_steps": steps,
             "prompt_seed": PROMPT_SEED,
             "weights_seed": WEIGHTS_SEED if args.random_weights else None,
         },

@@ -236,10 +236,11 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
     [
         {"kv_cache_dtype": "auto", "num_pages": 36},
         {"kv_cache_dtype": "bf16", "num_pages": 34, "speculative": {"method": "ngram", "num_speculative_tokens": 5}},
+        {"kv_cache_dtype": "fp32", "num_pages": 38, "num_scheduler_steps": 4},
     ],
-    ids=["turboquant", "ngram-verify"],
+    ids=["turboquant", "ngram-verify", "decode-steps"],
 )
-def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch, extra):
+def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch, request, extra):
     """Warm-up compiles its step calls on 2 threads first (`Engine._precompile`: decode steps,
     cache writes, verify passes); its own calls of the same shapes must then find every
     executable compiled. (num_pages is unique to this test, so no earlier test compiled
@@ -256,11 +257,60 @@ def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch,
     monkeypatch.setattr(engine, "_precompile", counted)
     assert llm.warmup(max_len=120, sampling=True, workers=2) == 4  # rows {1, 2} x {greedy, sampled}, 8 pages
     # Per shape a decode step (and with ngram 2 verify buckets, 4 and 8 tokens), one write per
-    # distinct update shape.
-    assert counts["after"] - counts["before"] >= (4 + 1 + 8 if "speculative" in extra else 4 + 1)
+    # distinct update shape; fused decode steps (`decode_steps`) write inside the call.
+    want = {"turboquant": 4 + 1, "ngram-verify": 4 + 1 + 8, "decode-steps": 4}
+    assert counts["after"] - counts["before"] >= want[request.node.callspec.id]
     assert CompileCounter.count() == counts["after"]
     with pytest.raises(ValueError, match="workers"):
         llm.warmup(max_len=128, workers=0)
+
+
+def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(llm_f32):
+    """`num_scheduler_steps=4`: rows feed back their own tokens inside one call. Against the
+    single-step fixture: greedy and seeded sampled rows, stop strings and stop ids mid-call,
+    max_tokens that are not multiples of 4, more requests than slots (rows join between
+    calls), a log-probability request (single steps) and a follow-up turn reading prefix-cache
+    pages that fused steps named."""
+    llm = aj.LLM(
+        "smollm2-135m", dtype="float32", kv_cache_dtype="fp32", max_model_len=640, max_num_seqs=4,
+        num_pages=120, max_prefill_chunk=64, progress=False, _cache_fill_value=float("nan"),
+        num_scheduler_steps=4, enable_prefix_caching=True,
+    )  # fmt: skip
+    greedy = [aj.SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    sampled = [
+        aj.SamplingParams(max_tokens=13, temperature=0.9, top_p=0.9, top_k=50, seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    stopping = [aj.SamplingParams(max_tokens=40, temperature=0.0, stop=[" the", "\n"], stop_token_ids=[11])] * 3
+    for prompts, params in ((PROMPTS, greedy), (PROMPTS, sampled), (PROMPTS[:3], stopping)):
+        want = llm_f32.generate(prompts, params, use_tqdm=False)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        for w, g in zip(want, got, strict=True):
+            assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    assert llm.engine.num_multi_steps > 0
+
+    def with_logprobs(x):  # rows that want log probabilities: single steps
+        seqs = [x.engine.add_request(x.tokenizer.encode(p), greedy[1], num_logprobs=2) for p in PROMPTS[:2]]
+        while x.engine.has_unfinished():
+            x.engine.step()
+        return [s.output_ids for s in seqs], [[lp[0] for lp in s.logprobs] for s in seqs]
+
+    fused = llm.engine.num_multi_steps
+    (got_ids, got_lp), (want_ids, want_lp) = with_logprobs(llm), with_logprobs(llm_f32)
+    assert got_ids == want_ids and len(got_lp[0]) == len(want_ids[0])
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
+    assert llm.engine.num_multi_steps == fused
+    conversation = [{"role": "user", "content": PROMPTS[3]}]
+    first = llm.chat(conversation, greedy[-1], use_tqdm=False)[0]
+    follow_up = [*conversation, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+    hits = llm.engine.scheduler.num_prefix_hits
+    got, want = (x.chat(follow_up, greedy[-1], use_tqdm=False)[0] for x in (llm, llm_f32))
+    assert llm.engine.scheduler.num_prefix_hits > hits
+    assert got.token_ids == want.token_ids
+    with pytest.raises(ValueError, match="speculative"):
+        aj.LLM(
+            "smollm2-135m", max_model_len=64, num_pages=8, progress=False, speculative="ngram", num_scheduler_steps=2
+        )
 
 
 def test_device_seq_lens_track_the_host_after_each_step(llm_f32):

@@ -1,6 +1,7 @@
-"""The server with DFlash speculative decoding: same greedy text as the plain server (float32
-KV), per-request acceptance in the usage block, vLLM's spec-decode counters in /metrics, and
-a bad --speculative-config refused at start-up."""
+"""The server's other decode loops: DFlash speculative decoding (same greedy text as the plain
+server on float32 KV, per-request acceptance in the usage block, vLLM's spec-decode counters in
+/metrics, a bad --speculative-config refused at start-up) and several decode steps per call
+(`--num-scheduler-steps`: the same streamed text and usage)."""
 
 import subprocess
 import sys
@@ -59,3 +60,23 @@ def test_bad_speculative_config_exits_2():
     cmd[-1] = '{"method": "dflash", "model": "/nonexistent/draft.npz"}'
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "draft file not found" in r.stderr
+
+
+def test_multi_step_server_streams_the_plain_text(server, server_factory):
+    multi = server_factory(*EXACT_FLAGS, "--num-scheduler-steps", "4")
+    for prompt in PROMPTS:
+        plain = _chat(server.url, prompt)
+        events = _chat(multi.url, prompt, stream=True)
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
+        assert text == plain["choices"][0]["message"]["content"]
+        assert events[-1]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+        assert _chat(multi.url, prompt)["choices"][0]["message"]["content"] == text
+
+
+def test_bad_num_scheduler_steps_exits_2():
+    cmd = [sys.executable, "-m", "aither_jax.serve", "--num-scheduler-steps", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--num-scheduler-steps must be in [1, 64]" in r.stderr
+    cmd[-1:] = ["4", "--speculative-config", '{"method": "ngram"}']
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "cannot be combined with speculative" in r.stderr
