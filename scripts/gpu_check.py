@@ -78,6 +78,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     "profile": ([PY, "scripts/gpu_check.py", "profile", "attention", "decode"], 400, ""),
     # The cold compilation of our decode steps, once per setting of COMPILE_FLAGS.
     "compile": ([PY, "scripts/gpu_check.py", "compile"], 300, ""),
+    # Our decode alone, the host synced after every token and after every 8 (DECODE_STEPS).
+    "decode-steps": ([PY, "scripts/gpu_check.py", "decode-steps", "{out}"], 400, ""),
     "decode": (
         [PY, "scripts/bench_decode.py", "--random-weights", "--hf-compile", "--batch-sizes", "1,8"]
         + ["--no-record", "--out", "{out}/decode.json"],
@@ -141,7 +143,7 @@ SERVING_STAGES = ("serving", "serving-shared")
 # session the whole serving stage ran out of its 555 s after its throughput sweep (compiling
 # for 463 s of it), so call 2 runs the shared-prefix comparison alone (`serving-shared`).
 CALLS: list[list[str]] = [[], ["serving-shared", "--budget", "560"], ["attention-quick", "compile", "--budget", "200"]]
-CALLS += [["env", "profile"], ["attention"], ["decode"], ["tests"], ["tests-2"]]
+CALLS += [["decode-steps"], ["env", "profile"], ["attention"], ["decode"], ["tests"], ["tests-2"]]
 
 
 def call_command(run_args: list[str]) -> str:
@@ -304,6 +306,32 @@ def compile_times(tmp_dir: pathlib.Path = pathlib.Path("/tmp/gpu_check_compile")
     return failed
 
 
+# What `decode-steps` runs once per value of DECODE_STEPS (`--num-scheduler-steps`): our
+# decode at batch 1 and 8, random bf16 weights and bf16 KV like the `decode` stage. On
+# 2026-11-24 (H100) batch 1 ran at 483 tok/s, 2.07 ms a token, which looks like per-step
+# overhead more than compute; fused steps sync with the host once per 8 tokens.
+DECODE_STEPS = (1, 8)
+DECODE_STEPS_RUN = ["scripts/bench_decode.py", "--random-weights", "--no-hf", "--batch-sizes", "1,8", "--no-record"]
+
+
+def decode_steps(out_dir: pathlib.Path) -> int:
+    """`DECODE_STEPS_RUN` in a fresh process per value of DECODE_STEPS, each report written to
+    `out_dir`/decode-steps-<k>.json, each line giving the decode speeds."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for k in DECODE_STEPS:
+        out = out_dir / f"decode-steps-{k}.json"
+        cmd = [PY, *DECODE_STEPS_RUN, "--num-scheduler-steps", str(k), "--out", str(out)]
+        print(f"== decode-steps, {k} per call: {' '.join(cmd[1:])}", flush=True)
+        if subprocess.call(cmd, cwd=ROOT) != 0 or not out.exists():
+            failed = 1
+            continue
+        report = json.loads(out.read_text())
+        speed = ", ".join(f"batch {r['batch']} {r['ours']['decode_tok_s'] or 0:.0f} tok/s" for r in report["results"])
+        print(f"decode-steps, {k} per call: {speed}", flush=True)
+    return failed
+
+
 def env_report() -> int:
     import importlib.util
     import platform
@@ -430,7 +458,8 @@ def record(report_dir: pathlib.Path) -> int:
     if summary_path.exists():
         commands = {e["stage"]: "python " + e["command"] for e in json.loads(summary_path.read_text())}
     done = 0
-    for stage in (*ATTENTION_STAGES, "decode", "speculative", *SERVING_STAGES):
+    steps = [f"decode-steps-{k}" for k in DECODE_STEPS]
+    for stage in (*ATTENTION_STAGES, "decode", *steps, "speculative", *SERVING_STAGES):
         path = report_dir / f"{stage}.json"
         if not path.exists():
             continue
@@ -440,7 +469,7 @@ def record(report_dir: pathlib.Path) -> int:
             import bench_attention
 
             bench_attention.record(report, command)
-        elif stage == "decode":
+        elif stage == "decode" or stage in steps:
             import bench_decode
 
             bench_decode.record_markdown(report)
@@ -468,6 +497,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     prof = sub.add_parser("profile", help="per-kernel device times under Nsight Compute")
     prof.add_argument("targets", nargs="+", choices=sorted(PROFILES))
     sub.add_parser("compile", help="cold compilation of our decode steps, XLA autotuning on and off")
+    steps = sub.add_parser("decode-steps", help="our decode with the host synced every token and every 8")
+    steps.add_argument("out_dir", type=pathlib.Path)
     r = sub.add_parser("run", help="run stages, each in its own process")
     r.add_argument("stages", nargs="+", choices=sorted(STAGES))
     r.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: $OUT, else out/gpu_check")
@@ -499,6 +530,8 @@ def main(argv=None) -> int:
         return profile(args.targets)
     if args.command == "compile":
         return compile_times()
+    if args.command == "decode-steps":
+        return decode_steps(args.out_dir)
     if args.command == "record":
         return record(args.dir)
     out_dir = args.out_dir or pathlib.Path(os.environ.get("OUT") or ROOT / "out" / "gpu_check")

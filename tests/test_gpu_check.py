@@ -280,3 +280,31 @@ def test_compile_runs_the_decode_bench_once_per_flag_setting_with_the_cache_off(
     assert "triton gemm off: 40 compilations" in out
     monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd, env: 1)
     assert gpu_check.compile_times(tmp_path / "failed") == 1
+
+
+def test_decode_steps_runs_our_decode_once_per_setting_and_record_takes_both(tmp_path, monkeypatch, capsys):
+    """`decode-steps` runs bench_decode with --num-scheduler-steps 1 and 8 into the out
+    folder; `record` appends both reports' rows with their commands."""
+    import bench_decode
+
+    bench_decode.parse_args(gpu_check.DECODE_STEPS_RUN[1:])  # a typo would cost a device call
+
+    def fake_call(cmd, cwd):  # a stand-in bench: writes the report the stage reads
+        k = int(cmd[cmd.index("--num-scheduler-steps") + 1])
+        out = pathlib.Path(cmd[cmd.index("--out") + 1])
+        results = [{"batch": b, "ours": {"decode_tok_s": 100.0 * b * k}} for b in (1, 8)]
+        out.write_text(json.dumps({"results": results, "command": " ".join(cmd[1:])}))
+        return 0
+
+    monkeypatch.setattr(gpu_check.subprocess, "call", fake_call)
+    out = tmp_path / "out"
+    assert gpu_check.decode_steps(out) == 0
+    printed = capsys.readouterr().out
+    assert "decode-steps, 1 per call: batch 1 100 tok/s, batch 8 800 tok/s" in printed
+    assert "decode-steps, 8 per call: batch 1 800 tok/s, batch 8 6400 tok/s" in printed
+    recorded = []
+    monkeypatch.setattr(bench_decode, "record_markdown", lambda report: recorded.append(report["command"]))
+    assert gpu_check.record(out) == 0
+    assert [c.split("--num-scheduler-steps ")[1][0] for c in recorded] == ["1", "8"]
+    monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd: 1)
+    assert gpu_check.decode_steps(tmp_path / "failed") == 1
