@@ -7,7 +7,7 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.engine import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS, bucket, page_bucket
-from aither_jax.steps import CompileCounter
+from aither_jax.steps import CompileCounter, decode_steps
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -311,6 +311,19 @@ def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(llm_f32):
         aj.LLM(
             "smollm2-135m", max_model_len=64, num_pages=8, progress=False, speculative="ngram", num_scheduler_steps=2
         )
+
+
+def test_fused_decode_steps_update_the_pool_in_place(llm_f32):
+    """Inside `decode_steps`' loop the previous step's keys/values are written before the next
+    forward pass reads the pool; in the other order XLA copied each whole pool every step
+    (two `copy` ops per pool in the optimized HLO)."""
+    engine = llm_f32.engine
+    tokens, batch, params = engine._padding_rows(2, True)
+    args, static = engine._steps_call(tokens, batch, params, np.zeros(2, np.int32), 8, True)
+    hlo = decode_steps.lower(*args, **{**static, "num_steps": 4}).compile().as_text()
+    pool = "f32[" + ",".join(map(str, engine.cache.k[0].shape)) + "]"
+    assert any(pool in line and "scatter" in line for line in hlo.splitlines())  # the in-place write
+    assert [line for line in hlo.splitlines() if pool in line and " copy(" in line] == []
 
 
 def test_device_seq_lens_track_the_host_after_each_step(llm_f32):
