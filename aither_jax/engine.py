@@ -315,9 +315,10 @@ class Engine:
                 self._append(s, int(tok), None if logits is None else logits[i])
 
     def _fused_decode(self, rows: list[tuple[Sequence, list[int]]]) -> bool:
-        """Whether decode rows run through `decode_steps` (with num_scheduler_steps > 1): all
-        but those with a row that wants log probabilities, which need the step's logits."""
-        return self.num_scheduler_steps > 1 and all(s.num_logprobs is None for s, _ in rows)
+        """Whether decode rows run through `decode_steps` (with num_scheduler_steps > 1): rows
+        of one pending token each, none of which wants log probabilities (they need the
+        step's logits)."""
+        return self.num_scheduler_steps > 1 and all(s.num_logprobs is None and len(t) == 1 for s, t in rows)
 
     def _decode_steps(self, rows: list[tuple[Sequence, list[int]]], *, several: bool) -> None:
         """One `decode_steps` call over decode rows: with `several`, each row takes as many
