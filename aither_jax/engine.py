@@ -324,40 +324,38 @@ class Engine:
         """One `decode_steps` call over decode rows: with `several`, each row takes as many
         steps as the pages reserved for it allow (its lookahead + 1), otherwise one."""
         limits = [1 + self.scheduler.num_lookahead(s) if several else 1 for s, _ in rows]
-        tokens, batch, sampling, _, greedy_only, _ = self._pack(rows, all_logits=False)
-        longest = max(s.num_cached + n for (s, _), n in zip(rows, limits, strict=True))
-        num_pages = self._pages_to_read(self.scheduler.pages_needed(longest), tokens.shape[0])
+        tokens, batch, sampling, num_pages, greedy_only, _ = self._pack(rows, all_logits=False, later=max(limits) - 1)
         padded = np.zeros(tokens.shape[0], np.int32)
         padded[: len(rows)] = limits
         out = np.asarray(self._steps(tokens, batch, sampling, padded, num_pages, greedy_only))
         self.num_multi_steps += max(limits) > 1
         for i, (s, _) in enumerate(rows):
-            appended = 0
-            for tok in out[i, : limits[i]]:
-                self._append(s, int(tok), None)
-                appended += 1
-                if s.finished:
-                    break
+            appended = self._append_tokens(s, out[i, : limits[i]].tolist())
             # The cache holds the row's last token and the sampled tokens fed back after it.
             self.scheduler.computed(s, appended)
 
     def _steps(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool):
         """Runs `decode_steps`; returns its tokens [B, num_scheduler_steps] (a device array)."""
         self._note_shape("decode", (*tokens.shape, num_pages, "steps", greedy_only), warmed=True)
-        args, static = self._steps_call(tokens, batch, sampling, limits, num_pages, greedy_only)
+        args, static = self._steps_args(tokens, batch, sampling, limits, num_pages, greedy_only)
         out, self.cache = decode_steps(*args, **static)
         return out
 
-    def _steps_call(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool) -> tuple[tuple, dict]:
-        """The (positional, keyword) arguments of a `decode_steps` call."""
-        static = dict(
-            cfg=self.cfg,
-            num_pages=num_pages,
-            greedy_only=greedy_only,
-            num_steps=self.num_scheduler_steps,
-            attention=self.attention,
-        )
-        return (self.weights, self.cache, tokens, batch, sampling, limits), static
+    def _forward_args(
+        self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
+    ) -> tuple[tuple, dict]:
+        static = dict(num_pages=num_pages, return_logits=return_logits, greedy_only=greedy_only)
+        return self._step_args(tokens, batch, sampling, taps=taps, shared_pages=shared_pages, **static)
+
+    def _steps_args(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool) -> tuple[tuple, dict]:
+        static = dict(num_pages=num_pages, greedy_only=greedy_only, num_steps=self.num_scheduler_steps)
+        return self._step_args(tokens, batch, sampling, limits, **static)
+
+    def _verify_args(
+        self, tokens, batch, sampling, num_pages: int, greedy_only: bool, return_logits: bool, parents=None
+    ) -> tuple[tuple, dict]:
+        static = dict(num_pages=num_pages, greedy_only=greedy_only, return_logits=return_logits, parents=parents)
+        return self._step_args(tokens, batch, sampling, taps=self._taps, **static)
 
     def _propose(self, rows: list[tuple[Sequence, list[int]]]) -> tuple[list[list[int]], list[list[int]] | None]:
         """Drafts for each decoding row, at most the row's lookahead, and with tree drafts
@@ -439,13 +437,7 @@ class Engine:
                 s.num_accepted_tokens += n
                 if self.draft_length is not None:
                     self.draft_length.observe_row(proposed[i], n)
-            committed = [*d[:n], int(next_tokens[i])]
-            appended = 0
-            for j, tok in enumerate(committed):
-                self._append(s, tok, None if logits is None else logits[i, j])
-                appended += 1
-                if s.finished:
-                    break
+            appended = self._append_tokens(s, [*d[:n], int(next_tokens[i])], None if logits is None else logits[i])
             # The cache holds the last token and the accepted drafts that were kept.
             self.scheduler.computed(s, 1 + min(n, appended))
             self.committed_hist[appended] += 1
@@ -455,26 +447,11 @@ class Engine:
         its cache write and the draft context write: (accepted counts, next tokens, logits or
         None, the accepted path of each tree or None)."""
         self._note_shape("verify", (*tokens.shape, num_pages, return_logits, greedy_only), warmed=not return_logits)
-        args, static = self._verify_call(tokens, batch, sampling, num_pages, greedy_only, return_logits, parents)
+        args, static = self._verify_args(tokens, batch, sampling, num_pages, greedy_only, return_logits, parents)
         accepted, next_tokens, logits, update, hidden, path = verify_step(*args, **static)
         self.cache = write_step(self.cache, update)
         self._write_draft_context(hidden, batch)
         return accepted, next_tokens, logits, path
-
-    def _verify_call(
-        self, tokens, batch, sampling, num_pages: int, greedy_only: bool, return_logits: bool, parents=None
-    ) -> tuple[tuple, dict]:
-        """The (positional, keyword) arguments of a `verify_step` call."""
-        static = dict(
-            cfg=self.cfg,
-            num_pages=num_pages,
-            greedy_only=greedy_only,
-            attention=self.attention,
-            taps=self._taps,
-            return_logits=return_logits,
-            parents=parents,
-        )
-        return (self.weights, self.cache, tokens, batch, sampling), static
 
     def _write_draft_context(self, hidden, batch: StepBatch) -> None:
         """Feeds a target call's tapped hidden states to the DFlash draft's context cache."""
@@ -524,6 +501,15 @@ class Engine:
         )
         self.num_sink_refills += len(rows)
 
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logits: np.ndarray | None = None) -> int:
+        """Appends `tokens` (with logits [len, V] for log probabilities) until `seq` finishes;
+        returns how many it took."""
+        for j, token in enumerate(tokens):
+            self._append(seq, int(token), None if logits is None else logits[j])
+            if seq.finished:
+                return j + 1
+        return len(tokens)
+
     def _append(self, seq: Sequence, token: int, logits: np.ndarray | None) -> None:
         seq.output_ids.append(token)
         if seq.first_token_time is None:
@@ -563,10 +549,12 @@ class Engine:
         all_logits: bool,
         min_tokens: int = MIN_TOKEN_BUCKET,
         share_prefix: bool = False,
+        later: int = 0,
     ):
         """Pads (sequence, new tokens) rows to a bucketed batch: (tokens, StepBatch,
         SamplingBatch, pages to read per row, whether every row is greedy, shared pages read
-        once for the batch: 0 unless `share_prefix` and `_shared_pages` finds some)."""
+        once for the batch: 0 unless `share_prefix` and `_shared_pages` finds some). The pages
+        also cover `later` tokens past the new ones (steps fused into the same call)."""
         self._sync_tables()
         num_rows = bucket(len(rows), 1, self.max_num_seqs)
         longest = max(len(toks) for _, toks in rows)
@@ -575,7 +563,7 @@ class Engine:
         if num_tokens > 1 and all(s.num_cached == 0 for s, _ in rows):
             num_pages = 0  # fresh prompts: nothing stored yet, so attention reads no pages
         else:
-            end = max(s.num_cached + len(toks) for s, toks in rows)
+            end = max(s.num_cached + len(toks) for s, toks in rows) + later
             num_pages = self._pages_to_read(self.scheduler.pages_needed(end) - shared, num_rows)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
@@ -640,26 +628,19 @@ class Engine:
         # Shared-prefix shapes depend on the prompts: they compile on first use.
         self._note_shape("decode", key, warmed=num_tokens == 1 and return_logits == "none" and not shared_pages)
         self.num_shared_prefix_steps += bool(shared_pages)
-        args, static = self._forward_call(
+        args, static = self._forward_args(
             tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared_pages
         )
         next_tokens, logits, self.cache, hidden = model_step(*args, **static)
         return next_tokens, logits, hidden
 
-    def _forward_call(
-        self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
-    ) -> tuple[tuple, dict]:
-        """The (positional, keyword) arguments of a `forward_step` call."""
-        static = dict(
-            cfg=self.cfg,
-            num_pages=num_pages,
-            return_logits=return_logits,
-            greedy_only=greedy_only,
-            attention=self.attention,
-            taps=taps,
-            shared_pages=shared_pages,
+    def _step_args(self, tokens, batch, sampling, *more, **static) -> tuple[tuple, dict]:
+        """The (positional, keyword) arguments of a step function's call (`forward_step`,
+        `verify_step`, `decode_steps`): the weights, the cache and the call's own inputs;
+        its static arguments with the model's config and attention path added."""
+        return (self.weights, self.cache, tokens, batch, sampling, *more), dict(
+            static, cfg=self.cfg, attention=self.attention
         )
-        return (self.weights, self.cache, tokens, batch, sampling), static
 
     def _note_shape(self, kind: str, key: tuple, *, warmed: bool) -> None:
         """Records a step shape; warns when warm-up should have compiled it (`warmed`) and did not."""
@@ -774,13 +755,13 @@ class Engine:
                 tokens, batch, params = self._padding_rows(num_rows, greedy_only)
                 if self.num_scheduler_steps > 1:
                     limits = np.zeros(num_rows, np.int32)
-                    args, static = self._steps_call(tokens, batch, params, limits, num_pages, greedy_only)
+                    args, static = self._steps_args(tokens, batch, params, limits, num_pages, greedy_only)
                     submit(decode_steps.lower(*args, **static))
                     continue
-                args = self._forward_call(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
+                args = self._forward_args(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
                 calls = [(forward_step, 2, args)]
                 for verify_tokens, parents in self._verify_shapes(num_rows):
-                    args = self._verify_call(verify_tokens, batch, params, num_pages, greedy_only, False, parents)
+                    args = self._verify_args(verify_tokens, batch, params, num_pages, greedy_only, False, parents)
                     calls.append((verify_step, 3, args))
                 for fn, update_at, (args, static) in calls:
                     lowered = fn.lower(*args, **static)

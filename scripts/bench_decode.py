@@ -701,7 +701,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.max_model_len is not None and args.max_model_len < needed:
         sys.exit(f"--max-model-len must be at least prompt + decode + {CHECK_TOKENS} check tokens = {needed}")
     max_model_len = args.max_model_len or needed
-    steps = args.num_scheduler_steps
     dev = jax.devices()[0]
     cpu = cpu_model()
     device_summary = f"{cpu or 'CPU'} ({os.cpu_count()} cores)" if dev.platform == "cpu" else dev.device_kind
@@ -714,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         state = random_hf_state(cfg)
         llm = random_weights_llm(
             cfg, state, args.dtype, args.kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_b,
-            num_scheduler_steps=steps,
+            num_scheduler_steps=args.num_scheduler_steps,
         )  # fmt: skip
     else:
         llm = LLM(
@@ -723,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_b,
-            num_scheduler_steps=steps,
+            num_scheduler_steps=args.num_scheduler_steps,
             progress=False,
         )
         cfg = llm.config
@@ -826,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "random_weights": args.random_weights,
             "max_model_len": max_model_len,
             "max_num_seqs": max_b,
-            "num_scheduler_steps": steps,
+            "num_scheduler_steps": args.num_scheduler_steps,
             "prompt_seed": PROMPT_SEED,
             "weights_seed": WEIGHTS_SEED if args.random_weights else None,
         },

@@ -319,7 +319,7 @@ def test_fused_decode_steps_update_the_pool_in_place(llm_f32):
     (two `copy` ops per pool in the optimized HLO)."""
     engine = llm_f32.engine
     tokens, batch, params = engine._padding_rows(2, True)
-    args, static = engine._steps_call(tokens, batch, params, np.zeros(2, np.int32), 8, True)
+    args, static = engine._steps_args(tokens, batch, params, np.zeros(2, np.int32), 8, True)
     hlo = decode_steps.lower(*args, **{**static, "num_steps": 4}).compile().as_text()
     pool = "f32[" + ",".join(map(str, engine.cache.k[0].shape)) + "]"
     assert any(pool in line and "scatter" in line for line in hlo.splitlines())  # the in-place write
