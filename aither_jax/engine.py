@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +59,23 @@ WIDE_STEP_ROWS = 8
 # of SHARED_PAGE_STEP to bound the number of compiled step shapes.
 MIN_SHARED_PAGES = 32
 SHARED_PAGE_STEP = 16
+# The step calls a shape record names (`Engine.step_shapes`, `Engine.precompile`) and the
+# fields that fix each one's compiled program (with the engine's own configuration):
+# - forward: `forward_step` over [rows, tokens] (decode, or prefill chunks), its page reads,
+#   which logits it returns ("none", "last", "all"), greedy-only sampling, the layers whose
+#   hidden states it taps for a DFlash draft, and the pages it reads once for all rows;
+# - steps: `decode_steps`, several decode steps in one call (num_scheduler_steps > 1);
+# - verify: `verify_step` over [rows, tokens] of drafts (speculative decoding);
+# - sinks: `refill_sinks` over [rows, tokens] (sink formats on prefix-cache hits);
+# - copy: `copy_pages` of `pages` pages (prefix caching's copy on write).
+SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "forward": ("rows", "tokens", "pages", "logits", "greedy", "taps", "shared_pages"),
+    "steps": ("rows", "pages", "greedy"),
+    "verify": ("rows", "tokens", "pages", "logits", "greedy"),
+    "sinks": ("rows", "tokens"),
+    "copy": ("pages",),
+}
+RETURN_LOGITS = ("none", "last", "all")
 
 
 class Engine:
@@ -192,7 +210,11 @@ class Engine:
         self.num_sink_refills = 0
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
-        self._seen_shapes: set[tuple] = set()
+        # Every step shape run or precompiled, by `_shape_key` (records as `step_shapes` gives).
+        self._shapes: dict[tuple, dict[str, Any]] = {}
+        # Called with each shape record the first time a step of that shape runs (a server
+        # appends it to its step-shapes file); not for shapes that `precompile` compiled.
+        self.on_new_shape: Callable[[dict[str, Any]], None] | None = None
         self.warmed_up = False
         self.num_steps = 0
         # Compiled code is dropped when it nears the process's mapping limit (code_maps.py).
@@ -336,7 +358,8 @@ class Engine:
 
     def _steps(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool):
         """Runs `decode_steps`; returns its tokens [B, num_scheduler_steps] (a device array)."""
-        self._note_shape("decode", (*tokens.shape, num_pages, "steps", greedy_only), warmed=True)
+        rows = tokens.shape[0]
+        self._note_shape(dict(kind="steps", rows=rows, pages=num_pages, greedy=greedy_only), warmed=True)
         args, static = self._steps_args(tokens, batch, sampling, limits, num_pages, greedy_only)
         out, self.cache = decode_steps(*args, **static)
         return out
@@ -446,7 +469,11 @@ class Engine:
         """The target's verify pass over [last, drafts] rows (a tree per row with `parents`),
         its cache write and the draft context write: (accepted counts, next tokens, logits or
         None, the accepted path of each tree or None)."""
-        self._note_shape("verify", (*tokens.shape, num_pages, return_logits, greedy_only), warmed=not return_logits)
+        rows, num_tokens = tokens.shape
+        record = dict(
+            kind="verify", rows=rows, tokens=num_tokens, pages=num_pages, logits=return_logits, greedy=greedy_only
+        )
+        self._note_shape(record, warmed=not return_logits)
         args, static = self._verify_args(tokens, batch, sampling, num_pages, greedy_only, return_logits, parents)
         accepted, next_tokens, logits, update, hidden, path = verify_step(*args, **static)
         self.cache = write_step(self.cache, update)
@@ -478,6 +505,7 @@ class Engine:
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         n = bucket(len(copies), 4, max(4, self.scheduler.num_usable_pages + 1))
+        self._note_shape(dict(kind="copy", pages=n), warmed=False)
         src = np.zeros(n, np.int32)  # padding copies the null page onto itself
         dst = np.zeros(n, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
@@ -494,7 +522,7 @@ class Engine:
         num_new = np.zeros(num_rows, np.int32)
         for i, (s, toks) in enumerate(rows):
             tokens[i, : len(toks)], slots[i], num_new[i] = toks, s.slot, len(toks)
-        self._note_shape("sinks", tokens.shape, warmed=False)
+        self._note_shape(dict(kind="sinks", rows=num_rows, tokens=tokens.shape[1]), warmed=False)
         batch = StepBatch(slots, np.zeros(num_rows, np.int32), num_new)
         self.cache = refill_sinks(
             self.weights, self.cache, tokens, batch, cfg=self.cfg, num_pages=0, attention=self.attention
@@ -624,9 +652,12 @@ class Engine:
         self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
     ):
         num_rows, num_tokens = tokens.shape
-        key = (num_rows, num_tokens, num_pages, return_logits, greedy_only, taps, shared_pages)
-        # Shared-prefix shapes depend on the prompts: they compile on first use.
-        self._note_shape("decode", key, warmed=num_tokens == 1 and return_logits == "none" and not shared_pages)
+        record = dict(
+            kind="forward", rows=num_rows, tokens=num_tokens, pages=num_pages, logits=return_logits,
+            greedy=greedy_only, taps=list(taps), shared_pages=shared_pages,
+        )  # fmt: skip
+        # Shared-prefix shapes depend on the prompts: warm-up leaves them to first use.
+        self._note_shape(record, warmed=num_tokens == 1 and return_logits == "none" and not shared_pages)
         self.num_shared_prefix_steps += bool(shared_pages)
         args, static = self._forward_args(
             tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared_pages
@@ -642,12 +673,23 @@ class Engine:
             static, cfg=self.cfg, attention=self.attention
         )
 
-    def _note_shape(self, kind: str, key: tuple, *, warmed: bool) -> None:
-        """Records a step shape; warns when warm-up should have compiled it (`warmed`) and did not."""
-        if (kind, *key) not in self._seen_shapes:
-            if self.warmed_up and warmed:
-                log.warning("%s shape %s was not compiled during warm-up: this step compiles", kind, key)
-            self._seen_shapes.add((kind, *key))
+    def _note_shape(self, record: dict[str, Any], *, warmed: bool) -> None:
+        """Records a step shape; warns when warm-up should have compiled it (`warmed`) and did
+        not; tells `on_new_shape` about a shape not seen before."""
+        key = _shape_key(record)
+        if key in self._shapes:
+            return
+        if self.warmed_up and warmed:
+            log.warning("step shape %s was not compiled during warm-up: this step compiles", record)
+        self._shapes[key] = record
+        if self.on_new_shape is not None:
+            self.on_new_shape(dict(record))
+
+    def step_shapes(self) -> list[dict[str, Any]]:
+        """The step shapes this engine has run or precompiled, in first-seen order: one record
+        (a JSON-able dict, `SHAPE_FIELDS`) per compiled program. `precompile` takes them, in
+        this process or in the next one (`aither_jax.shape_file`)."""
+        return [dict(r) for r in self._shapes.values()]
 
     def warmup(
         self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False, workers: int | None = None
@@ -706,14 +748,16 @@ class Engine:
         self.warmed_up = True
         return done
 
-    def _padding_rows(self, num_rows: int, greedy_only: bool) -> tuple[np.ndarray, StepBatch, SamplingBatch]:
-        """A decode call's inputs on `num_rows` padding rows (out-of-range slots, so nothing is
-        written): tokens [num_rows, 1], the batch and greedy or sampled parameters."""
+    def _padding_rows(
+        self, num_rows: int, greedy_only: bool, num_tokens: int = 1
+    ) -> tuple[np.ndarray, StepBatch, SamplingBatch]:
+        """A call's inputs on `num_rows` padding rows (out-of-range slots, so nothing is
+        written): tokens [num_rows, num_tokens], the batch and greedy or sampled parameters."""
         zeros = np.zeros(num_rows, np.int32)
         batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)
         temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
         params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
-        return np.zeros((num_rows, 1), np.int32), batch, params
+        return np.zeros((num_rows, num_tokens), np.int32), batch, params
 
     def _verify_shapes(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """The verify passes a decode shape of `num_rows` rows may need: (tokens, tree parents or
@@ -728,20 +772,72 @@ class Engine:
         ]
 
     def _precompile(self, shapes: list[tuple[int, int, bool]], workers: int, progress: bool) -> None:
-        """Compiles the target's calls of the warm-up `shapes` on `workers` threads: each
-        shape's decode step (`decode_steps` with num_scheduler_steps > 1), its cache writes and,
-        with speculative decoding, its verify passes.
+        """Compiles the target's calls of the warm-up `shapes` (rows, pages, greedy only) on
+        `workers` threads: each shape's decode step (`decode_steps` with num_scheduler_steps
+        > 1), its cache writes and, with speculative decoding, its verify passes. The drafting
+        calls are left to the warm-up's own calls."""
+        records = []
+        for num_rows, num_pages, greedy_only in shapes:
+            if self.num_scheduler_steps > 1:
+                records.append(dict(kind="steps", rows=num_rows, pages=num_pages, greedy=greedy_only))
+                continue
+            records.append(
+                dict(
+                    kind="forward",
+                    rows=num_rows,
+                    tokens=1,
+                    pages=num_pages,
+                    logits="none",
+                    greedy=greedy_only,
+                    taps=list(self._taps),
+                    shared_pages=0,
+                )  # fmt: skip
+            )
+            for tokens, _ in self._verify_shapes(num_rows):
+                records.append(
+                    dict(
+                        kind="verify",
+                        rows=num_rows,
+                        tokens=tokens.shape[1],
+                        pages=num_pages,
+                        logits=False,
+                        greedy=greedy_only,
+                    )  # fmt: skip
+                )
+        self.precompile(records, workers=workers, progress=progress)
 
-        Lowering runs on this thread; XLA's backend compilation releases the GIL, so several
-        executables compile at once (on the H200's host a step shape takes ~13 s, almost all of it
-        there). Each lands in JAX's in-memory cache under the key that the warm-up's own call
-        of the same shape then finds, so those calls run without compiling. The drafting calls
-        are left to them.
+    def precompile(
+        self, shapes: Iterable[dict[str, Any]], *, workers: int | None = None, progress: bool = False
+    ) -> int:
+        """Compiles step shapes before any request needs them, on `workers` threads (default
+        `step_jit.compile_workers()`): records as `step_shapes` gives them, typically an
+        earlier run's (`aither_jax.shape_file`; `serve --compile-shapes`).
+
+        Each record's call is lowered on this thread, on padding inputs of its shape, and
+        compiled in a thread pool (XLA's backend compilation releases the GIL; on the H200's
+        host a step shape takes ~13 s, almost all of it there). The executables land in JAX's
+        in-memory cache under the keys that the real calls of the same shapes then find.
+        Forward and verify records compile their cache writes too. A record this engine cannot
+        run (more rows than max_num_seqs, more pages than a sequence holds, fused steps when
+        num_scheduler_steps is 1, ...) is skipped with a warning. Raises ValueError for a
+        malformed record. Returns the number of records compiled.
         """
+        workers = compile_workers() if workers is None else workers
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        records = [_checked_shape(i, r) for i, r in enumerate(shapes)]
+        usable = []
+        for record in records:
+            why = self._unfit(record)
+            if why:
+                log.warning("step shape %s skipped: %s", record, why)
+            else:
+                usable.append(record)
         writes: set[str] = set()
-        futures = []
+        done = 0
         bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
         with ThreadPoolExecutor(workers, thread_name_prefix="aither-compile") as pool:
+            futures = []
 
             def submit(lowered) -> None:
                 bar.total += 1
@@ -749,31 +845,88 @@ class Engine:
                 futures.append(pool.submit(lowered.compile))
                 futures[-1].add_done_callback(lambda _: bar.update())
 
-            for num_rows, num_pages, greedy_only in shapes:
+            for record in usable:
                 if self.code_budget.over():
-                    break  # the warm-up loop warns and stops at the same point
-                tokens, batch, params = self._padding_rows(num_rows, greedy_only)
-                if self.num_scheduler_steps > 1:
-                    limits = np.zeros(num_rows, np.int32)
-                    args, static = self._steps_args(tokens, batch, params, limits, num_pages, greedy_only)
-                    submit(decode_steps.lower(*args, **static))
-                    continue
-                args = self._forward_args(tokens, batch, params, num_pages, "none", greedy_only, taps=self._taps)
-                calls = [(forward_step, 2, args)]
-                for verify_tokens, parents in self._verify_shapes(num_rows):
-                    args = self._verify_args(verify_tokens, batch, params, num_pages, greedy_only, False, parents)
-                    calls.append((verify_step, 3, args))
-                for fn, update_at, (args, static) in calls:
-                    lowered = fn.lower(*args, **static)
-                    submit(lowered)
-                    update = lowered.out_info[update_at]
+                    log.warning(
+                        "precompile stopped after %d of %d shapes: their code nears the memory-mapping limit "
+                        "(vm.max_map_count = %s); the rest compile on first use",
+                        done,
+                        len(usable),
+                        self.code_budget.limit,
+                    )
+                    break
+                lowered, update = self._lower_shape(record)
+                submit(lowered)
+                if update is not None:
                     key = str(jax.tree.map(lambda a: (a.shape, a.dtype), update))
                     if key not in writes:
                         writes.add(key)
                         submit(write_step.lower(self.cache, update))
+                self._shapes.setdefault(_shape_key(record), record)
+                done += 1
             for future in futures:
                 future.result()
         bar.close()
+        return done
+
+    def _unfit(self, record: dict[str, Any]) -> str | None:
+        """Why this engine cannot run a (well-formed) shape record, or None if it can."""
+        kind = record["kind"]
+        rows = record.get("rows", 1)
+        if rows != bucket(rows, 1, self.max_num_seqs):
+            return f"rows must be a power of two (or max_num_seqs) up to max_num_seqs {self.max_num_seqs}"
+        longest = MAX_SINK_TOKENS if kind == "sinks" else self.max_prefill_chunk
+        if record.get("tokens", 1) > longest:
+            return f"more than {longest} tokens per row"
+        pages = record.get("pages", 0)
+        if kind != "copy" and pages + record.get("shared_pages", 0) > self.max_pages_per_seq:
+            return f"more pages than a sequence holds ({self.max_pages_per_seq})"
+        if kind == "copy" and pages > self.scheduler.num_usable_pages + 1:
+            return f"more page copies than pages ({self.scheduler.num_usable_pages})"
+        if kind == "steps" and self.num_scheduler_steps == 1:
+            return "fused decode steps need num_scheduler_steps > 1"
+        if kind == "verify" and not self.num_speculative_tokens:
+            return "verify passes need speculative decoding"
+        if kind == "sinks" and not self.cache.num_sinks:
+            return "the KV cache format keeps no sink tokens"
+        if kind == "forward" and tuple(record["taps"]) != tuple(self._taps):
+            return f"taps {record['taps']} are not this engine's {list(self._taps)}"
+        if kind == "forward" and record["shared_pages"] and not self.shared_prefix_attention:
+            return "shared-prefix attention is off"
+        return None
+
+    def _lower_shape(self, record: dict[str, Any]) -> tuple[Any, Any]:
+        """A shape record's call lowered on padding inputs (rows on out-of-range slots, so
+        nothing is written): (the lowered call, the cache update it returns for `write_step`
+        or None)."""
+        kind = record["kind"]
+        if kind == "copy":
+            zeros = np.zeros(record["pages"], np.int32)
+            return copy_pages.lower(self.cache, zeros, zeros), None
+        num_rows = record["rows"]
+        tokens, batch, params = self._padding_rows(num_rows, record.get("greedy", True), record.get("tokens", 1))
+        if kind == "sinks":
+            lowered = refill_sinks.lower(
+                self.weights, self.cache, tokens, batch, cfg=self.cfg, num_pages=0, attention=self.attention
+            )
+            return lowered, None
+        if kind == "steps":
+            limits = np.zeros(num_rows, np.int32)
+            args, static = self._steps_args(tokens, batch, params, limits, record["pages"], record["greedy"])
+            return decode_steps.lower(*args, **static), None
+        if kind == "verify":
+            parents = chain_parents(*tokens.shape) if self.drafter is not None and self.drafter.tree else None
+            args, static = self._verify_args(
+                tokens, batch, params, record["pages"], record["greedy"], record["logits"], parents
+            )
+            lowered = verify_step.lower(*args, **static)
+            return lowered, lowered.out_info[3]
+        args, static = self._forward_args(
+            tokens, batch, params, record["pages"], record["logits"], record["greedy"],
+            taps=tuple(record["taps"]), shared_pages=record["shared_pages"],
+        )  # fmt: skip
+        lowered = forward_step.lower(*args, **static)
+        return lowered, lowered.out_info[2]
 
     def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
         """Compiles the drafting call and the verify pass of one decode shape on padding rows."""
@@ -870,3 +1023,41 @@ def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tu
     top = np.argpartition(-logp, k)[:k] if 0 < k < logp.size else np.arange(logp.size if k else 0)
     top = top[np.argsort(-logp[top], kind="stable")]
     return float(logp[token]), [(int(t), float(logp[t])) for t in top]
+
+
+def _shape_key(record: dict[str, Any]) -> tuple:
+    """A shape record as a hashable key: its kind and fields in `SHAPE_FIELDS` order."""
+    return (
+        record["kind"],
+        *(tuple(v) if isinstance(v, list) else v for v in map(record.get, SHAPE_FIELDS[record["kind"]])),
+    )
+
+
+def _checked_shape(index: int, record: Any) -> dict[str, Any]:
+    """A well-formed copy of shape record `index` (its kind's fields only), or ValueError."""
+    if not isinstance(record, dict):
+        raise ValueError(f"step shape {index}: expected an object, got {type(record).__name__}")
+    kind = record.get("kind")
+    if kind not in SHAPE_FIELDS:
+        raise ValueError(f"step shape {index}: kind must be one of {sorted(SHAPE_FIELDS)}, got {kind!r}")
+    out: dict[str, Any] = {"kind": kind}
+    for field in SHAPE_FIELDS[kind]:
+        if field not in record:
+            raise ValueError(f"step shape {index} ({kind}): missing {field!r}")
+        value = record[field]
+        if field == "greedy" or (field == "logits" and kind == "verify"):
+            ok = isinstance(value, bool)
+        elif field == "logits":
+            ok = value in RETURN_LOGITS
+        elif field == "taps":
+            ok = isinstance(value, list | tuple) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+            )
+            value = list(value) if ok else value
+        else:  # counts: rows and tokens from 1, pages from 0
+            low = 0 if field in ("pages", "shared_pages") else 1
+            ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= 1 << 20
+        if not ok:
+            raise ValueError(f"step shape {index} ({kind}): bad {field} {value!r}")
+        out[field] = value
+    return out

@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         "not with --speculative-config",
     )
     p.add_argument("--warmup", action="store_true", help="compile every decode shape before serving")
+    p.add_argument(
+        "--compile-shapes",
+        type=pathlib.Path,
+        default=None,
+        metavar="FILE",
+        help="step-shapes file (JSON): its shapes are compiled on several threads before serving when it exists, "
+        "and every new shape the server runs is added to it (aither_jax/shape_file.py)",
+    )
     p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0, help="seeds requests that bring none")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
@@ -123,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--api-key must not be empty")
     if args.pin_prompt_file is not None and not args.pin_prompt_file.is_file():
         parser.error(f"--pin-prompt-file: no such file: {args.pin_prompt_file}")
+    if args.compile_shapes is not None and not args.compile_shapes.absolute().parent.is_dir():
+        parser.error(f"--compile-shapes: no such directory: {args.compile_shapes.absolute().parent}")
+    if args.compile_shapes is not None and args.compile_shapes.is_dir():
+        parser.error(f"--compile-shapes: {args.compile_shapes} is a directory, not a file")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
@@ -171,6 +183,8 @@ def build_server(args: argparse.Namespace):
             llm.tokenizer.set_chat_template(_chat_template(args.chat_template))
     except (GGUFError, ChatTemplateError) as e:
         raise ValueError(str(e)) from None
+    if args.compile_shapes is not None:
+        _use_shape_file(llm, args)
     if args.warmup:
         llm.warmup()
     name = args.served_model_name or args.model
@@ -202,6 +216,38 @@ def build_server(args: argparse.Namespace):
         access_log=False,
     )
     return DrainingServer(uv_config, app)
+
+
+def _use_shape_file(llm, args: argparse.Namespace) -> None:
+    """`--compile-shapes FILE`: compiles the file's step shapes now (when it exists) and adds
+    each new shape the engine runs to it. Raises ValueError for a file that is not a
+    step-shapes file or holds a malformed record."""
+    import time
+
+    from aither_jax import shape_file
+
+    path = args.compile_shapes
+    shapes: list[dict] = []
+    if path.exists():
+        shapes = shape_file.load(path)
+        start = time.perf_counter()
+        n = llm.engine.precompile(shapes, progress=True)
+        log.info("compiled %d of the %d step shapes in %s in %.1f s", n, len(shapes), path, time.perf_counter() - start)
+    settings = {
+        "model": args.model,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": llm.engine.max_model_len,
+    }
+
+    def record(shape: dict) -> None:  # on the engine thread, once per new shape (which then compiles)
+        shapes.append(shape)
+        try:
+            shape_file.save(path, shapes, recorded_with=settings)
+        except OSError as e:
+            log.warning("could not update %s: %s", path, e)
+
+    llm.engine.on_new_shape = record
 
 
 def _power_of_two(value: int, flag: str) -> int:

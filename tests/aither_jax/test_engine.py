@@ -70,10 +70,10 @@ def test_first_prefill_chunk_reads_no_pages_and_later_chunks_do(llm_f32):
     next chunks read the pages the first ones wrote. (That the outputs stay right is the HF
     parity tests' job: they score prompts through the same chunked path.)"""
     engine = llm_f32.engine
-    engine._seen_shapes.clear()
+    engine._shapes.clear()
     llm_f32.generate([PROMPTS[-1]], GREEDY)  # spans several 64-token chunks
-    prefill = [key[1:] for key in engine._seen_shapes if key[0] == "decode" and key[2] > 1]
-    pages = {num_pages for _rows, _tokens, num_pages, *_ in prefill}
+    prefill = [r for r in engine.step_shapes() if r["kind"] == "forward" and r["tokens"] > 1]
+    pages = {r["pages"] for r in prefill}
     assert 0 in pages and max(pages) >= 8, prefill
 
 
@@ -241,20 +241,20 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
     ids=["turboquant", "ngram-verify", "decode-steps"],
 )
 def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch, request, extra):
-    """Warm-up compiles its step calls on 2 threads first (`Engine._precompile`: decode steps,
+    """Warm-up compiles its step calls on 2 threads first (`Engine.precompile`: decode steps,
     cache writes, verify passes); its own calls of the same shapes must then find every
     executable compiled. (num_pages is unique to this test, so no earlier test compiled
     these shapes.)"""
     llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, progress=False, **extra)
     engine, counts = llm.engine, {}
-    precompile = engine._precompile
+    precompile = engine.precompile
 
     def counted(*args, **kwargs):
         counts["before"] = CompileCounter.count()
         precompile(*args, **kwargs)
         counts["after"] = CompileCounter.count()
 
-    monkeypatch.setattr(engine, "_precompile", counted)
+    monkeypatch.setattr(engine, "precompile", counted)
     assert llm.warmup(max_len=120, sampling=True, workers=2) == 4  # rows {1, 2} x {greedy, sampled}, 8 pages
     # Per shape a decode step (and with ngram 2 verify buckets, 4 and 8 tokens), one write per
     # distinct update shape; fused decode steps (`decode_steps`) write inside the call.
