@@ -27,6 +27,7 @@ from typing import Any
 FORMAT = "aither-jax step shapes"
 VERSION = 1
 MAX_FILE_BYTES = 16 << 20  # far above any real file (a record is ~150 bytes)
+FILE_MODE = 0o644
 
 
 def load(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -54,11 +55,14 @@ def save(path: str | os.PathLike, shapes: list[dict[str, Any]], **info: Any) -> 
     """Writes `shapes` (and `info`, e.g. the settings they were recorded with) to `path`
     atomically: a crash mid-write leaves the previous file whole."""
     path = Path(path)
-    text = json.dumps({"format": FORMAT, "version": VERSION, **info, "shapes": shapes}, indent=1) + "\n"
+    head = json.dumps({"format": FORMAT, "version": VERSION, **info})[:-1]
+    lines = ",\n".join("  " + json.dumps(shape) for shape in shapes)  # one record a line: readable diffs
+    text = f'{head}, "shapes": [\n{lines}\n]}}\n' if shapes else f'{head}, "shapes": []}}\n'
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, FILE_MODE)  # mkstemp's file is private to its owner
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

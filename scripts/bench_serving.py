@@ -16,6 +16,13 @@ gaps between later chunks; e2e the time to the end of the stream. Each server fi
 untimed pass of every workload and of every batch-size bucket (1, 2, 4, ... concurrent
 requests) so compilation is excluded.
 
+With `--compile-shapes DIR` each server keeps a step-shapes file in DIR (one per server
+configuration, `serve --compile-shapes`): it compiles the file's shapes on several threads
+before serving, and its warm-ups then compile only the shapes the file lacks, which it adds.
+`--shapes-from SRC` first copies SRC's files into DIR (those already in DIR are kept): the
+GPU stage starts from files recorded on CPU (`scripts/data/step_shapes/`) and brings the
+grown ones back.
+
 Writes a JSON report (`--out`), a plot next to it, prints a table and appends one row to
 docs/BENCHMARKS.md (unless `--no-record`).
 
@@ -45,6 +52,8 @@ import httpx
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Model load, plus compiling a step-shapes file's shapes with --compile-shapes.
+STARTUP_SECONDS = 600
 WORDS = "river stone light garden paper window silver orchard lantern meadow harbor candle forest".split()
 
 
@@ -67,6 +76,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_serving.json")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="keep the servers' logs in this file")
     p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
+    p.add_argument(
+        "--compile-shapes",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="keep each server's step-shapes file in DIR (serve --compile-shapes): compiled before serving",
+    )
+    p.add_argument(
+        "--shapes-from",
+        type=pathlib.Path,
+        default=None,
+        metavar="SRC",
+        help="copy the step-shapes files of SRC into --compile-shapes DIR first (files in DIR are kept)",
+    )
     return p.parse_args(argv)
 
 
@@ -90,10 +113,36 @@ def compilations_since(server: Server, before: float) -> int:
     return n
 
 
+def shapes_file(args: argparse.Namespace, caching: bool) -> pathlib.Path:
+    """The step-shapes file of a server configuration in `args.compile_shapes`."""
+    name = f"{pathlib.Path(args.model).stem}_{args.kv_cache_dtype}_seqs{args.max_num_seqs}_len{args.max_model_len}"
+    name = "".join(c if c.isalnum() or c in ".-" else "_" for c in name)
+    return args.compile_shapes / f"{name}_{'caching' if caching else 'nocaching'}.json"
+
+
+def prepare_shapes(args: argparse.Namespace) -> None:
+    """Creates `--compile-shapes` DIR and copies in `--shapes-from` files it does not have."""
+    if args.compile_shapes is None:
+        if args.shapes_from is not None:
+            sys.exit("--shapes-from needs --compile-shapes")
+        return
+    args.compile_shapes.mkdir(parents=True, exist_ok=True)
+    if args.shapes_from is not None:
+        if not args.shapes_from.is_dir():
+            sys.exit(f"--shapes-from: no such directory: {args.shapes_from}")
+        for src in sorted(args.shapes_from.glob("*.json")):
+            dst = args.compile_shapes / src.name
+            if not dst.exists():
+                dst.write_bytes(src.read_bytes())
+
+
 class Server(contextlib.AbstractContextManager):
-    def __init__(self, args: argparse.Namespace, *flags: str):
+    def __init__(self, args: argparse.Namespace, *flags: str, caching: bool = True):
         """Starts the server; its log (stderr) goes to `args.server_log` when given (appended),
-        else to a temporary file. A failure inside the `with` block prints the log's tail."""
+        else to a temporary file. A failure inside the `with` block prints the log's tail.
+        `start_seconds` is the time until it answered /health (model load, and with
+        `--compile-shapes` the compilation of the file's shapes)."""
+        start = time.monotonic()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -101,20 +150,24 @@ class Server(contextlib.AbstractContextManager):
         cmd = [sys.executable, "-m", "aither_jax.serve", "--model", args.model, "--port", str(self.port)]
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs", str(args.max_num_seqs)]
         cmd += ["--max-model-len", str(args.max_model_len), "--max-queue", "256", "--log-level", "warning", *flags]
+        if args.compile_shapes is not None:
+            cmd += ["--compile-shapes", str(shapes_file(args, caching))]
         # A file, not a pipe: nobody reads the server's log while it runs, and a full pipe would stall it.
         self.log = open(args.server_log, "a+") if args.server_log else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
                 raise RuntimeError(f"server exited: {self.log.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    self.start_seconds = time.monotonic() - start
+                    print(f"server up in {self.start_seconds:.1f} s", flush=True)
                     return
             time.sleep(0.5)
         self.proc.kill()
-        raise RuntimeError("server did not start in 300 s")
+        raise RuntimeError(f"server did not start in {STARTUP_SECONDS} s")
 
     def metric(self, name: str) -> float:
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
@@ -237,12 +290,13 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
     rates = [float(r) for r in args.rates.split(",") if r]
     report: dict = {"concurrency": [], "rates": [], "shared_prefix": {}}
     with Server(args) as server:
+        report["server_start_seconds"] = {"caching": server.start_seconds}
         print("warm-up (compiles every shape the workloads use) ...", flush=True)
         warm_up = report["warm_up"] = {}
 
-        def phase(name: str, workload) -> None:
-            """Runs one warm-up workload (a coroutine): its wall time, and the compilations in it
-            (the server's count)."""
+        def phase(server: Server, name: str, workload) -> None:
+            """Runs one warm-up workload (a coroutine) on `server`: its wall time, and the
+            compilations in it (the server's count)."""
             before = [server.metric(m) for m in COMPILE_METRICS]
             _, wall = asyncio.run(workload)
             count, seconds, lowering = (server.metric(m) - b for m, b in zip(COMPILE_METRICS, before, strict=True))
@@ -261,15 +315,15 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
         # wave's prefill) has step shapes a smaller warm-up never reaches. First, since it is
         # the only workload that runs the shared-prefix attention: a failure there shows early.
         warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-up", rng)
-        phase("shared prefix", run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
+        phase(server, "shared prefix", run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
         # No levels (`--concurrency ""`): no concurrency sweep, and no warm-up of its buckets.
         buckets = sorted({1 << i for i in range(max(levels + [args.max_num_seqs]).bit_length())} | set(levels))
         for c in buckets if levels else []:
             prompts = distinct_prompts(c, args.prompt_words, rng)
-            phase(f"concurrency {c}", run_closed_loop(server.url, prompts, args.max_tokens, c))
+            phase(server, f"concurrency {c}", run_closed_loop(server.url, prompts, args.max_tokens, c))
         for r in rates:
             prompts = distinct_prompts(args.rate_requests, args.prompt_words, rng)
-            phase(f"rate {r}", run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
+            phase(server, f"rate {r}", run_open_loop(server.url, prompts, args.max_tokens, r, args.seed))
         save(report)
         for c in levels:
             n = max(args.num_requests, 2 * c)
@@ -299,9 +353,10 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
             "shared_prefix_attention_steps": server.metric("aither:shared_prefix_attention_steps_total") - shared0,
         }
         save(report)
-    with Server(args, "--no-enable-prefix-caching") as server:
+    with Server(args, "--no-enable-prefix-caching", caching=False) as server:
+        report["server_start_seconds"]["no caching"] = server.start_seconds
         warm = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "warm-off", rng)
-        asyncio.run(run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
+        phase(server, "shared prefix, no caching", run_closed_loop(server.url, warm, args.shared_max_tokens, len(warm)))
         off = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "cold-off", rng)
         results, wall = asyncio.run(run_closed_loop(server.url, off, args.shared_max_tokens, len(off)))
         report["shared_prefix"]["off"] = summarize(results, wall)
@@ -421,6 +476,7 @@ def record(report: dict, command: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    prepare_shapes(args)
     env = environment()
     config = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

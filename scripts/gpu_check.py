@@ -40,6 +40,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU_DIR = ROOT / ".gpu"
 SITE = GPU_DIR / "site"
 PY = sys.executable
+# The serving stages' servers compile the step shapes recorded on CPU with the same workload
+# (scripts/data/step_shapes/, one file per server) on the host's cores before serving, instead
+# of one at a time in their warm-ups (about 13 s a shape on the H200's host). The files they
+# grow come back in {out}/step_shapes.
+SERVING_SHAPES = ["--compile-shapes", "{out}/step_shapes", "--shapes-from", "scripts/data/step_shapes"]
+SHAPES_DIR = ROOT / "scripts" / "data" / "step_shapes"
 MIN_STAGE_SECONDS = 45  # a stage with less time left than this is skipped
 
 # name -> (command, default time limit in seconds, what it needs). "{out}" is the output dir.
@@ -97,7 +103,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     "serving": (
         [PY, "scripts/bench_serving.py", "--no-record", "--out", "{out}/serving.json"]
-        + ["--server-log", "{out}/serving_server.log"],
+        + ["--server-log", "{out}/serving_server.log", *SERVING_SHAPES],
         560,
         "model",
     ),
@@ -105,7 +111,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     # reach on 2026-11-26 (H200): its warm-ups compiled for 463 s (about 13 s a step shape).
     "serving-shared": (
         [PY, "scripts/bench_serving.py", "--concurrency", "", "--rates", "", "--no-record"]
-        + ["--out", "{out}/serving-shared.json", "--server-log", "{out}/serving_server.log"],
+        + ["--out", "{out}/serving-shared.json", "--server-log", "{out}/serving_server.log", *SERVING_SHAPES],
         560,
         "model",
     ),
@@ -483,10 +489,34 @@ def record(report_dir: pathlib.Path) -> int:
             bench_serving.record(report, command)
         done += 1
         print(f"recorded {path.name}")
+    done += keep_step_shapes(report_dir / "step_shapes")
     if not done:
         print(f"no reports in {report_dir}", file=sys.stderr)
         return 1
     return 0
+
+
+def keep_step_shapes(grown: pathlib.Path) -> int:
+    """Copies the serving stages' step-shapes files, grown on the device, over SHAPES_DIR's
+    (each one read first: a file that is not a step-shapes file is reported and left out).
+    Returns the number copied."""
+    sys.path.insert(0, str(ROOT))
+    from aither_jax import shape_file
+
+    copied = 0
+    for path in sorted(grown.glob("*.json")) if grown.is_dir() else []:
+        try:
+            shapes = shape_file.load(path)
+        except ValueError as e:
+            print(f"not kept: {e}", file=sys.stderr)
+            continue
+        dst = SHAPES_DIR / path.name
+        before = len(shape_file.load(dst)) if dst.exists() else 0
+        SHAPES_DIR.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(path.read_bytes())
+        print(f"kept step shapes {path.name}: {len(shapes)} shapes (was {before})")
+        copied += 1
+    return copied
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -113,8 +113,9 @@ def test_no_concurrency_levels_skip_the_sweep_and_its_warm_ups(monkeypatch):
 
     class FakeServer:
         url = "http://server"
+        start_seconds = 2.0
 
-        def __init__(self, args, *flags):
+        def __init__(self, args, *flags, caching=True):
             self.flags = flags
 
         def __enter__(self):
@@ -136,6 +137,28 @@ def test_no_concurrency_levels_skip_the_sweep_and_its_warm_ups(monkeypatch):
     args = bench_serving.parse_args(["--concurrency", "", "--rates", "", "--shared-requests", "4"])
     out = bench_serving.bench(args)
     assert out["concurrency"] == [] and out["rates"] == []
-    assert list(out["warm_up"]) == ["shared prefix"]
+    assert list(out["warm_up"]) == ["shared prefix", "shared prefix, no caching"]
+    assert out["server_start_seconds"] == {"caching": 2.0, "no caching": 2.0}
     assert sent == [(4, 4)] * 4  # warm-up and timed run, on and off
     assert out["shared_prefix"]["ttft_speedup"] == 1.0
+
+
+def test_step_shape_files_are_named_per_server_and_seeded_without_overwriting(tmp_path):
+    src, dst = tmp_path / "recorded", tmp_path / "run"
+    src.mkdir()
+    args = bench_serving.parse_args(["--compile-shapes", str(dst), "--shapes-from", str(src)])
+    on, off = bench_serving.shapes_file(args, True), bench_serving.shapes_file(args, False)
+    assert on.parent == dst and on != off
+    assert on.name == "smollm2-135m_auto_seqs16_len2048_caching.json"
+    args.kv_cache_dtype = "tq-k6v5-k5@0,6-pc"
+    assert bench_serving.shapes_file(args, True).name == "smollm2-135m_tq-k6v5-k5_0_6-pc_seqs16_len2048_caching.json"
+    (src / on.name).write_text("recorded on")
+    (src / off.name).write_text("recorded off")
+    dst.mkdir()
+    (dst / off.name).write_text("grown off")  # a file already there is kept
+    bench_serving.prepare_shapes(args)
+    assert (dst / on.name).read_text() == "recorded on" and (dst / off.name).read_text() == "grown off"
+    with pytest.raises(SystemExit, match="no such directory"):
+        bench_serving.prepare_shapes(bench_serving.parse_args(["--compile-shapes", str(dst), "--shapes-from", "/nope"]))
+    with pytest.raises(SystemExit, match="needs --compile-shapes"):
+        bench_serving.prepare_shapes(bench_serving.parse_args(["--shapes-from", str(src)]))

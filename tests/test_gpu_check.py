@@ -13,6 +13,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 
+from aither_jax import shape_file  # noqa: E402
+
 PY = sys.executable
 
 
@@ -140,9 +142,29 @@ def test_record_takes_the_shared_prefix_report_of_serving_shared(tmp_path, monke
     (out / "serving-shared.json").write_text(json.dumps(report))
     summary = [{"stage": "serving-shared", "command": "scripts/bench_serving.py --concurrency  --rates  --no-record"}]
     (out / "summary.json").write_text(json.dumps(summary))
+    grown, kept = out / "step_shapes", tmp_path / "repo" / "step_shapes"
+    grown.mkdir()
+    (grown / "model_caching.json").write_text(json.dumps({"format": shape_file.FORMAT, "version": 1, "shapes": [{}]}))
+    (grown / "broken.json").write_text("{")
+    monkeypatch.setattr(gpu_check, "SHAPES_DIR", kept)
     assert gpu_check.record(out) == 0
     [row] = [r for r in (docs / "BENCHMARKS.md").read_text().splitlines() if "H200" in r]
     assert "0.37 / 3.30 | 8.9x" in row and "`python scripts/bench_serving.py --concurrency" in row
+    # The step-shapes files the servers grew replace the recorded ones; a broken one is left out.
+    assert [p.name for p in kept.iterdir()] == ["model_caching.json"]
+    assert shape_file.load(kept / "model_caching.json") == [{}]
+
+
+def test_the_serving_stages_start_from_the_recorded_step_shapes():
+    """Both serving stages pass their servers the shapes files recorded here; each file in the
+    directory is one the servers read (a step-shapes file)."""
+    for stage in gpu_check.SERVING_STAGES:
+        cmd = gpu_check.STAGES[stage][0]
+        assert cmd[cmd.index("--shapes-from") + 1] == "scripts/data/step_shapes"
+    files = sorted(gpu_check.SHAPES_DIR.glob("*.json"))
+    assert files, "no recorded step shapes"
+    for path in files:
+        assert shape_file.load(path)
 
 
 def test_record_without_reports_is_an_error(tmp_path):

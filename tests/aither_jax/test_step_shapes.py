@@ -126,6 +126,7 @@ def test_shape_file_round_trip_and_errors(tmp_path):
     shape_file.save(path, records[:1])  # replaces the file whole, leaves no temporary behind
     assert shape_file.load(path) == records[:1]
     assert [p.name for p in tmp_path.iterdir()] == ["shapes.json"]
+    assert path.stat().st_mode & 0o777 == shape_file.FILE_MODE
 
     def fails(text: str | None, message: str) -> None:
         if text is not None:
