@@ -231,8 +231,16 @@ def _use_shape_file(llm, args: argparse.Namespace) -> None:
     if path.exists():
         shapes = shape_file.load(path)
         start = time.perf_counter()
-        n = llm.engine.precompile(shapes, progress=True)
-        log.info("compiled %d of the %d step shapes in %s in %.1f s", n, len(shapes), path, time.perf_counter() - start)
+        try:
+            n = llm.engine.precompile(shapes, progress=True)
+        except ValueError:
+            raise  # a malformed record: the file is not what it claims to be
+        except Exception:  # noqa: BLE001 - a compiler failure must not keep the server down
+            log.exception("compiling the step shapes of %s failed; they compile on first use", path)
+        else:
+            log.info(
+                "compiled %d of the %d step shapes of %s in %.1f s", n, len(shapes), path, time.perf_counter() - start
+            )
     settings = {
         "model": args.model,
         "kv_cache_dtype": args.kv_cache_dtype,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from aither_jax import shape_file
 from tests.serving.conftest import EXACT_FLAGS
@@ -56,3 +57,38 @@ def test_bad_compile_shapes_file_exits_2(tmp_path):
     cmd[-1] = str(bad)
     r = subprocess.run([*cmd, "--max-model-len", "256"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "step shape 0: kind must be one of" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_compiler_failure_while_precompiling_leaves_the_server_serving(tmp_path, caplog):
+    """A step shape that fails to compile up front is logged; the server starts anyway (its
+    shapes compile on first use) and still records new ones. A malformed file still stops it."""
+    import argparse
+    import logging
+
+    from aither_jax import serve
+
+    class Engine:
+        on_new_shape = None
+        max_model_len = 256
+
+        def __init__(self, error):
+            self.error = error
+
+        def precompile(self, shapes, progress):
+            raise self.error
+
+    class LLM:
+        def __init__(self, error):
+            self.engine = Engine(error)
+
+    path = tmp_path / "shapes.json"
+    shape_file.save(path, [{"kind": "copy", "pages": 4}])
+    args = argparse.Namespace(compile_shapes=path, model="m", kv_cache_dtype="auto", max_num_seqs=2)
+    llm = LLM(RuntimeError("ptxas died"))
+    with caplog.at_level(logging.ERROR, logger="aither_jax.serve"):
+        serve._use_shape_file(llm, args)
+    assert "failed; they compile on first use" in caplog.text and "ptxas died" in caplog.text
+    llm.engine.on_new_shape({"kind": "copy", "pages": 8})
+    assert shape_file.load(path) == [{"kind": "copy", "pages": 4}, {"kind": "copy", "pages": 8}]
+    with pytest.raises(ValueError, match="bad rows"):
+        serve._use_shape_file(LLM(ValueError("step shape 0: bad rows 0")), args)
