@@ -67,13 +67,15 @@ SHARED_PAGE_STEP = 16
 # - steps: `decode_steps`, several decode steps in one call (num_scheduler_steps > 1);
 # - verify: `verify_step` over [rows, tokens] of drafts (speculative decoding);
 # - sinks: `refill_sinks` over [rows, tokens] (sink formats on prefix-cache hits);
-# - copy: `copy_pages` of `pages` pages (prefix caching's copy on write).
+# - copy: `copy_pages` of `pages` pages (prefix caching's copy on write);
+# - draft: the DFlash draft's drafting call over [rows, pages] page tables.
 SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
     "forward": ("rows", "tokens", "pages", "logits", "greedy", "taps", "shared_pages"),
     "steps": ("rows", "pages", "greedy"),
     "verify": ("rows", "tokens", "pages", "logits", "greedy"),
     "sinks": ("rows", "tokens"),
     "copy": ("pages",),
+    "draft": ("rows", "pages"),
 }
 RETURN_LOGITS = ("none", "last", "all")
 
@@ -408,6 +410,7 @@ class Engine:
         for i, (s, toks) in enumerate(rows):
             ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
         num_pages = self._pages_to_read(self.scheduler.pages_needed(int(ctx.max()) + 1), n)
+        self._note_shape(dict(kind="draft", rows=n, pages=num_pages), warmed=False)
         table = self.scheduler.block_tables[slots, :num_pages]
         if self.drafter.tree:
             trees = self.drafter.propose_tree(table, ctx, last, limits)
@@ -772,10 +775,10 @@ class Engine:
         ]
 
     def _precompile(self, shapes: list[tuple[int, int, bool]], workers: int, progress: bool) -> None:
-        """Compiles the target's calls of the warm-up `shapes` (rows, pages, greedy only) on
-        `workers` threads: each shape's decode step (`decode_steps` with num_scheduler_steps
-        > 1), its cache writes and, with speculative decoding, its verify passes. The drafting
-        calls are left to the warm-up's own calls."""
+        """Compiles the calls of the warm-up `shapes` (rows, pages, greedy only) on `workers`
+        threads: each shape's decode step (`decode_steps` with num_scheduler_steps > 1), its
+        cache writes and, with speculative decoding, its verify passes and (DFlash) the
+        drafting call and the draft's context writes."""
         records = []
         for num_rows, num_pages, greedy_only in shapes:
             if self.num_scheduler_steps > 1:
@@ -793,6 +796,8 @@ class Engine:
                     shared_pages=0,
                 )  # fmt: skip
             )
+            if self.drafter is not None and greedy_only:  # drafting does not depend on sampling
+                records.append(dict(kind="draft", rows=num_rows, pages=num_pages))
             for tokens, _ in self._verify_shapes(num_rows):
                 records.append(
                     dict(
@@ -855,13 +860,18 @@ class Engine:
                         self.code_budget.limit,
                     )
                     break
-                lowered, update = self._lower_shape(record)
+                lowered, update, hidden = self._lower_shape(record)
                 submit(lowered)
                 if update is not None:
                     key = str(jax.tree.map(lambda a: (a.shape, a.dtype), update))
                     if key not in writes:
                         writes.add(key)
                         submit(write_step.lower(self.cache, update))
+                if hidden is not None and self.drafter is not None:  # the draft context write
+                    key = f"draft {hidden.shape}"
+                    if key not in writes:
+                        writes.add(key)
+                        submit(self.drafter.lower_write(hidden, self.cache.block_tables, record["rows"]))
                 self._shapes.setdefault(_shape_key(record), record)
                 done += 1
             for future in futures:
@@ -887,6 +897,8 @@ class Engine:
             return "fused decode steps need num_scheduler_steps > 1"
         if kind == "verify" and not self.num_speculative_tokens:
             return "verify passes need speculative decoding"
+        if kind == "draft" and self.drafter is None:
+            return "drafting calls need a DFlash draft"
         if kind == "sinks" and not self.cache.num_sinks:
             return "the KV cache format keeps no sink tokens"
         if kind == "forward" and tuple(record["taps"]) != tuple(self._taps):
@@ -895,38 +907,40 @@ class Engine:
             return "shared-prefix attention is off"
         return None
 
-    def _lower_shape(self, record: dict[str, Any]) -> tuple[Any, Any]:
+    def _lower_shape(self, record: dict[str, Any]) -> tuple[Any, Any, Any]:
         """A shape record's call lowered on padding inputs (rows on out-of-range slots, so
         nothing is written): (the lowered call, the cache update it returns for `write_step`
-        or None)."""
+        or None, the tapped hidden states it returns for the draft's context write or None)."""
         kind = record["kind"]
         if kind == "copy":
             zeros = np.zeros(record["pages"], np.int32)
-            return copy_pages.lower(self.cache, zeros, zeros), None
+            return copy_pages.lower(self.cache, zeros, zeros), None, None
+        if kind == "draft":
+            return self.drafter.lower_propose(record["rows"], record["pages"]), None, None
         num_rows = record["rows"]
         tokens, batch, params = self._padding_rows(num_rows, record.get("greedy", True), record.get("tokens", 1))
         if kind == "sinks":
             lowered = refill_sinks.lower(
                 self.weights, self.cache, tokens, batch, cfg=self.cfg, num_pages=0, attention=self.attention
             )
-            return lowered, None
+            return lowered, None, None
         if kind == "steps":
             limits = np.zeros(num_rows, np.int32)
             args, static = self._steps_args(tokens, batch, params, limits, record["pages"], record["greedy"])
-            return decode_steps.lower(*args, **static), None
+            return decode_steps.lower(*args, **static), None, None
         if kind == "verify":
             parents = chain_parents(*tokens.shape) if self.drafter is not None and self.drafter.tree else None
             args, static = self._verify_args(
                 tokens, batch, params, record["pages"], record["greedy"], record["logits"], parents
             )
             lowered = verify_step.lower(*args, **static)
-            return lowered, lowered.out_info[3]
+            return lowered, lowered.out_info[3], lowered.out_info[4]
         args, static = self._forward_args(
             tokens, batch, params, record["pages"], record["logits"], record["greedy"],
             taps=tuple(record["taps"]), shared_pages=record["shared_pages"],
         )  # fmt: skip
         lowered = forward_step.lower(*args, **static)
-        return lowered, lowered.out_info[2]
+        return lowered, lowered.out_info[2], lowered.out_info[3] if record["taps"] else None
 
     def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
         """Compiles the drafting call and the verify pass of one decode shape on padding rows."""

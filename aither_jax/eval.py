@@ -541,18 +541,24 @@ def prompt_ids(tokenizer, prompts: list[tuple[str, object]]) -> list[list[int]]:
     return out
 
 
-def timed_decode(llm, ids: list[list[int]], params, batch_size: int) -> tuple[list, float]:
+def timed_decode(llm, ids: list[list[int]], params, batch_size: int, before_timing=None) -> tuple[list, float]:
     """Decodes `ids` in groups of batch_size once everything it runs is compiled; (outputs,
     seconds). The warm-up compiles every decode (and draft and verify) shape up to the
-    longest prompt plus max_tokens, and each prompt's prefill, as a server does before it
-    serves; otherwise a configuration that runs more shapes (adaptive drafts) would be timed
-    compiling them. How long the warm-up took goes to stderr (on a GPU, most of a run)."""
+    longest prompt plus max_tokens on several threads, then each prompt's prefill, then one
+    whole untimed run of the first group, as a server does before it serves; otherwise a
+    configuration that runs more shapes (adaptive drafts) would be timed compiling them.
+    `before_timing()` is called just before the timed runs. How long the warm-up took goes to
+    stderr (on a GPU, most of a run)."""
     t0 = time.perf_counter()
     max_len = min(max(map(len, ids)) + params.max_tokens, llm.engine.max_model_len)
     shapes = llm.warmup(max_len, sampling=params.temperature > 0)
     print(f"  warm-up: {shapes} shapes compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     for i in range(0, len(ids), batch_size):
         llm.generate(ids[i : i + batch_size], dataclasses.replace(params, max_tokens=1), use_tqdm=False)
+    llm.generate(ids[:batch_size], params, use_tqdm=False)  # shapes only a whole run reaches
+    print(f"  warm-up with prefills: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if before_timing is not None:
+        before_timing()
     outs, t0 = [], time.perf_counter()
     for i in tqdm(range(0, len(ids), batch_size), desc="decoding", leave=False):
         outs += llm.generate(ids[i : i + batch_size], params, use_tqdm=False)
@@ -581,9 +587,8 @@ def divergence_gap(llm, plain, spec) -> float | None:
 
 def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, float]) -> dict:
     """Decodes `ids` speculatively and compares with the plain `baseline` (outputs, seconds)."""
-    llm.generate(ids[:batch_size], params, use_tqdm=False)  # compiles; its passes do not count
-    before = llm.engine.spec_stats()
-    spec_outs, spec_s = timed_decode(llm, ids, params, batch_size)
+    before: dict = {}  # the counters once the warm-up runs are done: theirs do not count
+    spec_outs, spec_s = timed_decode(llm, ids, params, batch_size, lambda: before.update(llm.engine.spec_stats()))
     stats = llm.engine.spec_stats()
     hist = np.asarray(stats["tau_histogram"]) - np.asarray(before["tau_histogram"])
     passes = int(hist.sum())

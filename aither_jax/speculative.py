@@ -32,6 +32,7 @@ import heapq
 import json
 import pathlib
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -450,20 +451,30 @@ class DFlashProposer:
         """Stores the draft context of a target call's new tokens (rows as in its StepBatch)."""
         self.pools = write_context(self.params, self.pools, hidden, block_tables, slots, start, num_new, cfg=self.cfg)
 
+    def _propose_call(self, table, ctx_lens, last, tree: bool) -> tuple[Any, tuple, dict]:
+        """The drafting call (`block_top_k` for trees, else `propose_block`) and its arguments."""
+        args = (self.params, self.embed, self.lm_head, self.pools, table, ctx_lens, last, self.vocab)
+        if tree:
+            return block_top_k, args, dict(cfg=self.cfg, width=min(self.tree, TREE_WIDTH), kernels=self.kernels)
+        return propose_block, args, dict(cfg=self.cfg, schedule=self.schedule, kernels=self.kernels)
+
+    def lower_propose(self, num_rows: int, num_pages: int):
+        """The drafting call over [num_rows, num_pages] page tables, lowered (for
+        `Engine.precompile`; the same shapes and types as `propose` / `propose_tree` pass)."""
+        zeros = np.zeros(num_rows, np.int32)
+        table = np.zeros((num_rows, num_pages), np.int32)
+        fn, args, static = self._propose_call(table, zeros, zeros, tree=bool(self.tree))
+        return fn.lower(*args, **static)
+
+    def lower_write(self, hidden, block_tables, batch_rows: int):
+        """`write` of tapped hidden states `hidden` (an abstract value) for a batch of
+        `batch_rows` rows, lowered."""
+        zeros = np.zeros(batch_rows, np.int32)
+        return write_context.lower(self.params, self.pools, hidden, block_tables, zeros, zeros, zeros, cfg=self.cfg)
+
     def propose(self, table: np.ndarray, ctx_lens: np.ndarray, last: np.ndarray) -> np.ndarray:
-        drafts = propose_block(
-            self.params,
-            self.embed,
-            self.lm_head,
-            self.pools,
-            table,
-            ctx_lens,
-            last,
-            self.vocab,
-            cfg=self.cfg,
-            schedule=self.schedule,
-            kernels=self.kernels,
-        )
+        fn, args, static = self._propose_call(table, ctx_lens, last, tree=False)
+        drafts = fn(*args, **static)
         return np.asarray(drafts)[:, : self.num_speculative_tokens]
 
     def propose_tree(
@@ -471,12 +482,8 @@ class DFlashProposer:
     ) -> list[tuple[list[int], list[int]]]:
         """A tree of at most min(tree, limit) nodes per row (one entry per row of `limits`):
         (node tokens, parent of each node: 0 is the row's last token, node i is i + 1)."""
-        width = min(self.tree, TREE_WIDTH)
-        ids, logp = block_top_k(
-            self.params, self.embed, self.lm_head, self.pools, table, ctx_lens, last, self.vocab,
-            cfg=self.cfg, width=width, kernels=self.kernels,
-        )  # fmt: skip
-        ids, logp = np.asarray(ids), np.asarray(logp)
+        fn, args, static = self._propose_call(table, ctx_lens, last, tree=True)
+        ids, logp = (np.asarray(a) for a in fn(*args, **static))
         return [
             draft_tree(ids[i, : self.depth], logp[i, : self.depth], min(self.tree, k)) for i, k in enumerate(limits)
         ]

@@ -237,12 +237,14 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
         {"kv_cache_dtype": "auto", "num_pages": 36},
         {"kv_cache_dtype": "bf16", "num_pages": 34, "speculative": {"method": "ngram", "num_speculative_tokens": 5}},
         {"kv_cache_dtype": "fp32", "num_pages": 38, "num_scheduler_steps": 4},
+        {"kv_cache_dtype": "fp32", "num_pages": 39, "speculative": {"method": "dflash", "num_speculative_tokens": 3}},
     ],
-    ids=["turboquant", "ngram-verify", "decode-steps"],
+    ids=["turboquant", "ngram-verify", "decode-steps", "dflash"],
 )
 def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch, request, extra):
     """Warm-up compiles its step calls on 2 threads first (`Engine.precompile`: decode steps,
-    cache writes, verify passes); its own calls of the same shapes must then find every
+    cache writes, verify passes, drafting calls and draft context writes); its own calls of
+    the same shapes must then find every
     executable compiled. (num_pages is unique to this test, so no earlier test compiled
     these shapes.)"""
     llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, progress=False, **extra)
@@ -258,7 +260,8 @@ def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch,
     assert llm.warmup(max_len=120, sampling=True, workers=2) == 4  # rows {1, 2} x {greedy, sampled}, 8 pages
     # Per shape a decode step (and with ngram 2 verify buckets, 4 and 8 tokens), one write per
     # distinct update shape; fused decode steps (`decode_steps`) write inside the call.
-    want = {"turboquant": 4 + 1, "ngram-verify": 4 + 1 + 8, "decode-steps": 4}
+    # With DFlash also the drafting call of each greedy shape and the draft's context writes.
+    want = {"turboquant": 4 + 1, "ngram-verify": 4 + 1 + 8, "decode-steps": 4, "dflash": 4 + 1 + 8 + 2 + 1}
     assert counts["after"] - counts["before"] >= want[request.node.callspec.id]
     assert CompileCounter.count() == counts["after"]
     with pytest.raises(ValueError, match="workers"):

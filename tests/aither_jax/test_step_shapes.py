@@ -30,30 +30,41 @@ def _workload(llm: aj.LLM) -> list[list[int]]:
     return [o.token_ids for o in first + second]
 
 
-def test_a_run_precompiled_from_recorded_shapes_compiles_nothing(tmp_path):
+@pytest.mark.parametrize(
+    "extra, kinds, pages",
+    [
+        ({"kv_cache_dtype": "tq4-s2", "enable_prefix_caching": True}, {"forward", "sinks", "copy"}, 67),
+        (
+            {"kv_cache_dtype": "fp32", "speculative": {"method": "dflash", "num_speculative_tokens": 7}},
+            {"forward", "verify", "draft"},
+            71,
+        ),
+        ({"kv_cache_dtype": "fp32", "num_scheduler_steps": 4}, {"forward", "steps"}, 75),
+    ],
+    ids=["turboquant-sinks-copies", "dflash", "fused-steps"],
+)
+def test_a_run_precompiled_from_recorded_shapes_compiles_nothing(tmp_path, extra, kinds, pages):
     """Engine A runs a workload and records its shapes (every kind it ran, `on_new_shape`
     told once per shape); through a file, engine B compiles them on 2 threads; the same
     workload on B then compiles nothing and gives A's tokens. The engines differ in pool size,
     so B shares no executable with A (nor with other tests: the sizes are unique to this test)."""
-    settings = dict(
-        dtype="float32", kv_cache_dtype="tq4-s2", max_model_len=320, max_num_seqs=4, max_prefill_chunk=64,
-        enable_prefix_caching=True, progress=False,
-    )  # fmt: skip
-    a = aj.LLM("smollm2-135m", num_pages=67, **settings)
+    settings = dict(dtype="float32", max_model_len=320, max_num_seqs=4, max_prefill_chunk=64, progress=False, **extra)
+    a = aj.LLM("smollm2-135m", num_pages=pages, **settings)
     told: list[dict] = []
     a.engine.on_new_shape = told.append
     want = _workload(a)
     shapes = a.engine.step_shapes()
     assert told == shapes
-    assert {s["kind"] for s in shapes} == {"forward", "sinks", "copy"}
-    forward = [s for s in shapes if s["kind"] == "forward"]
+    assert {s["kind"] for s in shapes} == kinds
+    forward = [s for s in shapes if s["kind"] in ("forward", "steps")]
     assert {s["greedy"] for s in forward} == {True, False}
-    assert {s["pages"] > 0 for s in forward if s["tokens"] > 1} == {True, False}  # chunks with and without pages
+    chunks = [s for s in shapes if s["kind"] == "forward" and s["tokens"] > 1]
+    assert {s["pages"] > 0 for s in chunks} == {True, False}  # prefill chunks with and without stored pages
 
     path = tmp_path / "shapes.json"
-    shape_file.save(path, shapes, recorded_with={"num_pages": 67})
-    assert json.loads(path.read_text())["recorded_with"] == {"num_pages": 67}
-    b = aj.LLM("smollm2-135m", num_pages=69, **settings)
+    shape_file.save(path, shapes, recorded_with={"num_pages": pages})
+    assert json.loads(path.read_text())["recorded_with"] == {"num_pages": pages}
+    b = aj.LLM("smollm2-135m", num_pages=pages + 2, **settings)
     before = CompileCounter.count()
     assert b.engine.precompile(shape_file.load(path), workers=2) == len(shapes)
     assert CompileCounter.count() > before
