@@ -360,8 +360,7 @@ class Engine:
 
     def _steps(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool):
         """Runs `decode_steps`; returns its tokens [B, num_scheduler_steps] (a device array)."""
-        rows = tokens.shape[0]
-        self._note_shape(dict(kind="steps", rows=rows, pages=num_pages, greedy=greedy_only), warmed=True)
+        self._note_shape("steps", warmed=True, rows=tokens.shape[0], pages=num_pages, greedy=greedy_only)
         args, static = self._steps_args(tokens, batch, sampling, limits, num_pages, greedy_only)
         out, self.cache = decode_steps(*args, **static)
         return out
@@ -410,7 +409,7 @@ class Engine:
         for i, (s, toks) in enumerate(rows):
             ctx[i], last[i], slots[i] = s.num_cached, toks[-1], s.slot
         num_pages = self._pages_to_read(self.scheduler.pages_needed(int(ctx.max()) + 1), n)
-        self._note_shape(dict(kind="draft", rows=n, pages=num_pages), warmed=False)
+        self._note_shape("draft", warmed=False, rows=n, pages=num_pages)
         table = self.scheduler.block_tables[slots, :num_pages]
         if self.drafter.tree:
             trees = self.drafter.propose_tree(table, ctx, last, limits)
@@ -473,10 +472,10 @@ class Engine:
         its cache write and the draft context write: (accepted counts, next tokens, logits or
         None, the accepted path of each tree or None)."""
         rows, num_tokens = tokens.shape
-        record = dict(
-            kind="verify", rows=rows, tokens=num_tokens, pages=num_pages, logits=return_logits, greedy=greedy_only
-        )
-        self._note_shape(record, warmed=not return_logits)
+        self._note_shape(
+            "verify", warmed=not return_logits, rows=rows, tokens=num_tokens, pages=num_pages, logits=return_logits,
+            greedy=greedy_only,
+        )  # fmt: skip
         args, static = self._verify_args(tokens, batch, sampling, num_pages, greedy_only, return_logits, parents)
         accepted, next_tokens, logits, update, hidden, path = verify_step(*args, **static)
         self.cache = write_step(self.cache, update)
@@ -508,7 +507,7 @@ class Engine:
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         n = bucket(len(copies), 4, max(4, self.scheduler.num_usable_pages + 1))
-        self._note_shape(dict(kind="copy", pages=n), warmed=False)
+        self._note_shape("copy", warmed=False, pages=n)
         src = np.zeros(n, np.int32)  # padding copies the null page onto itself
         dst = np.zeros(n, np.int32)
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
@@ -525,7 +524,7 @@ class Engine:
         num_new = np.zeros(num_rows, np.int32)
         for i, (s, toks) in enumerate(rows):
             tokens[i, : len(toks)], slots[i], num_new[i] = toks, s.slot, len(toks)
-        self._note_shape(dict(kind="sinks", rows=num_rows, tokens=tokens.shape[1]), warmed=False)
+        self._note_shape("sinks", warmed=False, rows=num_rows, tokens=tokens.shape[1])
         batch = StepBatch(slots, np.zeros(num_rows, np.int32), num_new)
         self.cache = refill_sinks(
             self.weights, self.cache, tokens, batch, cfg=self.cfg, num_pages=0, attention=self.attention
@@ -655,12 +654,12 @@ class Engine:
         self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
     ):
         num_rows, num_tokens = tokens.shape
-        record = dict(
-            kind="forward", rows=num_rows, tokens=num_tokens, pages=num_pages, logits=return_logits,
-            greedy=greedy_only, taps=list(taps), shared_pages=shared_pages,
-        )  # fmt: skip
         # Shared-prefix shapes depend on the prompts: warm-up leaves them to first use.
-        self._note_shape(record, warmed=num_tokens == 1 and return_logits == "none" and not shared_pages)
+        self._note_shape(
+            "forward", warmed=num_tokens == 1 and return_logits == "none" and not shared_pages, rows=num_rows,
+            tokens=num_tokens, pages=num_pages, logits=return_logits, greedy=greedy_only, taps=taps,
+            shared_pages=shared_pages,
+        )  # fmt: skip
         self.num_shared_prefix_steps += bool(shared_pages)
         args, static = self._forward_args(
             tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared_pages
@@ -676,9 +675,10 @@ class Engine:
             static, cfg=self.cfg, attention=self.attention
         )
 
-    def _note_shape(self, record: dict[str, Any], *, warmed: bool) -> None:
-        """Records a step shape; warns when warm-up should have compiled it (`warmed`) and did
-        not; tells `on_new_shape` about a shape not seen before."""
+    def _note_shape(self, kind: str, *, warmed: bool, **fields: Any) -> None:
+        """Records a step shape (`shape_record(kind, **fields)`); warns when warm-up should have
+        compiled it (`warmed`) and did not; tells `on_new_shape` about a shape not seen before."""
+        record = shape_record(kind, **fields)
         key = _shape_key(record)
         if key in self._shapes:
             return
@@ -781,34 +781,15 @@ class Engine:
         drafting call and the draft's context writes."""
         records = []
         for num_rows, num_pages, greedy_only in shapes:
+            common = dict(rows=num_rows, pages=num_pages, greedy=greedy_only)
             if self.num_scheduler_steps > 1:
-                records.append(dict(kind="steps", rows=num_rows, pages=num_pages, greedy=greedy_only))
+                records.append(shape_record("steps", **common))
                 continue
-            records.append(
-                dict(
-                    kind="forward",
-                    rows=num_rows,
-                    tokens=1,
-                    pages=num_pages,
-                    logits="none",
-                    greedy=greedy_only,
-                    taps=list(self._taps),
-                    shared_pages=0,
-                )  # fmt: skip
-            )
+            records.append(shape_record("forward", **common, tokens=1, logits="none", taps=self._taps, shared_pages=0))
             if self.drafter is not None and greedy_only:  # drafting does not depend on sampling
-                records.append(dict(kind="draft", rows=num_rows, pages=num_pages))
+                records.append(shape_record("draft", rows=num_rows, pages=num_pages))
             for tokens, _ in self._verify_shapes(num_rows):
-                records.append(
-                    dict(
-                        kind="verify",
-                        rows=num_rows,
-                        tokens=tokens.shape[1],
-                        pages=num_pages,
-                        logits=False,
-                        greedy=greedy_only,
-                    )  # fmt: skip
-                )
+                records.append(shape_record("verify", **common, tokens=tokens.shape[1], logits=False))
         self.precompile(records, workers=workers, progress=progress)
 
     def precompile(
@@ -1037,6 +1018,15 @@ def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tu
     top = np.argpartition(-logp, k)[:k] if 0 < k < logp.size else np.arange(logp.size if k else 0)
     top = top[np.argsort(-logp[top], kind="stable")]
     return float(logp[token]), [(int(t), float(logp[t])) for t in top]
+
+
+def shape_record(kind: str, **fields: Any) -> dict[str, Any]:
+    """A step shape record: `kind` and exactly its `SHAPE_FIELDS`, in that order (taps as a
+    list, as JSON has them)."""
+    names = SHAPE_FIELDS[kind]
+    if set(fields) != set(names):
+        raise TypeError(f"a {kind} shape has the fields {names}, got {sorted(fields)}")
+    return {"kind": kind, **{f: list(fields[f]) if f == "taps" else fields[f] for f in names}}
 
 
 def _shape_key(record: dict[str, Any]) -> tuple:
