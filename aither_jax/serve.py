@@ -74,15 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("AITHER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $AITHER_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health; give it several times for several "
+        "keys, each its own tenant of the prefix cache (default: $AITHER_API_KEY, keys separated by commas)",
     )
     p.add_argument("--chat-template", default=None, help="jinja2 chat template: a file path or the template itself")
     p.add_argument(
         "--pin-prompt-file",
         type=pathlib.Path,
         default=None,
-        help="text file whose tokens are prefilled at start-up and pinned in the prefix cache",
+        help="text file whose tokens are prefilled at start-up and pinned in the prefix cache, for requests without "
+        "X-Tenant-Id (under each API key)",
     )
     p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
@@ -127,8 +130,12 @@ def _chat_template(value: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.api_key is not None and not args.api_key:
+    if args.api_key is None and os.environ.get("AITHER_API_KEY") is not None:
+        args.api_key = os.environ["AITHER_API_KEY"].split(",")
+    if args.api_key is not None and not all(k.strip() for k in args.api_key):
         parser.error("--api-key must not be empty")
+    if args.api_key is not None and any(k != k.strip() or not k.isprintable() for k in args.api_key):
+        parser.error("--api-key: a key must be printable and have no surrounding spaces")
     if args.pin_prompt_file is not None and not args.pin_prompt_file.is_file():
         parser.error(f"--pin-prompt-file: no such file: {args.pin_prompt_file}")
     if args.compile_shapes is not None and not args.compile_shapes.absolute().parent.is_dir():
@@ -191,7 +198,8 @@ def build_server(args: argparse.Namespace):
     metrics = Metrics(name)
     max_queue = 4 * args.max_num_seqs if args.max_queue is None else args.max_queue
     engine = AsyncEngine(llm.engine, metrics, max_waiting=max_queue)
-    config = ServerConfig(name, llm.engine.max_model_len, args.api_key, args.max_body_bytes, secrets.token_bytes(32))
+    keys = tuple(dict.fromkeys(args.api_key or ()))
+    config = ServerConfig(name, llm.engine.max_model_len, keys, args.max_body_bytes, secrets.token_bytes(32))
     app = build_app(engine, llm.tokenizer, config)
     pin_text = args.pin_prompt_file.read_text(encoding="utf-8") if args.pin_prompt_file else None
 
@@ -199,9 +207,11 @@ def build_server(args: argparse.Namespace):
     async def lifespan(_app):
         engine.start()
         if pin_text:
+            # Pinned for requests without a tenant header, under every key.
             ids = llm.tokenizer.encode(pin_text)
-            pinned = await engine.pin(ids, config.salt(""))
-            log.info("pinned %d pages (%d tokens) of %s", pinned, len(ids), args.pin_prompt_file)
+            for salt in config.root_salts():
+                pinned = await engine.pin(ids, salt)
+                log.info("pinned %d pages (%d tokens) of %s", pinned, len(ids), args.pin_prompt_file)
         yield
         engine.stop()
 

@@ -344,12 +344,12 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
             report["rates"].append(row)
             save(report)
             print(f"rate {r:5.2f}/s: {row['throughput_tok_s']:8.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s")
-        hits0 = server.metric("vllm:prefix_cache_hits")
+        hits0 = server.metric("vllm:prefix_cache_hits_total")
         shared0 = server.metric("aither:shared_prefix_attention_steps_total")
         on = shared_prompts(args.shared_requests, args.shared_prefix_tokens, "cold-on", rng)
         results, wall = asyncio.run(run_closed_loop(server.url, on, args.shared_max_tokens, len(on)))
         report["shared_prefix"]["on"] = summarize(results, wall) | {
-            "cache_hit_tokens": server.metric("vllm:prefix_cache_hits") - hits0,
+            "cache_hit_tokens": server.metric("vllm:prefix_cache_hits_total") - hits0,
             "shared_prefix_attention_steps": server.metric("aither:shared_prefix_attention_steps_total") - shared0,
         }
         save(report)

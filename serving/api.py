@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -43,13 +44,20 @@ DISCONNECT_POLL_SECONDS = 0.25
 class ServerConfig:
     model_name: str
     max_model_len: int
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # none: no authentication
     max_body_bytes: int = 4 << 20
     secret: bytes = b""  # salts tenants' prefix-cache chains; random per process
 
-    def salt(self, tenant: str) -> bytes:
-        """The prefix-cache root of a tenant (the `X-Tenant-Id` value; "" when absent)."""
-        return tenant_salt(self.secret, tenant)
+    def salt(self, tenant: str, key_index: int | None = None) -> bytes:
+        """The prefix-cache root of a tenant: the API key a request authenticated with (its
+        index in `api_keys`; None without keys) and its `X-Tenant-Id` value ("" when absent).
+        Requests under different keys never share pages, whatever tenant header they send."""
+        key = "" if key_index is None else hashlib.sha256(self.api_keys[key_index].encode()).hexdigest()
+        return tenant_salt(self.secret, f"{key}\x00{tenant}")
+
+    def root_salts(self) -> list[bytes]:
+        """The salt of each key's requests without a tenant header (one salt without keys)."""
+        return [self.salt("", i) for i in range(len(self.api_keys))] if self.api_keys else [self.salt("")]
 
 
 class HTTPError(Exception):
@@ -101,11 +109,12 @@ class BodyLimit:
 
 
 class RequestGate:
-    """ASGI middleware: checks the API key (every route but /health) and the request id, and
-    echoes the id in `X-Request-Id` (generated when the client sent none)."""
+    """ASGI middleware: checks the API key (every route but /health; any of `api_keys`, whose
+    index goes into the request's state as `api_key_index`) and the request id, and echoes the
+    id in `X-Request-Id` (generated when the client sent none)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]):
+        self.app, self.api_keys = app, tuple(k.encode() for k in api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,12 +126,15 @@ class RequestGate:
             return await _error(400, message)(scope, receive, send)
         rid = rid or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
-        if self.api_key is not None and scope["path"] != "/health":
+        if self.api_keys and scope["path"] != "/health":
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            # Every key is compared (in constant time), so timing tells nothing about which matched.
+            matches = [hmac.compare_digest(token.encode(), key) for key in self.api_keys]
+            if scheme.lower() != "bearer" or not any(matches):
                 response = _error(401, "invalid or missing API key (Authorization: Bearer <key>)")
                 response.headers["X-Request-Id"] = rid
                 return await response(scope, receive, send)
+            scope["state"]["api_key_index"] = matches.index(True)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -195,7 +207,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
     speculative = engine.engine.speculative is not None
     # The last added is the outermost: the gate (auth, request id) sees every response, 413s included.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.add_middleware(RequestGate, api_key=config.api_key)
+    app.add_middleware(RequestGate, api_keys=config.api_keys)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -297,7 +309,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         tenant = request.headers.get("x-tenant-id", "")
         if len(tenant) > MAX_TENANT_LEN or not tenant.isprintable():
             raise HTTPError(400, f"X-Tenant-Id must be at most {MAX_TENANT_LEN} printable characters")
-        return config.salt(tenant)
+        return config.salt(tenant, request.scope["state"].get("api_key_index"))
 
     async def _serve(request: Request, body, jobs: list[_Job], kind: str, num_logprobs: int | None, *, chat: bool):
         if app.state.draining:

@@ -275,8 +275,8 @@ class AsyncEngine:
             ("aither:pinned_pages_capacity", "Pin capacity in pages.", lambda: cache.max_pinned_pages if cache else 0),
         )
         read_counters = (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up.", lambda: sched.num_prefix_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda: sched.num_prefix_hits),
+            ("vllm:prefix_cache_queries_total", "Prompt tokens looked up.", lambda: sched.num_prefix_queries),
+            ("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", lambda: sched.num_prefix_hits),
             ("vllm:num_preemptions_total", "Sequences preempted to recompute.", lambda: sched.num_preemptions),
             (
                 "aither:xla_compilations_total",
@@ -310,16 +310,20 @@ class AsyncEngine:
                 "Requests admitted on cached pages whose unquantized sink tokens were recomputed (-s<n> formats).",
                 lambda: eng.num_sink_refills,
             ),
-            ("vllm:spec_decode_num_drafts", "Speculative verify passes that carried drafts.", lambda: eng.num_drafts),
-            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", lambda: eng.num_draft_tokens),
-            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda: eng.num_accepted_tokens),
+            (
+                "vllm:spec_decode_num_drafts_total",
+                "Speculative verify passes that carried drafts.",
+                lambda: eng.num_drafts,
+            ),
+            ("vllm:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", lambda: eng.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", lambda: eng.num_accepted_tokens),
         )
         for name, help_text, read in read_gauges:
             m.gauge(name, help_text, read)
         for name, help_text, read in read_counters:
             m.counter(name, help_text, read)
         m.counter_series(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted, by position in the draft (0: the first).",
             lambda: [({"position": str(i)}, float(n)) for i, n in enumerate(eng.accepted_per_pos.tolist())],
         )

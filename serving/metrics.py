@@ -1,7 +1,9 @@
 """Prometheus metrics in the text exposition format, under vLLM's names plus our own.
 
 Counters and histograms are updated by the engine loop; gauges are read from the engine when
-`/metrics` is scraped. Every series carries the `model_name` label as vLLM's do.
+`/metrics` is scraped. Every series carries the `model_name` label as vLLM's do, and every
+counter's name ends in `_total`, as the Prometheus client vLLM uses writes them (a dashboard
+built on vLLM queries `vllm:prefix_cache_hits_total`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ def _labels(labels: dict[str, str]) -> str:
 
 def _escape(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _check_counter_name(name: str) -> None:
+    if not name.endswith("_total"):
+        raise ValueError(f"counter {name!r} must end in _total (Prometheus' name for a counter's series)")
 
 
 def _number(x: float) -> str:
@@ -57,11 +64,13 @@ class Metrics:
 
     def counter_series(self, name: str, help_text: str, read: Callable[[], list[tuple[dict[str, str], float]]]) -> None:
         """Declares a counter with one series per label set, all read from their owner at once."""
+        _check_counter_name(name)
         self._help[name] = ("counter", help_text)
         self._series[name] = read
 
     def counter(self, name: str, help_text: str, read: Callable[[], float] | None = None) -> None:
         """Declares a counter, updated with `inc` or, with `read`, read from its owner."""
+        _check_counter_name(name)
         self._help[name] = ("counter", help_text)
         if read is None:
             self._counters.setdefault((name, ()), 0.0)

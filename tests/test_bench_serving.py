@@ -4,6 +4,7 @@ time limit cut short."""
 
 import asyncio
 import json
+import math
 import pathlib
 import sys
 
@@ -162,3 +163,15 @@ def test_step_shape_files_are_named_per_server_and_seeded_without_overwriting(tm
         bench_serving.prepare_shapes(bench_serving.parse_args(["--compile-shapes", str(dst), "--shapes-from", "/nope"]))
     with pytest.raises(SystemExit, match="needs --compile-shapes"):
         bench_serving.prepare_shapes(bench_serving.parse_args(["--shapes-from", str(src)]))
+
+
+def test_summaries_give_throughput_and_latency_percentiles():
+    results = [{"ttft": 0.1 * (i + 1), "itl": [0.01 * (i + 1)] * 3, "e2e": 1.0 + i, "tokens": 4} for i in range(10)]
+    s = bench_serving.summarize(results, wall=8.0)
+    assert s["requests"] == 10 and s["output_tokens"] == 40 and s["throughput_tok_s"] == 5.0
+    assert s["ttft_mean_s"] == pytest.approx(0.55) and s["ttft_p50_s"] == pytest.approx(0.55)
+    assert s["ttft_p90_s"] == pytest.approx(0.91) and s["ttft_p99_s"] == pytest.approx(0.991)
+    assert s["itl_p50_s"] == pytest.approx(0.055) and s["itl_mean_s"] == pytest.approx(0.055)
+    assert s["e2e_p99_s"] == pytest.approx(9.91) and s["e2e_mean_s"] == pytest.approx(5.5)
+    empty = bench_serving.summarize([], wall=1.0)
+    assert empty["requests"] == 0 and empty["throughput_tok_s"] == 0 and math.isnan(empty["ttft_p50_s"])

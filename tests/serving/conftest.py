@@ -49,10 +49,12 @@ class Server:
         with open(self.log_path) as f:
             return f.read()[-4000:]
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
         """Unlabelled-by-reason series of /metrics as {name: value} (labels other than
         model_name are kept in the name)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        r = httpx.get(self.url + "/metrics", timeout=10, headers=headers)
+        assert r.status_code == 200, r.text
+        text = r.text
         out = {}
         for line in text.splitlines():
             if line.startswith("#") or not line:

@@ -34,16 +34,21 @@ def test_metrics_render_counters_gauges_and_cumulative_histograms():
     with pytest.raises(KeyError):
         m.inc("vllm:num_requests_running")
     per_pos = [5, 2]
-    m.counter_series("vllm:spec_decode_num_accepted_tokens_per_pos", "accepted", lambda: [
+    m.counter_series("vllm:spec_decode_num_accepted_tokens_per_pos_total", "accepted", lambda: [
         ({"position": str(i)}, n) for i, n in enumerate(per_pos)
     ])  # fmt: skip
     per_pos[1] = 3  # read at render time
     lines = m.render().splitlines()
-    assert "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter" in lines
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos{model_name="demo",position="0"} 5.0' in lines
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos{model_name="demo",position="1"} 3.0' in lines
+    assert "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter" in lines
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo",position="0"} 5.0' in lines
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo",position="1"} 3.0' in lines
     with pytest.raises(KeyError):
-        m.inc("vllm:spec_decode_num_accepted_tokens_per_pos", position="0")
+        m.inc("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0")
+    # Prometheus clients name a counter's series <name>_total; dashboards query those names.
+    with pytest.raises(ValueError, match="_total"):
+        m.counter("vllm:prefix_cache_hits", "hits")
+    with pytest.raises(ValueError, match="_total"):
+        m.counter_series("vllm:spec_decode_num_accepted_tokens_per_pos", "accepted", list)
 
 
 @pytest.fixture(scope="module")

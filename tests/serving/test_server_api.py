@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -191,6 +192,30 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
     assert fragment in error["message"] + str(error["param"]) and error["code"] == status
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        ({"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs requires logprobs"),
+        ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools are not supported"),
+        ({"messages": HI, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "word " * 1100}]}, 400, "maximum context length is 1024 tokens"),
+        ({"messages": HI, "model": "gpt-4"}, 404, "does not exist"),
+    ],
+)
+def test_bad_chat_requests_get_openai_errors(server, body, status, fragment):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] + str(error["param"]) and error["code"] == status
+
+
 # -- batching -------------------------------------------------------------------------------
 
 
@@ -219,10 +244,40 @@ def test_prefix_caching_on_and_off_give_identical_outputs_and_hits_move(server, 
     assert [r["choices"][0]["message"]["content"] for r in on] == [r["choices"][0]["message"]["content"] for r in off]
     cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in on]
     assert cached[0] == 0 and min(cached[1:]) >= 64  # the shared system prompt spans > 4 pages
-    assert after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"] == sum(cached)
-    queries = after["vllm:prefix_cache_queries"] - before["vllm:prefix_cache_queries"]
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == sum(cached)
+    queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
     assert queries == sum(r["usage"]["prompt_tokens"] for r in on)
-    assert server_no_cache.metrics()["vllm:prefix_cache_hits"] == 0
+    assert server_no_cache.metrics()["vllm:prefix_cache_hits_total"] == 0
+
+
+# The series vLLM's server exposes (as its Prometheus client writes them) that dashboards read.
+VLLM_SERIES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries_total": "counter",
+    "vllm:prefix_cache_hits_total": "counter",
+    "vllm:num_preemptions_total": "counter",
+    "vllm:prompt_tokens_total": "counter",
+    "vllm:generation_tokens_total": "counter",
+    "vllm:request_success_total": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:spec_decode_num_drafts_total": "counter",
+    "vllm:spec_decode_num_draft_tokens_total": "counter",
+    "vllm:spec_decode_num_accepted_tokens_total": "counter",
+}
+
+
+def test_metrics_carry_vllms_series_names_and_types(server):
+    chat(server.url, "Name a river.")
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert {name: types.get(name) for name in VLLM_SERIES} == VLLM_SERIES
+    assert all(name.endswith("_total") for name, kind in types.items() if kind == "counter")
+    m = server.metrics()
+    assert m["vllm:generation_tokens_total"] > 0 and m["vllm:e2e_request_latency_seconds_count"] > 0
 
 
 def test_metrics_count_the_servers_compilations(server):
@@ -347,7 +402,8 @@ def test_disconnecting_fifty_streams_returns_requests_and_pages(server):
     assert baseline["vllm:num_requests_running"] == 0 and baseline["vllm:num_requests_waiting"] == 0
 
     asyncio.run(open_and_hang_up(server.url, 50))
-    assert wait_idle(server, 60) < 60
+    idle = wait_idle(server, 60)
+    assert idle < 10, idle  # seconds from the last hang-up to an empty batch and queue
     m = server.metrics()
     # Counted in tokens, not seconds (a busy machine slows the engine and the clock alike):
     # finishing would generate 50 x 200 tokens; aborting stops them within a few steps.
@@ -358,3 +414,16 @@ def test_disconnecting_fifty_streams_returns_requests_and_pages(server):
         'vllm:request_success_total{finished_reason="abort"}', 0
     )
     assert aborted == 50
+
+
+def test_a_non_streaming_client_that_hangs_up_aborts_its_request(server):
+    wait_idle(server, 60)
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # httpx closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=2.0))
+    assert wait_idle(server, 60) < 10
+    m = server.metrics()
+    abort = 'vllm:request_success_total{finished_reason="abort"}'
+    assert m[abort] - before.get(abort, 0) == 1
+    assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 400

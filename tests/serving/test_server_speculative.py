@@ -46,10 +46,10 @@ def test_speculative_server_matches_plain_and_reports_acceptance(server, server_
     assert text == _chat(server.url, PROMPTS[0])["choices"][0]["message"]["content"]
     assert events[-1]["usage"]["speculative_decoding"]["num_drafts"] > 0
     m = spec.metrics()
-    assert m["vllm:spec_decode_num_drafts"] >= 4  # every request drafted
-    assert m["vllm:spec_decode_num_accepted_tokens"] <= m["vllm:spec_decode_num_draft_tokens"]
-    per_pos = [m[f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}'] for i in range(7)]
-    assert sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
+    assert m["vllm:spec_decode_num_drafts_total"] >= 4  # every request drafted
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
+    per_pos = [m[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(7)]
+    assert sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens_total"]
     assert per_pos == sorted(per_pos, reverse=True)  # position i+1 is accepted only after i
 
 

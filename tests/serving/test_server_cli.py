@@ -1,0 +1,233 @@
+"""`python -m aither_jax.serve` as a user meets it: `make run`'s command and the README's client
+calls, the flags' errors, API keys as tenants, a pinned prompt file, and /health once the
+engine loop has died."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from aither_jax import serve
+from serving.api import ServerConfig
+from tests.serving.conftest import BASE_FLAGS, Server
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m"
+
+
+def make_run_argv() -> list[str]:
+    """The arguments `make run` passes to `python -m aither_jax.serve`."""
+    recipe = re.search(r"^run:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    words = shlex.split(recipe)
+    return words[words.index("aither_jax.serve") + 1 :]
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+# -- make run and the README ----------------------------------------------------------------
+
+
+def test_make_run_serves_the_default_model_on_loopback_port_8000():
+    assert make_run_argv() == ["--model", MODEL, "--host", "127.0.0.1", "--port", "8000"]
+    defaults = serve.build_parser().parse_args([])
+    assert (defaults.model, defaults.host, defaults.port) == (MODEL, "127.0.0.1", 8000)
+
+
+def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
+    """The curl and `openai` snippets of the README, run as written against a server started
+    with `make run`'s flags (on a free port instead of 8000)."""
+    curl = next(b for b in readme_blocks("sh") if b.lstrip().startswith("curl"))
+    client = next(b for b in readme_blocks("python") if "from openai import OpenAI" in b)
+    argv = make_run_argv()
+    at = argv.index("--port")
+    server = Server(*argv[:at], *argv[at + 2 :])  # on a free port
+    try:
+        here = "http://127.0.0.1:8000"
+        assert here in curl and here in client
+        if shutil.which("curl") is None:
+            pytest.skip("curl is not installed")
+        out = subprocess.run(
+            ["bash", "-c", curl.replace(here, server.url)], capture_output=True, text=True, timeout=300, check=True
+        )
+        reply = json.loads(out.stdout)
+        assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"]
+        assert reply["usage"]["completion_tokens"] >= 1
+        script = tmp_path / "client.py"
+        script.write_text(client.replace(here, server.url))
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        first, _, streamed = out.stdout.partition("CompletionUsage(")
+        assert first.strip() and "completion_tokens=" in streamed
+        assert len(streamed.split(")", 1)[-1].strip()) > 10  # the streamed story
+    finally:
+        server.stop()
+
+
+# -- flags ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "70000"], "--port must be in [0, 65535]"),
+        (["--host"], "--host: expected one argument"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 2"),
+        (["--max-model-len", "100000", "--kv-cache-dtype", "fp32"], "exceeds the model's context length 8192"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be in [1, 1024]"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--gpu-memory-utilization", "0.5"], "pass --num-pages instead"),
+        (["--kv-cache-dtype", "tq99"], "unknown kv cache dtype 'tq99'"),
+        (["--api-key", ""], "--api-key must not be empty"),
+        (["--api-key", "good", "--api-key", " padded"], "no surrounding spaces"),
+        (["--seed", "-1"], "--seed must be in [0, 4294967295]"),
+        (["--model", "nosuchmodel"], "unknown model 'nosuchmodel': use one of [smollm2-135m]"),
+        (["--chat-template", "{% bad %}", "--kv-cache-dtype", "fp32"], "chat template does not compile"),
+        (["--dtype", "float8"], "invalid choice: 'float8'"),
+        (["--pin-prompt-file", "/nonexistent/system.txt"], "--pin-prompt-file: no such file"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message_naming_the_problem(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("AITHER_API_KEY", raising=False)
+    # A small engine where one is built before the error (flags given later win).
+    small = ["--max-num-seqs", "1"] + ([] if "--gpu-memory-utilization" in argv else ["--num-pages", "64"])
+    try:
+        code = serve.main([*small, *argv])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_api_keys_from_the_environment(monkeypatch):
+    seen = []
+
+    def build_server(args):
+        seen.append(args.api_key)
+        raise ValueError("stopped before loading the model")
+
+    monkeypatch.setattr(serve, "build_server", build_server)
+    monkeypatch.setenv("AITHER_API_KEY", "k1,k2")
+    assert serve.main([]) == 2
+    assert serve.main(["--api-key", "flag"]) == 2  # the flag wins
+    monkeypatch.delenv("AITHER_API_KEY")
+    assert serve.main([]) == 2
+    assert seen == [["k1", "k2"], ["flag"], None]
+
+
+def test_each_api_key_is_its_own_tenant():
+    config = ServerConfig("m", 64, ("alpha", "beta"), secret=b"s" * 32)
+    salts = {config.salt("", 0), config.salt("", 1), config.salt("t", 0), config.salt("t", 1)}
+    assert len(salts) == 4
+    assert config.root_salts() == [config.salt("", 0), config.salt("", 1)]
+    assert ServerConfig("m", 64, secret=b"s" * 32).root_salts() == [ServerConfig("m", 64, secret=b"s" * 32).salt("")]
+
+
+# -- keys, tenants and a pinned prompt file on a real server -----------------------------------
+
+PINNED = "You answer questions about the city library: its hours, its rooms and its rules. " * 4
+
+
+def complete(server: Server, prompt: str, key: str, tenant: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} | ({"X-Tenant-Id": tenant} if tenant else {})
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    pin_file = tmp_path_factory.mktemp("pins") / "system.txt"
+    pin_file.write_text(PINNED)
+    s = Server(
+        *BASE_FLAGS,
+        "--kv-cache-dtype", "fp32",
+        "--max-num-seqs", "2",
+        "--num-pages", "65",
+        "--max-pinned-fraction", "0.25",
+        "--api-key", "alpha",
+        "--api-key", "beta",
+        "--pin-prompt-file", str(pin_file),
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+def test_a_pinned_prompt_file_is_cached_for_every_key(keyed_server, tokenizer_pages):
+    m = keyed_server.metrics(headers={"Authorization": "Bearer beta"})
+    pages = tokenizer_pages(PINNED)
+    assert m["aither:pinned_pages_capacity"] == int(0.25 * m["aither:kv_pages_total"]) == 16
+    assert m["aither:pinned_pages"] == 2 * pages  # one chain per key
+    for key in ("alpha", "beta"):
+        usage = complete(keyed_server, PINNED + "When do you open?", key)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 16 * pages
+    # Only requests without a tenant header share the pinned chain.
+    usage = complete(keyed_server, PINNED + "When do you close?", "alpha", tenant="someone")
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_requests_under_different_keys_share_no_pages(keyed_server):
+    prompt = "A question about astronomy that is long enough to fill a couple of pages. " * 3
+    assert complete(keyed_server, prompt, "alpha")["prompt_tokens_details"]["cached_tokens"] == 0
+    assert complete(keyed_server, prompt, "alpha")["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert complete(keyed_server, prompt, "beta")["prompt_tokens_details"]["cached_tokens"] == 0
+    bad = httpx.post(keyed_server.url + "/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert bad.status_code == 401
+
+
+@pytest.fixture(scope="module")
+def tokenizer_pages():
+    from models.gguf_file import GGUFFile
+    from models.registry import resolve_model
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(GGUFFile(resolve_model(MODEL)))
+    return lambda text: len(tok.encode(text)) // 16
+
+
+# -- /health once the engine loop has died ----------------------------------------------------
+
+
+def test_health_answers_503_once_the_engine_loop_has_died(monkeypatch):
+    from starlette.testclient import TestClient
+
+    import aither_jax as aj
+    from serving.api import build_app
+    from serving.async_engine import AsyncEngine
+    from serving.metrics import Metrics
+
+    llm = aj.LLM(MODEL, dtype="float32", kv_cache_dtype="fp32", max_model_len=256, max_num_seqs=2, num_pages=32)
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.engine, "step", broken_step)
+    engine = AsyncEngine(llm.engine, Metrics(MODEL), max_waiting=4)
+    app = build_app(engine, llm.tokenizer, ServerConfig(MODEL, 256, secret=b"s" * 32))
+    engine.start()
+    try:
+        client = TestClient(app)
+        assert client.get("/health").status_code == 200
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        r = client.post("/v1/completions", json=body)  # its first step raises
+        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+        health = client.get("/health")
+        assert health.status_code == 503 and "device lost" in health.json()["error"]["message"]
+        r = client.post("/v1/completions", json=body)  # refused up front now
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert client.get("/metrics").status_code == 200  # still scrapeable
+    finally:
+        engine.stop()
