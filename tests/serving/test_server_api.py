@@ -172,6 +172,31 @@ def test_stop_strings_seed_n_and_logprobs(client):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
 
 
+def test_top_k_one_and_a_tiny_top_p_leave_only_the_greedy_token(server):
+    # float32 KV (the `server` fixture), so the greedy and the sampled rows see the same logits.
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, prompt="The three largest cities of Italy are", max_tokens=8)
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    hot = [client.completions.create(**kw, temperature=1.5, seed=s).choices[0].text for s in range(4)]
+    assert any(t != greedy for t in hot)  # sampling at this temperature does move
+    for s in range(4):
+        top_k = client.completions.create(**kw, temperature=1.5, seed=s, extra_body={"top_k": 1})
+        top_p = client.completions.create(**kw, temperature=1.5, seed=s, top_p=1e-6)
+        assert top_k.choices[0].text == greedy and top_p.choices[0].text == greedy
+
+
+def test_completion_logprobs_in_the_legacy_format(client):
+    r = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6, temperature=0, logprobs=3)
+    choice, n = r.choices[0], r.usage.completion_tokens
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == n
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and 1 <= len(top) <= 3
+        assert top[token] == pytest.approx(value) == pytest.approx(max(top.values()))  # greedy: the top token
+
+
 @pytest.mark.parametrize(
     "body, status, fragment",
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
@@ -253,3 +254,26 @@ def test_sigterm_lets_streams_finish_refuses_new_requests_and_exits_zero(server_
         t.join(120)
     assert all(o["done"] and o["text"] and o["finish"] == "length" for o in outcomes), outcomes
     assert s.proc.wait(60) == 0
+
+
+def test_sigterm_ends_streams_that_outlast_the_drain_timeout(server_factory):
+    s = server_factory("--kv-cache-dtype", "fp32", "--max-num-seqs", "2", "--drain-timeout", "2")
+    started, lines = threading.Event(), []
+
+    def stream() -> None:
+        body = {"prompt": "Count to ten:", "max_tokens": 900, "temperature": 0, "stream": True, "ignore_eos": True}
+        with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(120)
+    s.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert s.proc.wait(60) == 0
+    assert time.monotonic() - signalled < 30  # the drain timeout (2 s) and the shutdown, not 900 tokens
+    t.join(60)
+    tokens = sum(1 for line in lines if line.startswith("data: {"))
+    assert 0 < tokens < 900 and "data: [DONE]" not in lines
