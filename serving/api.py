@@ -1,10 +1,11 @@
 """The HTTP layer: OpenAI-compatible routes over the engine loop (FastAPI).
 
-Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE), `/health`,
-`/metrics`. Everything a client sends is validated here: bad parameters and prompts over the
-context limit get 400 with an OpenAI error body, oversized bodies 413, a full queue 503 with
-Retry-After, a wrong or missing API key 401. The tenant (API key and `X-Tenant-Id`) salts the
-prefix cache. A client that goes away aborts its requests.
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE), `/v1/unpin`
+(ours: releases a `pin_prefix` pin), `/health`, `/metrics`. Everything a client sends is
+validated here: bad parameters and prompts over the context limit get 400 with an OpenAI error
+body, oversized bodies 413, a full queue 503 with Retry-After, a wrong or missing API key 401.
+The tenant (API key and `X-Tenant-Id`) salts the prefix cache. A client that goes away aborts
+its requests.
 """
 
 from __future__ import annotations
@@ -258,17 +259,44 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         conversation = body.conversation()
         try:
             ids = tokenizer.encode(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
-            pin_tokens = 0
-            num_system = next((i for i, m in enumerate(conversation) if m["role"] != "system"), len(conversation))
-            if body.pin_prefix and num_system:
-                head = tokenizer.encode(tokenizer.apply_chat_template(conversation[:num_system], False))
-                pin_tokens = len(head) if ids[: len(head)] == head else 0
+            head = _system_head(conversation, ids) if body.pin_prefix else []
         except ChatTemplateError as e:
             raise HTTPError(400, str(e), "messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = _jobs([ids], body, max_tokens, lambda i: pin_tokens)
+        jobs = _jobs([ids], body, max_tokens, lambda i: len(head))
         return await _serve(request, body, jobs, "chat.completion", top, chat=True)
+
+    @app.post("/v1/unpin")
+    async def unpin(body: protocol.UnpinRequest, request: Request):
+        """Drops the pin a `pin_prefix` request with the same prompt or messages (and tenant)
+        took; pages pinned twice need two calls. Answers with the pages unpinned."""
+        _check_model(body.model)
+        if engine.engine.scheduler.prefix_cache is None:
+            raise HTTPError(400, "prefix caching is off on this server: nothing is pinned")
+        if body.messages is not None:
+            conversation = protocol.template_messages(body.messages)
+            try:
+                ids = tokenizer.encode(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+                ids = _system_head(conversation, ids)
+            except ChatTemplateError as e:
+                raise HTTPError(400, str(e), "messages") from None
+        else:
+            ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        try:
+            pages = await engine.unpin(ids, _salt(request))
+        except EngineDeadError as e:
+            raise _as_http(e) from None
+        return {"object": "unpin", "pages": pages}
+
+    def _system_head(conversation: list[dict], ids: list[int]) -> list[int]:
+        """The tokens of the conversation's leading system messages, as they start `ids` (the
+        whole rendered prompt); none when there are none or the template renders them apart."""
+        num_system = next((i for i, m in enumerate(conversation) if m["role"] != "system"), len(conversation))
+        if not num_system:
+            return []
+        head = tokenizer.encode(tokenizer.apply_chat_template(conversation[:num_system], False))
+        return head if ids[: len(head)] == head else []
 
     def _check_model(name: str | None) -> None:
         if name is not None and name != config.model_name:

@@ -1,6 +1,6 @@
 """The engine loop: one thread owns the engine; asyncio handlers talk to it through queues.
 
-HTTP handlers never touch the engine. They put commands (add, abort, pin) into an inbox; the
+HTTP handlers never touch the engine. They put commands (add, abort, pin, unpin) into an inbox; the
 loop thread applies them between steps, runs steps while there is work, and after each step
 posts every sequence's new tokens to the asyncio queue of its request. If a step raises, the
 loop records the error, fails every open request and stops: `/health` then answers 503.
@@ -20,6 +20,7 @@ from aither_jax.engine import Engine
 from aither_jax.sampling import SamplingParams
 from aither_jax.steps import CompileCounter
 from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
+from serving.prefix_cache import hash_chain
 from serving.scheduler import Sequence
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,26 @@ class AsyncEngine:
             if update.finished:
                 return update.seq.num_pinned_pages or 0
         return 0
+
+    async def unpin(self, prompt_ids: list[int], salt: bytes) -> int:
+        """Drops one pin from each cached full page of `prompt_ids` under `salt` (what a request
+        with these tokens and `pin_tokens=len(prompt_ids)` pinned); returns the pages unpinned.
+
+        Raises:
+            EngineDeadError: the engine loop has stopped.
+        """
+        if not self.alive:
+            raise EngineDeadError("the engine has stopped")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+
+        def unpin() -> None:
+            sched = self.engine.scheduler
+            names = hash_chain(salt, prompt_ids, sched.page_size)
+            loop.call_soon_threadsafe(done.set_result, sched.prefix_cache.unpin(names))
+
+        self._inbox.put(unpin)
+        return await done
 
     def _abort(self, stream: _Stream) -> None:
         if stream.seq is not None:

@@ -132,8 +132,30 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     def conversation(self) -> list[dict]:
-        """Messages for the chat template (developer messages count as system messages)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """Messages for the chat template (developer messages count as system messages)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+class UnpinRequest(BaseModel):
+    """Body of `POST /v1/unpin` (our extension): the prefix a `pin_prefix` request pinned,
+    given as that request gave it: `prompt` (a completion's; all its full pages) or `messages`
+    (a chat's; the pages of its leading system messages)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_LIST)] | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+
+    @model_validator(mode="after")
+    def _one_prefix(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:

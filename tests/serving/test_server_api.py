@@ -381,6 +381,39 @@ def test_pinned_prefix_survives_pressure(server):
     assert loose["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # evicted: the pressure was real
 
 
+def test_unpin_releases_a_tenants_pin_and_no_other(server):
+    def unpin(body: dict, tenant: str = "unpins") -> httpx.Response:
+        return httpx.post(server.url + "/v1/unpin", json=body, headers={"X-Tenant-Id": tenant}, timeout=60)
+
+    system = "Instructions for the map room, pinned for a while and then released. " * 6
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+    before = server.metrics()["aither:pinned_pages"]
+    chat(server.url, "Hello.", system=system, headers={"X-Tenant-Id": "unpins"}, pin_prefix=True, max_tokens=2)
+    pinned = server.metrics()["aither:pinned_pages"] - before
+    assert pinned >= 4
+    assert unpin({"messages": messages}, tenant="someone-else").json() == {"object": "unpin", "pages": 0}
+    assert server.metrics()["aither:pinned_pages"] - before == pinned
+    assert unpin({"messages": messages}).json() == {"object": "unpin", "pages": pinned}
+    assert server.metrics()["aither:pinned_pages"] == before
+    assert unpin({"messages": messages}).json()["pages"] == 0  # nothing left to release
+
+    prompt = "Completion prompt pinned whole: " + " ".join(f"word{i}" for i in range(80))
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "pin_prefix": True},
+        headers={"X-Tenant-Id": "unpins"},
+        timeout=60,
+    )
+    full_pages = r.json()["usage"]["prompt_tokens"] // 16
+    assert server.metrics()["aither:pinned_pages"] - before == full_pages
+    assert unpin({"model": MODEL, "prompt": prompt}).json()["pages"] == full_pages
+    assert server.metrics()["aither:pinned_pages"] == before
+
+    for body, status in (({}, 400), ({"prompt": "a", "messages": messages}, 400), ({"prompt": "a", "model": "x"}, 404)):
+        r = unpin(body)
+        assert r.status_code == status and r.json()["error"]["code"] == status
+
+
 # -- disconnects ----------------------------------------------------------------------------
 
 
