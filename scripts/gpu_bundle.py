@@ -8,9 +8,10 @@ paths, 64 MiB in all, so:
 * `.gpu/setup/`: wheels for Python 3.12 (manylinux x86-64) of the missing packages, at the
   versions installed here, and `model.json` (file name, size and SHA-256 of the model GGUF);
 * `.gpu/model_1` .. `.gpu/model_N`: the SmolLM2 GGUF (98 MB), xz-compressed (90 MB) and cut
-  into N parts (default 2), one per call. The machine keeps ignored paths between calls while
-  it stays warm, so the parts meet there and `gpu_check.py setup` joins, decompresses and
-  checks them once all have arrived.
+  into N parts (default 2), one per call of those just before and at the first stage that
+  needs the model (`gpu_check.model_parts`). The machine keeps ignored paths between calls
+  while it stays warm, so the parts meet there and `gpu_check.py setup` joins, decompresses
+  and checks them once all have arrived.
 
     .venv/bin/python scripts/gpu_bundle.py            # then follow the printed calls
 """
@@ -31,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gpu_check import CALLS, call_command  # noqa: E402
+from gpu_check import CALLS, call_command, model_parts  # noqa: E402
 
 from models.registry import DEFAULT_MODEL, MODELS, resolve_model  # noqa: E402
 
@@ -110,6 +111,11 @@ def tree_bytes() -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        parts = model_parts(CALLS, args.parts)
+    except ValueError as e:
+        print(f"--parts {args.parts}: {e}", file=sys.stderr)
+        return 1
     setup = args.dir / "setup"
     setup.mkdir(parents=True, exist_ok=True)
     wheels = [] if args.no_wheels else download_wheels(setup)
@@ -127,9 +133,8 @@ def main(argv=None) -> int:
         return 1
     rel = args.dir.relative_to(ROOT) if args.dir.is_relative_to(ROOT) else args.dir
     print("\nDevice calls, back to back (the machine stays warm for 30 s after each):")
-    calls = CALLS + [[]] * max(0, args.parts - len(CALLS))  # more parts than calls: setup-only calls
-    for i, stages in enumerate(calls):
-        carry = [f"{rel}/setup"] + ([f"{rel}/model_{i + 1}"] if i < args.parts else [])
+    for i, stages in enumerate(CALLS):
+        carry = [f"{rel}/setup"] + ([f"{rel}/model_{parts[i]}"] if i in parts else [])
         command = call_command(stages)
         print(f"  {i + 1}. carry {carry}:\n     {command}")
     print("docs/GPU_CHECKS.md says what each stage does.")

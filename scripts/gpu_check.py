@@ -138,22 +138,43 @@ ATTENTION_STAGES = ("attention", "attention-quick")
 SERVING_STAGES = ("serving", "serving-shared")
 
 
-# The device calls of one session, in order: call i carries .gpu/setup and .gpu/model_<i> (the
-# model in two xz parts). The machine keeps the first part only while it stays warm (30 s), so
-# the first call only leaves it there and returns within seconds, and the second, made at once,
-# joins the model and runs the stages that need it. The others need no model, so a machine
-# gone cold in between costs a start but loses nothing (gpu_bundle.py prints these).
-# Each entry is the arguments of `run` (stages, then options). On 2026-11-26 (H200) the
-# serving stage alone took 337 s before it failed in its warm-up, and the speculative stage's
-# first configuration did not finish in 213 s: each needs a call of its own. In the next
-# session the whole serving stage ran out of its 555 s after its throughput sweep (compiling
-# for 463 s of it), so call 2 runs the shared-prefix comparison alone (`serving-shared`).
-# Call 2's servers compile recorded step shapes on the host's cores (SERVING_SHAPES), so the
-# comparison may leave part of its budget: `decode-steps` (call 4) takes what is left, or is
-# skipped under 45 s.
-CALLS: list[list[str]] = [[], ["serving-shared", "decode-steps", "--budget", "560"]]
+# The device calls of one session, in order; each entry is the arguments of `run` (stages,
+# then options), [] for a call that only runs `setup`. Every call carries .gpu/setup; the
+# model's parts (two xz parts of .gpu/model_<n>) go with the calls `model_parts` names: the
+# setup-only calls just before the first stage that needs the model, then that call, which joins
+# the model. The machine keeps a part only while it stays warm (30 s after a reply), so those
+# calls are made back to back and the setup-only ones return within seconds.
+#
+# First the stages that need no model and speak to the goals still open (2026-11-26, after the
+# server issue closed with only its GPU shared-prefix figure owed): `decode-steps` (whether
+# single-stream decode, 2.07 ms a token on the H100, is host round trips) and `profile` (Nsight
+# Compute: the attention kernel's and a decode step's kernels), then `attention-quick` (the
+# kernel's "rows" products against float32 dots) and `compile` (what a cold step's compile
+# time is made of). A 15-minute session ends there. Then the model's stages: `speculative`
+# (issue 5's GPU speedup; its first configuration did not finish in 213 s on 2026-11-26, so it
+# has a call of its own) and `serving-shared` (the shared-prefix TTFT, whose servers compile
+# step shapes recorded on CPU, SERVING_SHAPES), then the rest.
+CALLS: list[list[str]] = [["decode-steps", "profile", "--budget", "540"]]
 CALLS += [["attention-quick", "compile", "--budget", "200"]]
-CALLS += [["decode-steps"], ["env", "profile"], ["attention"], ["decode"], ["tests"], ["tests-2"]]
+CALLS += [[], ["speculative", "--budget", "560"], ["serving-shared", "--budget", "560"]]
+CALLS += [["env"], ["attention"], ["decode"], ["tests"], ["tests-2"]]
+
+
+def needs_model(run_args: list[str]) -> bool:
+    return any(STAGES.get(a, ((), 0, ""))[2] == "model" for a in run_args)
+
+
+def model_parts(calls: list[list[str]], parts: int) -> dict[int, int]:
+    """{call index: model part (1-based)}: the last part with the first call that needs the
+    model, the others with the setup-only calls just before it. Raises ValueError when those
+    calls are not setup-only ones (a long call in between would let the machine go cold)."""
+    first = next((i for i, c in enumerate(calls) if needs_model(c)), None)
+    if first is None:
+        return {}
+    start = first - parts + 1
+    if start < 0 or any(calls[i] for i in range(start, first)):
+        raise ValueError(f"the {parts - 1} calls before call {first + 1} must be setup-only ([]) calls")
+    return {start + k: k + 1 for k in range(parts)}
 
 
 def call_command(run_args: list[str]) -> str:

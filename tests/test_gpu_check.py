@@ -237,6 +237,20 @@ def test_the_budget_skips_what_it_cannot_fit_and_a_timeout_ends_the_whole_stage(
     assert not status.exists() or "zombie" in status.read_text()  # the stage's own child went too
 
 
+def test_the_model_parts_go_with_the_calls_just_before_and_at_the_first_model_stage():
+    parts = gpu_check.model_parts(gpu_check.CALLS, 2)
+    (first, part_1), (second, part_2) = sorted(parts.items())
+    assert (part_1, part_2) == (1, 2) and second == first + 1
+    assert gpu_check.CALLS[first] == [] and gpu_check.needs_model(gpu_check.CALLS[second])
+    assert not any(gpu_check.needs_model(c) for c in gpu_check.CALLS[:second])
+    assert gpu_check.model_parts([["env"], ["attention"]], 2) == {}
+    assert gpu_check.model_parts([["speculative"]], 1) == {0: 1}
+    with pytest.raises(ValueError, match="setup-only"):
+        gpu_check.model_parts(gpu_check.CALLS, 3)  # the call before the setup-only one is long
+    with pytest.raises(ValueError, match="setup-only"):
+        gpu_check.model_parts([["speculative"]], 2)
+
+
 def test_the_documented_calls_are_the_runners():
     doc = (ROOT / "docs" / "GPU_CHECKS.md").read_text()
     for call in gpu_check.CALLS:
