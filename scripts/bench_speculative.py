@@ -13,11 +13,13 @@ histograms and speedups) and a row in docs/BENCHMARKS.md (unless `--no-record`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
+import time
 
-from bench_serving import append_row, environment
+from bench_serving import append_row, environment, prepare_shapes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -50,6 +52,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument(
+        "--compile-shapes",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="keep each configuration's step-shapes file in DIR: its shapes are compiled on several threads "
+        "before the configuration's warm-up, and the shapes it ran are written back",
+    )
+    p.add_argument(
+        "--shapes-from",
+        type=pathlib.Path,
+        default=None,
+        metavar="SRC",
+        help="copy the step-shapes files of SRC into --compile-shapes DIR first (files in DIR are kept)",
+    )
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="default: --out with .png")
     p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
@@ -66,13 +83,15 @@ def bench(args, save=None) -> dict:
     from aither_jax.eval import prompt_ids, read_prompts, speculative_row, timed_decode
     from aither_jax.llm import resolve_dtype
 
+    prepare_shapes(args)
     dtype = resolve_dtype(args.dtype)
     common = dict(dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.batch_size, progress=False)
     plain = aj.LLM(args.model, **common)
     ids = prompt_ids(plain.tokenizer, read_prompts(args.prompts)[: args.max_prompts])
     params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     print(f"plain decoding of {len(ids)} prompts ...", file=sys.stderr)
-    baseline = timed_decode(plain, ids, params, args.batch_size)
+    with recorded_shapes(plain, shapes_file(args, None)):
+        baseline = timed_decode(plain, ids, params, args.batch_size)
     kv = plain.kv_spec.name
     del plain
     draft_tokens = args.draft_tokens or [args.block_size - 1]
@@ -92,7 +111,8 @@ def bench(args, save=None) -> dict:
     for spec in configs:
         print(f"speculative {spec} ...", file=sys.stderr)
         llm = aj.LLM(args.model, speculative=spec, **common)
-        row = speculative_row(llm, ids, params, args.batch_size, baseline)
+        with recorded_shapes(llm, shapes_file(args, spec)):
+            row = speculative_row(llm, ids, params, args.batch_size, baseline)
         rows.append(row)
         print(
             f"  tau {row['tau_mean']:.2f}, {row['spec_tokens_per_second']:.1f} vs "
@@ -104,6 +124,36 @@ def bench(args, save=None) -> dict:
         if save is not None:
             save(report)
     return report
+
+
+def shapes_file(args: argparse.Namespace, spec: dict | None) -> pathlib.Path | None:
+    """The step-shapes file of plain decoding (`spec` None) or of a speculative configuration
+    in `args.compile_shapes` (None without it)."""
+    if args.compile_shapes is None:
+        return None
+    config = "plain" if spec is None else "_".join(f"{k}-{v}" for k, v in sorted(spec.items()))
+    name = f"speculative_{pathlib.Path(args.model).stem}_{args.kv_cache_dtype}_seqs{args.batch_size}_{config}"
+    return args.compile_shapes / ("".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".json")
+
+
+@contextlib.contextmanager
+def recorded_shapes(llm, path: pathlib.Path | None):
+    """Compiles the step shapes recorded in `path` (when it exists) on several threads, then
+    runs the block; afterwards writes every shape the engine ran back to `path`. The prefill
+    shapes of the prompts, which the warm-up otherwise compiles one at a time, are among them."""
+    from aither_jax import shape_file
+
+    if path is not None and path.exists():
+        start = time.perf_counter()
+        shapes = shape_file.load(path)
+        n = llm.engine.precompile(shapes)
+        seconds = time.perf_counter() - start
+        print(f"  {n} of {len(shapes)} recorded step shapes compiled in {seconds:.1f} s", file=sys.stderr)
+    yield
+    if path is not None:
+        engine = llm.engine
+        settings = {"model": llm.config.name, "kv_cache_dtype": llm.kv_spec.name, "max_num_seqs": engine.max_num_seqs}
+        shape_file.save(path, engine.step_shapes(), recorded_with=settings)
 
 
 def label(row: dict) -> str:

@@ -40,11 +40,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU_DIR = ROOT / ".gpu"
 SITE = GPU_DIR / "site"
 PY = sys.executable
-# The serving stages' servers compile the step shapes recorded on CPU with the same workload
-# (scripts/data/step_shapes/, one file per server) on the host's cores before serving, instead
-# of one at a time in their warm-ups (about 13 s a shape on the H200's host). The files they
-# grow come back in {out}/step_shapes.
-SERVING_SHAPES = ["--compile-shapes", "{out}/step_shapes", "--shapes-from", "scripts/data/step_shapes"]
+# The serving and speculative stages compile the step shapes recorded on CPU with the same
+# workload (scripts/data/step_shapes/, one file per server or configuration) on the host's
+# cores before they run, instead of one at a time in their warm-ups (about 13 s a shape on the
+# H200's host). The files they grow come back in {out}/step_shapes.
+SHAPE_FILES = ["--compile-shapes", "{out}/step_shapes", "--shapes-from", "scripts/data/step_shapes"]
 SHAPES_DIR = ROOT / "scripts" / "data" / "step_shapes"
 MIN_STAGE_SECONDS = 45  # a stage with less time left than this is skipped
 
@@ -94,16 +94,17 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     # Four configurations, the draft alone first: on 2026-11-26 (H200) the first one's warm-up
     # alone outlasted 213 s, so S = 2, 4 and adaptive drafts (slower on CPU) wait for a later run.
+    # Each configuration compiles its recorded step shapes (prefill chunks included) on threads.
     "speculative": (
         [PY, "scripts/bench_speculative.py", "--no-record", "--out", "{out}/speculative.json"]
         + ["--plot", "{out}/speculative.png", "--max-prompts", "20", "--steps", "1", "--prompt-lookup"]
-        + ["--tree", "15"],
-        420,
+        + ["--tree", "15", *SHAPE_FILES],
+        540,
         "model",
     ),
     "serving": (
         [PY, "scripts/bench_serving.py", "--no-record", "--out", "{out}/serving.json"]
-        + ["--server-log", "{out}/serving_server.log", *SERVING_SHAPES],
+        + ["--server-log", "{out}/serving_server.log", *SHAPE_FILES],
         560,
         "model",
     ),
@@ -111,7 +112,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     # reach on 2026-11-26 (H200): its warm-ups compiled for 463 s (about 13 s a step shape).
     "serving-shared": (
         [PY, "scripts/bench_serving.py", "--concurrency", "", "--rates", "", "--no-record"]
-        + ["--out", "{out}/serving-shared.json", "--server-log", "{out}/serving_server.log", *SERVING_SHAPES],
+        + ["--out", "{out}/serving-shared.json", "--server-log", "{out}/serving_server.log", *SHAPE_FILES],
         560,
         "model",
     ),
@@ -153,7 +154,7 @@ SERVING_STAGES = ("serving", "serving-shared")
 # time is made of). A 15-minute session ends there. Then the model's stages: `speculative`
 # (issue 5's GPU speedup; its first configuration did not finish in 213 s on 2026-11-26, so it
 # has a call of its own) and `serving-shared` (the shared-prefix TTFT, whose servers compile
-# step shapes recorded on CPU, SERVING_SHAPES), then the rest.
+# step shapes recorded on CPU, SHAPE_FILES), then the rest.
 CALLS: list[list[str]] = [["decode-steps", "profile", "--budget", "540"]]
 CALLS += [["attention-quick", "compile", "--budget", "200"]]
 CALLS += [[], ["speculative", "--budget", "560"], ["serving-shared", "--budget", "560"]]
