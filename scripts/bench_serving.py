@@ -76,13 +76,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_serving.json")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="keep the servers' logs in this file")
     p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
-    p.add_argument(
-        "--compile-shapes",
-        type=pathlib.Path,
-        default=None,
-        metavar="DIR",
-        help="keep each server's step-shapes file in DIR (serve --compile-shapes): compiled before serving",
-    )
+    add_shape_args(p, "each server's step-shapes file in DIR (serve --compile-shapes): compiled before serving")
+    return p.parse_args(argv)
+
+
+def add_shape_args(p: argparse.ArgumentParser, compile_help: str) -> None:
+    """`--compile-shapes DIR` (what DIR keeps: `compile_help`) and `--shapes-from SRC`."""
+    p.add_argument("--compile-shapes", type=pathlib.Path, default=None, metavar="DIR", help="keep " + compile_help)
     p.add_argument(
         "--shapes-from",
         type=pathlib.Path,
@@ -90,7 +90,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="SRC",
         help="copy the step-shapes files of SRC into --compile-shapes DIR first (files in DIR are kept)",
     )
-    return p.parse_args(argv)
 
 
 # -- the server -------------------------------------------------------------------------------

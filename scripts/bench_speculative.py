@@ -19,7 +19,7 @@ import pathlib
 import sys
 import time
 
-from bench_serving import append_row, environment, prepare_shapes
+from bench_serving import add_shape_args, append_row, environment, prepare_shapes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -52,20 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument(
-        "--compile-shapes",
-        type=pathlib.Path,
-        default=None,
-        metavar="DIR",
-        help="keep each configuration's step-shapes file in DIR: its shapes are compiled on several threads "
-        "before the configuration's warm-up, and the shapes it ran are written back",
-    )
-    p.add_argument(
-        "--shapes-from",
-        type=pathlib.Path,
-        default=None,
-        metavar="SRC",
-        help="copy the step-shapes files of SRC into --compile-shapes DIR first (files in DIR are kept)",
+    add_shape_args(
+        p,
+        "each configuration's step-shapes file in DIR: its shapes are compiled on several threads before the "
+        "configuration's warm-up, and the shapes it ran are written back",
     )
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="default: --out with .png")
