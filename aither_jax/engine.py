@@ -882,8 +882,8 @@ class Engine:
             return "drafting calls need a DFlash draft"
         if kind == "sinks" and not self.cache.num_sinks:
             return "the KV cache format keeps no sink tokens"
-        if kind == "forward" and tuple(record["taps"]) != tuple(self._taps):
-            return f"taps {record['taps']} are not this engine's {list(self._taps)}"
+        if kind == "forward" and any(i >= self.cfg.num_layers for i in record["taps"]):
+            return f"taps {record['taps']} are not layers of this model (0 to {self.cfg.num_layers - 1})"
         if kind == "forward" and record["shared_pages"] and not self.shared_prefix_attention:
             return "shared-prefix attention is off"
         return None
@@ -921,7 +921,10 @@ class Engine:
             taps=tuple(record["taps"]), shared_pages=record["shared_pages"],
         )  # fmt: skip
         lowered = forward_step.lower(*args, **static)
-        return lowered, lowered.out_info[2], lowered.out_info[3] if record["taps"] else None
+        # Only a call with the draft's own taps writes the draft's context (`forward` with other
+        # taps, for scoring or for a draft's training data, returns them and writes nothing).
+        drafting = bool(self._taps) and tuple(record["taps"]) == tuple(self._taps)
+        return lowered, lowered.out_info[2], lowered.out_info[3] if drafting else None
 
     def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
         """Compiles the drafting call and the verify pass of one decode shape on padding rows."""

@@ -113,7 +113,7 @@ def test_precompile_skips_shapes_this_engine_cannot_run(llm_f32, caplog):
         ({**forward, "rows": 2 * engine.max_num_seqs}, "power of two"),
         ({**forward, "tokens": 2 * engine.max_prefill_chunk}, "tokens per row"),
         ({**forward, "pages": engine.max_pages_per_seq + 1}, "more pages than a sequence holds"),
-        ({**forward, "taps": [1, 2]}, "taps"),
+        ({**forward, "taps": [1, engine.cfg.num_layers]}, "not layers of this model"),
         ({"kind": "steps", "rows": 1, "pages": 8, "greedy": True}, "num_scheduler_steps > 1"),
         ({"kind": "verify", "rows": 1, "tokens": 4, "pages": 8, "logits": False, "greedy": True}, "speculative"),
         ({"kind": "sinks", "rows": 1, "tokens": 16}, "no sink tokens"),
@@ -127,6 +127,18 @@ def test_precompile_skips_shapes_this_engine_cannot_run(llm_f32, caplog):
     assert len(warnings) == len(unfit)
     for warning, (_, why) in zip(warnings, unfit, strict=True):
         assert why in warning, warning
+
+
+def test_precompile_takes_every_forward_the_engine_runs_whatever_its_taps(llm_f32):
+    """`forward` runs with no taps (scoring) or any layers' taps (a draft's training data) on any
+    engine, so their records compile wherever they were recorded, not only with the taps of the
+    engine's own draft."""
+    engine = llm_f32.engine
+    ids = list(range(100, 137))
+    for taps in ((), (1, 14, 27)):
+        engine.forward(ids, taps=taps, logits=True)
+        records = [r for r in engine.step_shapes() if r["kind"] == "forward" and r["taps"] == list(taps)]
+        assert records and engine.precompile(records, workers=1) == len(records)  # none skipped
 
 
 def test_shape_file_round_trip_and_errors(tmp_path):
