@@ -272,8 +272,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         """Drops the pin a `pin_prefix` request with the same prompt or messages (and tenant)
         took; pages pinned twice need two calls. Answers with the pages unpinned."""
         _check_model(body.model)
-        if engine.engine.scheduler.prefix_cache is None:
-            raise HTTPError(400, "prefix caching is off on this server: nothing is pinned")
         if body.messages is not None:
             conversation = protocol.template_messages(body.messages)
             try:
@@ -285,7 +283,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
             ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         try:
             pages = await engine.unpin(ids, _salt(request))
-        except EngineDeadError as e:
+        except (EngineDeadError, ValueError) as e:
             raise _as_http(e) from None
         return {"object": "unpin", "pages": pages}
 

@@ -199,9 +199,12 @@ class AsyncEngine:
 
         Raises:
             EngineDeadError: the engine loop has stopped.
+            ValueError: prefix caching is off (nothing is ever pinned).
         """
         if not self.alive:
             raise EngineDeadError("the engine has stopped")
+        if self.engine.scheduler.prefix_cache is None:
+            raise ValueError("prefix caching is off on this server: nothing is pinned")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[int] = loop.create_future()
 

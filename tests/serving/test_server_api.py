@@ -381,7 +381,7 @@ def test_pinned_prefix_survives_pressure(server):
     assert loose["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # evicted: the pressure was real
 
 
-def test_unpin_releases_a_tenants_pin_and_no_other(server):
+def test_unpin_releases_a_tenants_pin_and_no_other(server, server_no_cache):
     def unpin(body: dict, tenant: str = "unpins") -> httpx.Response:
         return httpx.post(server.url + "/v1/unpin", json=body, headers={"X-Tenant-Id": tenant}, timeout=60)
 
@@ -412,6 +412,8 @@ def test_unpin_releases_a_tenants_pin_and_no_other(server):
     for body, status in (({}, 400), ({"prompt": "a", "messages": messages}, 400), ({"prompt": "a", "model": "x"}, 404)):
         r = unpin(body)
         assert r.status_code == status and r.json()["error"]["code"] == status
+    off = httpx.post(server_no_cache.url + "/v1/unpin", json={"prompt": prompt}, timeout=60)
+    assert off.status_code == 400 and "prefix caching is off" in off.json()["error"]["message"]
 
 
 # -- disconnects ----------------------------------------------------------------------------
