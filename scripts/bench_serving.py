@@ -115,8 +115,13 @@ def compilations_since(server: Server, before: float) -> int:
 def shapes_file(args: argparse.Namespace, caching: bool) -> pathlib.Path:
     """The step-shapes file of a server configuration in `args.compile_shapes`."""
     name = f"{pathlib.Path(args.model).stem}_{args.kv_cache_dtype}_seqs{args.max_num_seqs}_len{args.max_model_len}"
-    name = "".join(c if c.isalnum() or c in ".-" else "_" for c in name)
-    return args.compile_shapes / f"{name}_{'caching' if caching else 'nocaching'}.json"
+    return args.compile_shapes / shapes_file_name(f"{name}_{'caching' if caching else 'nocaching'}")
+
+
+def shapes_file_name(name: str) -> str:
+    """`name` as a step-shapes file's name: letters, digits, '.', '-' and '_' only (as the GPU
+    machine sends files back), then .json."""
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".json"
 
 
 def prepare_shapes(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ import pathlib
 import sys
 import time
 
-from bench_serving import add_shape_args, append_row, environment, prepare_shapes
+from bench_serving import add_shape_args, append_row, environment, prepare_shapes, shapes_file_name
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -123,7 +123,7 @@ def shapes_file(args: argparse.Namespace, spec: dict | None) -> pathlib.Path | N
         return None
     config = "plain" if spec is None else "_".join(f"{k}-{v}" for k, v in sorted(spec.items()))
     name = f"speculative_{pathlib.Path(args.model).stem}_{args.kv_cache_dtype}_seqs{args.batch_size}_{config}"
-    return args.compile_shapes / ("".join(c if c.isalnum() or c in ".-" else "_" for c in name) + ".json")
+    return args.compile_shapes / shapes_file_name(name)
 
 
 @contextlib.contextmanager

@@ -91,6 +91,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
+        self._calls: set[asyncio.Future] = set()  # answers the loop owes to `unpin` callers
         self.num_open = 0  # requests accepted and not finished (event-loop thread only)
         self.num_prefilled_tokens = 0
         self._declare_metrics()
@@ -205,16 +206,18 @@ class AsyncEngine:
             raise EngineDeadError("the engine has stopped")
         if self.engine.scheduler.prefix_cache is None:
             raise ValueError("prefix caching is off on this server: nothing is pinned")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[int] = loop.create_future()
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._calls.add(done)
 
         def unpin() -> None:
             sched = self.engine.scheduler
-            names = hash_chain(salt, prompt_ids, sched.page_size)
-            loop.call_soon_threadsafe(done.set_result, sched.prefix_cache.unpin(names))
+            _answer(done, result=sched.prefix_cache.unpin(hash_chain(salt, prompt_ids, sched.page_size)))
 
         self._inbox.put(unpin)
-        return await done
+        try:
+            return await done
+        finally:
+            self._calls.discard(done)
 
     def _abort(self, stream: _Stream) -> None:
         if stream.seq is not None:
@@ -239,6 +242,8 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(f"engine failed: {e}"))
             self._streams.clear()
+            for done in list(self._calls):  # commands still in the inbox never run now
+                _answer(done, error=EngineDeadError(f"engine failed: {e}"))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -358,3 +363,17 @@ class AsyncEngine:
         m.histogram("vllm:time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS)
         m.histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         m.histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS)
+
+
+def _answer(done: asyncio.Future, *, result=None, error: BaseException | None = None) -> None:
+    """Resolves `done` from the engine thread, unless its caller has gone (cancelled)."""
+
+    def resolve() -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    done.get_loop().call_soon_threadsafe(resolve)
