@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--speculative", choices=("dflash", "ngram"), required=True)
     acc.add_argument("--prompts", required=True, help='JSON lines, each {"messages": [...]} or {"prompt": "..."}')
     acc.add_argument("--block-size", type=int_in("--block-size", 2, 64), default=None, help="drafts + 1 per step")
-    acc.add_argument("--steps", type=int_in("--steps", 1, 63), default=1, help="dflash denoising steps")
+    acc.add_argument("--steps", type=int_in("--steps", 1, 63), default=None, help="dflash denoising steps (default 1)")
     acc.add_argument(
         "--adaptive", action="store_true", help="choose drafts per step (up to the block) from measured speed"
     )
@@ -652,7 +652,7 @@ def run_acceptance(args) -> dict:
     if args.tree is not None:
         spec["tree"] = args.tree
     if args.speculative == "dflash":
-        spec["steps"] = args.steps
+        spec["steps"] = args.steps or 1
         if args.draft:
             spec["model"] = args.draft
     dtype = resolve_dtype(args.dtype)
@@ -684,6 +684,8 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
         parser.error("--tree is for --speculative dflash")
     if args.prompt_lookup is not None and args.speculative != "dflash":
         parser.error("--prompt-lookup is for --speculative dflash (ngram is prompt lookup alone)")
+    if args.steps is not None and args.speculative != "dflash":
+        parser.error("--steps is for --speculative dflash (ngram drafts in one lookup)")
     try:
         r = run_acceptance(args)
     except (ValueError, GGUFError, UnicodeDecodeError) as e:

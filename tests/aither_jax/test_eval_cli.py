@@ -189,7 +189,27 @@ def test_acceptance_json_against_plain_decoding(tmp_path, capsys):
     assert r["speedup"] == pytest.approx(r["spec_tokens_per_second"] / r["baseline_tokens_per_second"])
 
 
-@pytest.mark.parametrize(("flag", "message"), [(["--prompt-lookup"], "--prompt-lookup"), (["--tree", "8"], "--tree")])
+def test_acceptance_dflash_steps_and_block(tmp_path, capsys):
+    """The shipped draft through the entry point: two denoising steps, a block of 4 (3 drafts a
+    pass), greedy output that of plain decoding."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Name three colors."}]}) + "\n")
+    argv = ["acceptance", "--speculative", "dflash", "--steps", "2", "--block-size", "4", "--no-prompt-lookup"]
+    argv += ["--prompts", str(prompts), "--max-tokens", "16", "--dtype", "float32", "--kv-cache-dtype", "bf16"]
+    assert aj_eval.main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["speculative"] == "dflash" and r["steps"] == 2 and r["block_size"] == 4 and r["num_prompts"] == 1
+    gap = r["max_divergence_gap"]
+    assert r["identical_outputs"] == 1 or (gap is not None and gap <= aj_eval.NEAR_TIE_NATS), r
+    hist = {int(k): v for k, v in r["tau_histogram"].items()}
+    assert sum(hist.values()) == r["num_verify_passes"] > 0 and max(hist) <= 4
+    assert r["num_draft_tokens"] <= 3 * r["num_drafts"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [(["--prompt-lookup"], "--prompt-lookup"), (["--tree", "8"], "--tree"), (["--steps", "2"], "--steps")],
+)
 def test_acceptance_dflash_options_need_dflash(tmp_path, capsys, flag, message):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n', encoding="utf-8")
