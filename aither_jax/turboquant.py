@@ -1,8 +1,9 @@
 """TurboQuant KV codec for notebooks: `from aither_jax.turboquant import TurboQuant`.
 
     tq = TurboQuant(head_dim=64, bits=4, seed=0)
-    enc = tq.encode(x)          # {"codes": uint8 [..., 32], "norms": float16 [...]}
-    x_hat = tq.decode(enc)
+    codes, norms = tq.encode(x)  # uint8 [..., 32] packed codes, float16 [...] norms
+    x_hat = tq.decode(codes, norms)
+    tree = tq.encode_tree(x)     # the same arrays as a dict, as a cache pool stores them
     tq.validate(num_vectors=10_000)   # MSE, inner-product error, ratio to the 4^-b bound
     split = make_codec(64, 3.5)       # half-integer bits: SplitTurboQuant (two channel halves)
 

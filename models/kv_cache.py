@@ -224,7 +224,7 @@ class PagedKVCache:
 
 def _encode(x: jax.Array, codec: TurboQuant | SplitTurboQuant | None, spec: KVSpec, kernel: bool = False) -> Any:
     if codec is not None:
-        return tq_encode(x, codec) if kernel and isinstance(codec, TurboQuant) else codec.encode(x)
+        return tq_encode(x, codec) if kernel and isinstance(codec, TurboQuant) else codec.encode_tree(x)
     if spec.unquantized_bytes == 2 or spec.quantized:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(jnp.float32)
@@ -232,7 +232,7 @@ def _encode(x: jax.Array, codec: TurboQuant | SplitTurboQuant | None, spec: KVSp
 
 def _decode(stored: Any, codec: TurboQuant | SplitTurboQuant | None, spec: KVSpec) -> jax.Array:
     if codec is not None:
-        return codec.decode(stored)
+        return codec.decode_tree(stored)
     if stored.dtype == jnp.uint16:
         return jax.lax.bitcast_convert_type(stored, jnp.bfloat16)
     return stored
@@ -287,7 +287,7 @@ def init_cache(
         if codec is None:
             return _encode(jnp.full((*lead, cfg.head_dim), fill_value, jnp.float32), None, spec)
         # Encode one vector to learn the storage layout, then broadcast it over the pool.
-        proto = codec.encode(jnp.ones((cfg.head_dim,), jnp.float32))
+        proto = codec.encode_tree(jnp.ones((cfg.head_dim,), jnp.float32))
         return {
             k: jnp.full((*lead, *a.shape), fill_value if k.endswith("norms") else 0, a.dtype) for k, a in proto.items()
         }

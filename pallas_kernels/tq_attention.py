@@ -156,8 +156,8 @@ def tq_paged_attention_reference(
             name: a[block_table, index].reshape(b, num_pages * a.shape[2], *a.shape[3:]) for name, a in tree.items()
         }
 
-    k_ctx, v_ctx = k_codec.decode(gather(k_pool, layer)), v_codec.decode(gather(v_pool, v_layer))
-    k, v = k_codec.decode(k_new), v_codec.decode(v_new)
+    k_ctx, v_ctx = k_codec.decode_tree(gather(k_pool, layer)), v_codec.decode_tree(gather(v_pool, v_layer))
+    k, v = k_codec.decode_tree(k_new), v_codec.decode_tree(v_new)
     if sinks is not None:
         k, v = sinks.apply_new(k, v, ctx_lens)
         k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)

@@ -58,9 +58,9 @@ SEARCH_FROM_BITS = {64: 7, 128: 8}
 
 
 def tq_encode_reference(x: jax.Array, codec: TurboQuant) -> dict[str, jax.Array]:
-    """`codec.encode(x)`: x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float16 [...]}
+    """`codec.encode_tree(x)`: x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float16 [...]}
     (+ "qjl_signs" uint8 [..., d/8], "qjl_norms" float16 [...] with QJL)."""
-    return codec.encode(x)
+    return codec.encode_tree(x)
 
 
 def tq_encode(

@@ -246,8 +246,35 @@ def is_split_bits(bits: float) -> bool:
 
 
 class _Codec:
-    """What both codecs share: the QJL transform, the byte count and the quality report. A
-    subclass defines head_dim, bits, seed, qjl, encode and decode."""
+    """What both codecs share: the QJL transform, the byte count, the tuple form of encode and
+    decode, and the quality report. A subclass defines head_dim, bits, seed, qjl, FIELDS,
+    encode_tree and decode_tree (the dict of arrays a cache pool stores)."""
+
+    FIELDS: tuple[str, ...]  # the stored arrays in the order of `encode`'s tuple, before QJL's
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Names of the arrays one encoded vector is stored as, in `encode`'s order."""
+        return self.FIELDS + (("qjl_signs", "qjl_norms") if self.qjl else ())
+
+    def encode(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """x [..., d] -> (codes, norms): packed codes uint8 [..., bytes] and float16 norms;
+        with QJL also (qjl_signs, qjl_norms). `fields` names them."""
+        tree = self.encode_tree(x)
+        return tuple(tree[name] for name in self.fields)
+
+    def decode(self, codes, *rest: jax.Array) -> jax.Array:
+        """The reconstruction x_hat [..., d] float32 of `decode(codes, norms)` (with QJL,
+        `decode(codes, norms, qjl_signs, qjl_norms)`). The tuple `encode` returns, or
+        `encode_tree`'s dict, may be passed whole."""
+        if isinstance(codes, dict) and not rest:
+            return self.decode_tree(codes)
+        if isinstance(codes, tuple) and not rest:
+            codes, *rest = codes
+        arrays = (codes, *rest)
+        if len(arrays) != len(self.fields):
+            raise ValueError(f"decode takes {len(self.fields)} arrays {self.fields}, got {len(arrays)}")
+        return self.decode_tree(dict(zip(self.fields, arrays, strict=True)))
 
     def _init_qjl(self) -> None:
         qjl = haar_rotation(self.head_dim, self.seed, purpose="qjl") if self.qjl else None
@@ -274,7 +301,7 @@ class _Codec:
         x /= np.linalg.norm(x, axis=-1, keepdims=True)
         q = rng.standard_normal((num_vectors, self.head_dim)).astype(np.float32)
         q /= np.linalg.norm(q, axis=-1, keepdims=True)
-        x_hat = np.asarray(jax.jit(lambda v: self.decode(self.encode(v)))(x))
+        x_hat = np.asarray(jax.jit(lambda v: self.decode_tree(self.encode_tree(v)))(x))
         mse = float(np.mean(np.sum((x - x_hat) ** 2, axis=-1)))
         err = np.sum(q * x, axis=-1) - np.sum(q * x_hat, axis=-1)
         bound = 4.0**-self.bits
@@ -300,6 +327,8 @@ class TurboQuant(_Codec):
         codebook: "exact" (Lloyd-Max on the exact density) or "gaussian".
         qjl: add the 1-bit QJL residual (d extra bits + a float16 norm per vector).
     """
+
+    FIELDS = ("codes", "norms")
 
     head_dim: int
     bits: int
@@ -329,7 +358,7 @@ class TurboQuant(_Codec):
             h.update(self.qjl_matrix.tobytes())
         return h.hexdigest()
 
-    def encode(self, x: jax.Array) -> dict[str, jax.Array]:
+    def encode_tree(self, x: jax.Array) -> dict[str, jax.Array]:
         """x [..., d] -> {"codes": uint8 [..., d*b/8], "norms": float16 [...]} (+ "qjl_signs",
         "qjl_norms" with QJL)."""
         x = _vectors(x, self.head_dim)
@@ -344,8 +373,8 @@ class TurboQuant(_Codec):
             )
         return out
 
-    def decode(self, encoded: dict[str, jax.Array]) -> jax.Array:
-        """The reconstruction x_hat [..., d] float32."""
+    def decode_tree(self, encoded: dict[str, jax.Array]) -> jax.Array:
+        """The reconstruction x_hat [..., d] float32 from `encode_tree`'s dict."""
         idx = unpack_bits(encoded["codes"], self.bits, self.head_dim)
         u_hat = _hi_matmul(jnp.asarray(self.centroids)[idx], jnp.asarray(self.rotation_matrix))
         if self.qjl:
@@ -384,6 +413,8 @@ class SplitTurboQuant(_Codec):
         qjl: add the QJL residual (d sign bits + a float16 norm per vector).
     """
 
+    FIELDS = ("codes", "group_norms")
+
     head_dim: int
     bits: float
     seed: int = 0
@@ -415,11 +446,11 @@ class SplitTurboQuant(_Codec):
             h.update(self.qjl_matrix.tobytes())
         return h.hexdigest()
 
-    def encode(self, x: jax.Array) -> dict[str, jax.Array]:
+    def encode_tree(self, x: jax.Array) -> dict[str, jax.Array]:
         """x [..., d] -> {"codes": uint8 [..., bytes of both halves], "group_norms": float16
         [..., 2]} (+ "qjl_signs", "qjl_norms" with QJL)."""
         x = _vectors(x, self.head_dim)
-        parts = [g.encode(x[..., c]) for c, g in zip(self.channels, self.groups, strict=True)]
+        parts = [g.encode_tree(x[..., c]) for c, g in zip(self.channels, self.groups, strict=True)]
         out = {
             "codes": jnp.concatenate([p["codes"] for p in parts], axis=-1),
             "group_norms": jnp.stack([p["norms"] for p in parts], axis=-1),
@@ -428,8 +459,8 @@ class SplitTurboQuant(_Codec):
             out |= _qjl_encode(x - self._decode_groups(out), self.qjl_matrix)
         return out
 
-    def decode(self, encoded: dict[str, jax.Array]) -> jax.Array:
-        """The reconstruction x_hat [..., d] float32."""
+    def decode_tree(self, encoded: dict[str, jax.Array]) -> jax.Array:
+        """The reconstruction x_hat [..., d] float32 from `encode_tree`'s dict."""
         x_hat = self._decode_groups(encoded)
         if self.qjl:
             x_hat = x_hat + _qjl_decode(encoded, self.qjl_matrix)
@@ -440,7 +471,7 @@ class SplitTurboQuant(_Codec):
         codes = (encoded["codes"][..., :heavy_bytes], encoded["codes"][..., heavy_bytes:])
         norms = encoded["group_norms"].astype(jnp.float32)
         halves = [
-            group.decode({"codes": c, "norms": norms[..., i]})
+            group.decode_tree({"codes": c, "norms": norms[..., i]})
             for i, (c, group) in enumerate(zip(codes, self.groups, strict=True))
         ]
         return jnp.concatenate(halves, axis=-1)[..., self.order]

@@ -195,7 +195,7 @@ def make_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
         kk, kv = jax.random.split(key)
         k_f32 = jax.random.normal(kk, (num_pages, 1, s, hkv, dh), jnp.float32) * 2
         v_f32 = jax.random.normal(kv, (num_pages, 1, s, hkv, dh), jnp.float32)
-        tq_copies.append((k_codec.encode(k_f32), v_codec.encode(v_f32)))
+        tq_copies.append((k_codec.encode_tree(k_f32), v_codec.encode_tree(v_f32)))
         bf16_copies.append((k_f32.astype(jnp.bfloat16), v_f32.astype(jnp.bfloat16)))
         del k_f32, v_f32
     new = jax.random.normal(kn, (2, batch, 1, hkv, dh), jnp.float32)
@@ -203,8 +203,8 @@ def make_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
         "q": jax.random.normal(kq, (batch, 1, hkv * args.group, dh), jnp.float32),
         "tq_copies": tq_copies,
         "bf16_copies": bf16_copies,
-        "k_new": k_codec.encode(new[0] * 2),
-        "v_new": v_codec.encode(new[1]),
+        "k_new": k_codec.encode_tree(new[0] * 2),
+        "v_new": v_codec.encode_tree(new[1]),
         "new_bf16": new.astype(jnp.bfloat16),
         "table": jnp.asarray(table),
         "ctx_lens": jnp.full((batch,), context, jnp.int32),

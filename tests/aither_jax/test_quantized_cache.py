@@ -175,7 +175,7 @@ def test_mixed_layers_store_each_group_in_its_own_pool():
     per_layer = [cache.encode(x[i], -x[i], i) for i in range(30)]
     five, eight = (TurboQuant(head_dim=64, bits=b, seed=0) for b in (5, 8))
     for layer, codec in ((3, five), (2, eight), (10, eight)):
-        np.testing.assert_array_equal(per_layer[layer][0]["codes"], codec.encode(x[layer])["codes"])
+        np.testing.assert_array_equal(per_layer[layer][0]["codes"], codec.encode_tree(x[layer])["codes"])
     np.testing.assert_array_equal(
         jax.lax.bitcast_convert_type(per_layer[29][0], jnp.bfloat16), x[29].astype(jnp.bfloat16)
     )

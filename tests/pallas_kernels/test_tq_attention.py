@@ -35,7 +35,7 @@ def make_case(*, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_l
 
     def pool(codec, scale):
         x = rng.standard_normal((*lead, head_dim)).astype(np.float32) * scale
-        enc = {k: np.array(a) for k, a in codec.encode(jnp.asarray(x)).items()}
+        enc = {k: np.array(a) for k, a in codec.encode_tree(jnp.asarray(x)).items()}
         return enc
 
     k_pool, v_pool = pool(k_codec, 2.0), pool(v_codec, 1.0)
@@ -50,8 +50,8 @@ def make_case(*, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_l
     for enc in (k_pool, v_pool):
         enc["norms"][unused] = np.nan
     q = rng.standard_normal((b, t, hkv * group, head_dim)).astype(np.float32) * 2
-    k_new = k_codec.encode(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32) * 2))
-    v_new = v_codec.encode(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32)))
+    k_new = k_codec.encode_tree(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32) * 2))
+    v_new = v_codec.encode_tree(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32)))
     num_new = np.full((b,), t, np.int32)
     args = (
         jnp.asarray(q),
@@ -73,7 +73,21 @@ def run_both(args, codecs, impl="pallas", **knobs):
     return out, ref
 
 
-@pytest.mark.parametrize("k_bits, v_bits", [(2, 2), (3, 3), (4, 4), (6, 4), (5, 3), (8, 8)])
+# The shipped SmolLM2 default's width pairs are 5:4, 5:5, 6:4, 6:5, 6:6 and 7:5 (checked below);
+# every one runs through the kernel.
+BIT_PAIRS = [(2, 2), (3, 3), (4, 4), (6, 4), (5, 3), (8, 8), (5, 4), (5, 5), (6, 5), (6, 6), (7, 5)]
+
+
+def test_the_default_formats_width_pairs_are_all_tested():
+    from models.kv_spec import parse_kv_spec
+    from models.registry import SMOLLM2_KV
+
+    spec = parse_kv_spec(SMOLLM2_KV)
+    pairs = set(zip(spec.layer_bits("k", 30), spec.layer_bits("v", 30), strict=True))
+    assert len(pairs) == 6 and pairs <= set(BIT_PAIRS)
+
+
+@pytest.mark.parametrize("k_bits, v_bits", BIT_PAIRS)
 @both_impls
 def test_decode_matches_reference_over_bit_widths(impl, k_bits, v_bits):
     args, codecs = make_case(k_bits=k_bits, v_bits=v_bits)

@@ -140,7 +140,7 @@ def test_matches_reference_with_qjl(bits, head_dim, lead, rotation):
     for name, a in out.items():
         assert np.all(np.isfinite(np.asarray(a, np.float64))), name
     np.testing.assert_array_equal(np.asarray(out["norms"])[zero], 0.0)
-    decoded = np.asarray(codec.decode(out))
+    decoded = np.asarray(codec.decode_tree(out))
     assert np.all(np.isfinite(decoded)) and np.all(decoded[zero] == 0.0)
 
 
@@ -199,7 +199,7 @@ def test_corrupted_plane_is_caught(plane):
     corrupted = dict(out, codes=jnp.asarray(codes))
     with pytest.raises(AssertionError):
         assert_matches_reference(x, codec, corrupted, ref)
-    diff = np.abs(np.asarray(codec.decode(corrupted)) - np.asarray(codec.decode(ref)))
+    diff = np.abs(np.asarray(codec.decode_tree(corrupted)) - np.asarray(codec.decode_tree(ref)))
     assert diff.max() > 1e-2 * float(np.min(np.asarray(ref["norms"])))
 
 

@@ -123,9 +123,10 @@ def test_encode_decode_shapes_norms_and_zero_vector():
     tq = TurboQuant(head_dim=64, bits=8)
     x = np.random.default_rng(0).standard_normal((2, 5, 64)).astype(np.float32) * 3
     x[0, 0] = 0
-    enc = tq.encode(jnp.asarray(x))
-    assert enc["codes"].shape == (2, 5, 64) and enc["norms"].shape == (2, 5)
-    x_hat = np.asarray(tq.decode(enc))
+    codes, norms = tq.encode(jnp.asarray(x))  # the issue's form: encode(x) -> (codes, norms)
+    assert codes.shape == (2, 5, 64) and codes.dtype == jnp.uint8
+    assert norms.shape == (2, 5) and norms.dtype == jnp.float16
+    x_hat = np.asarray(tq.decode(codes, norms))
     np.testing.assert_allclose(x_hat[0, 0], 0)
     rel = np.linalg.norm(x_hat - x, axis=-1)[x.any(-1)] / np.linalg.norm(x, axis=-1)[x.any(-1)]
     assert rel.max() < 0.02  # 8 bits: ~0.6% relative error
@@ -140,9 +141,9 @@ def test_qjl_inner_products_are_unbiased_and_the_anchor_scale_is_not():
     x = rng.standard_normal((n, d)).astype(np.float32)
     x /= np.linalg.norm(x, axis=-1, keepdims=True)
     q = rng.standard_normal((n, d)).astype(np.float32)
-    enc = tq.encode(jnp.asarray(x))
-    base = np.asarray(TurboQuant(head_dim=d, bits=2).decode({"codes": enc["codes"], "norms": enc["norms"]}))
-    full = np.asarray(tq.decode(enc))
+    codes, norms, qjl_signs, qjl_norms = tq.encode(jnp.asarray(x))
+    base = np.asarray(TurboQuant(head_dim=d, bits=2).decode(codes, norms))
+    full = np.asarray(tq.decode(codes, norms, qjl_signs, qjl_norms))
     truth_residual = np.sum(q * (x - base), -1)
     est_residual = np.sum(q * (full - base), -1)
     slope = np.sum(est_residual * truth_residual) / np.sum(truth_residual**2)
@@ -200,7 +201,8 @@ def test_split_bytes_per_vector(bits, expected):
     assert isinstance(codec, SplitTurboQuant)
     assert codec.bytes_per_vector == expected == tq_vector_bytes(64, bits)
     enc = codec.encode(jnp.ones((5, 64)))
-    assert sum(a[0].size * a.dtype.itemsize for a in enc.values()) == expected
+    assert len(enc) == len(codec.fields) == 2
+    assert sum(a[0].size * a.dtype.itemsize for a in enc) == expected
     assert make_codec(64, bits, qjl=True).bytes_per_vector == expected + 10
 
 
@@ -256,3 +258,21 @@ def test_split_fingerprint_and_bad_configuration():
         SplitTurboQuant(head_dim=48, bits=3.5)
     with pytest.raises(ValueError, match="dimension 64"):
         make_codec(64, 3.5).encode(jnp.ones((2, 32)))
+
+
+@pytest.mark.parametrize(
+    "codec", [TurboQuant(head_dim=64, bits=3), TurboQuant(head_dim=64, bits=3, qjl=True), make_codec(64, 3.5)]
+)
+def test_tuple_and_dict_forms_agree(codec):
+    """encode(x) is the tuple of the arrays encode_tree stores, in `fields` order; decode takes
+    them as separate arrays, as the tuple or as the dict, and refuses a wrong count."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32))
+    tree, parts = codec.encode_tree(x), codec.encode(x)
+    assert tuple(tree) == codec.fields and len(parts) == len(codec.fields)
+    for name, a in zip(codec.fields, parts, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(tree[name]))
+    expected = np.asarray(codec.decode_tree(tree))
+    for decoded in (codec.decode(*parts), codec.decode(parts), codec.decode(tree)):
+        np.testing.assert_array_equal(np.asarray(decoded), expected)
+    with pytest.raises(ValueError, match="decode takes"):
+        codec.decode(*parts[:-1])
