@@ -64,6 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
     from aither_jax.llm import resolve_dtype
 
+    try:
+        # SamplingParams holds the limits (stop strings, top-k range); checked before the model loads.
+        params = aj.SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     args.dtype = resolve_dtype(args.dtype)
     try:
         llm = aj.LLM(
@@ -77,14 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, GGUFError) as e:
         parser.error(str(e))
-    params = aj.SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-    )
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]

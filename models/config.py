@@ -8,6 +8,14 @@ from typing import Any
 from models.gguf_file import GGUFError, GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+# The tensors each block stores, as `blk.{i}.{name}.weight` (models.weights loads them). A file
+# must hold this many tensors per layer it declares, which bounds `block_count` before anything
+# is built per layer.
+LAYER_TENSORS = {
+    "llama": ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"),
+}
+# Far above any model we load; `LLM()` sizes its block table from the context length by default.
+MAX_CONTEXT = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +62,7 @@ class ModelConfig:
                 f"{gguf.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
 
-        def field(key: str, kind: type, default: Any = None) -> Any:
+        def field(key: str, kind: type, default: Any = None, most: int | None = None) -> Any:
             full = f"{arch}.{key}"
             value = gguf.get(full, default)
             if value is None:
@@ -63,6 +71,8 @@ class ModelConfig:
                 raise GGUFError(f"{gguf.path}: metadata {full!r} must be a positive integer, got {value!r}")
             if kind is float and (not isinstance(value, int | float) or not value > 0):
                 raise GGUFError(f"{gguf.path}: metadata {full!r} must be a positive number, got {value!r}")
+            if most is not None and value > most:
+                raise GGUFError(f"{gguf.path}: metadata {full!r} must be at most {most}, got {value!r}")
             return kind(value)
 
         hidden = field("embedding_length", int)
@@ -75,16 +85,23 @@ class ModelConfig:
             raise GGUFError(f"{gguf.path}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         if head_dim % 2:
             raise GGUFError(f"{gguf.path}: head dimension {head_dim} must be even for rotary embeddings")
+        num_layers = field("block_count", int)
+        per_layer = len(LAYER_TENSORS[arch])
+        if num_layers * per_layer > len(gguf.tensors):
+            raise GGUFError(
+                f"{gguf.path}: metadata '{arch}.block_count' is {num_layers}, but {num_layers} layers need "
+                f"{num_layers * per_layer} tensors and the file has {len(gguf.tensors)}"
+            )
         cfg = cls(
             arch=arch,
-            num_layers=field("block_count", int),
+            num_layers=num_layers,
             hidden_size=hidden,
             ffn_size=field("feed_forward_length", int),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=vocab,
-            max_context=field("context_length", int),
+            max_context=field("context_length", int, most=MAX_CONTEXT),
             rms_norm_eps=field("attention.layer_norm_rms_epsilon", float, 1e-5),
             rope_base=field("rope.freq_base", float, 10000.0),
             tie_embeddings="output.weight" not in gguf.tensors,

@@ -99,23 +99,15 @@ class Tokenizer:
             spelled = tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8"))
             vocab.setdefault(spelled, i)
         pairs = []
-        for m in merges:
-            parts = m.split(" ")
+        for i, m in enumerate(merges):
+            parts = m.split(" ") if isinstance(m, str) else []
             if len(parts) != 2:
                 raise GGUFError(f"{gguf.path}: malformed merge {m!r}")
+            # tokenizers panics (a BaseException) on a merge whose parts or result it cannot look up.
+            missing = [t for t in (*parts, "".join(parts)) if t not in vocab]
+            if missing:
+                raise GGUFError(f"{gguf.path}: merge #{i} {m!r} needs {missing[0]!r}, which is not in the vocabulary")
             pairs.append((parts[0], parts[1]))
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-        split = PRE_TOKENIZER_SPLITS.get(gguf.get("tokenizer.ggml.pre"))
-        if split is None:
-            hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-        else:
-            hf.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        hf.decoder = decoders.ByteLevel()
         control = [
             AddedToken(tok, special=True, normalized=False)
             for tok, kind_id in zip(tokens, token_types, strict=True)
@@ -126,8 +118,14 @@ class Tokenizer:
             for tok, kind_id in zip(tokens, token_types, strict=True)
             if kind_id == TOKEN_TYPE_USER_DEFINED and tok in vocab
         ]
-        hf.add_special_tokens(control)
-        hf.add_tokens(user)
+        split = PRE_TOKENIZER_SPLITS.get(gguf.get("tokenizer.ggml.pre"))
+        try:
+            hf = _byte_level_bpe(vocab, pairs, split, control, user)
+        except BaseException as e:
+            # A Rust panic inside tokenizers arrives as pyo3's PanicException, a BaseException.
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            raise GGUFError(f"{gguf.path}: cannot build the tokenizer ({type(e).__name__}: {e})") from None
 
         def special_id(key: str) -> int | None:
             value = gguf.get(f"tokenizer.ggml.{key}_token_id")
@@ -205,6 +203,30 @@ class Tokenizer:
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else self.hf.id_to_token(token_id)
+
+
+def _byte_level_bpe(
+    vocab: dict[str, int],
+    merges: list[tuple[str, str]],
+    split: str | None,
+    control: list[AddedToken],
+    user: list[AddedToken],
+) -> HFTokenizer:
+    """An HF byte-level BPE tokenizer; `split` is the pre-tokenizer regex (None: GPT-2's own)."""
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    if split is None:
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    else:
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(control)
+    hf.add_tokens(user)
+    return hf
 
 
 def _raise_exception(message: str):

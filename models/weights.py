@@ -16,7 +16,7 @@ import numpy as np
 from flax import struct
 from tqdm.auto import tqdm
 
-from models.config import ModelConfig
+from models.config import LAYER_TENSORS, ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -57,8 +57,7 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
-    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
-    names += [f"blk.{i}.{p}.weight" for i in range(cfg.num_layers) for p in per_layer]
+    names += [f"blk.{i}.{p}.weight" for i in range(cfg.num_layers) for p in LAYER_TENSORS[cfg.arch]]
     if not cfg.tie_embeddings:
         names.append("output.weight")
     return names

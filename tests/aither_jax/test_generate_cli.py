@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from aither_jax import generate
+from aither_jax.sampling import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--prompt", "x", "--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["--prompt", "x", "--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--prompt", "x", "--kv-cache-dtype", "int4"], "unknown kv cache dtype 'int4'"),
+        (["--prompt", "x", "--stop", ""], "stop must be a non-empty string"),
+        (["--prompt", "x"] + ["--stop", "s"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS} of them"),
+        (["--prompt", "x", "--stop", "s" * (MAX_STOP_STRING_LEN + 1)], f"at most {MAX_STOP_STRING_LEN} characters"),
+        (["--prompt", "x", "--top-k", "3000000000"], "top_k must be -1, 0 (off) or a positive integer below 2**31"),
     ],
 )
 def test_bad_usage_exits_2_with_message(argv, message, capsys):
@@ -84,3 +89,19 @@ def test_speculative_json_reports_drafts():
     spec = result["speculative"]
     assert spec["method"] == "ngram" and spec["verify_passes_with_drafts"] > 0
     assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]  # the repeating prompt is easy to look up
+
+
+def test_seeded_chat_sampling_in_a_subprocess_is_reproducible():
+    cmd = [sys.executable, "-m", "aither_jax.generate", "--model", "smollm2-135m", "--prompt", "Name a colour."]
+    cmd += ["--chat", "--json", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"]
+    cmd += ["--max-tokens", "8"]
+    results = []
+    for _ in range(2):
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    for result in results:
+        assert isinstance(result["text"], str) and all(isinstance(t, int) for t in result["token_ids"])
+        assert result["completion_tokens"] == len(result["token_ids"]) <= 8
+        assert result["prompt_tokens"] > 5 and result["tokens_per_second"] > 0  # the chat template adds tokens
+    assert results[0]["token_ids"] == results[1]["token_ids"] and results[0]["text"] == results[1]["text"]

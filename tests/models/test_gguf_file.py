@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from models.config import ModelConfig
+from models.config import MAX_CONTEXT, ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
 from models.registry import resolve_model
 from models.weights import check_tensor_shapes, required_tensors
@@ -727,15 +727,68 @@ def test_check_tensor_shapes_rejects_missing_or_misshapen_tensors(parse, shape_c
 
 
 def test_check_tensor_shapes_lists_the_first_missing_tensors_and_counts_the_rest(parse):
+    cfg = ModelConfig.from_gguf(llama_file(parse))
     g = llama_file(parse, shape_changes={n: None for n in LLAMA_SHAPES if n.startswith("blk.0.")})
     with pytest.raises(GGUFError, match=r"missing tensors \['blk.0.attn_norm.weight', .*\] and 4 more"):
-        check_tensor_shapes(g, ModelConfig.from_gguf(g))
+        check_tensor_shapes(g, cfg)
 
 
 def test_untied_output_matrix_is_required_and_checked(parse):
     g = llama_file(parse, shape_changes={"output.weight": (4, 8)})
     cfg = ModelConfig.from_gguf(g)
     assert not cfg.tie_embeddings and "output.weight" in required_tensors(cfg)
+    check_tensor_shapes(g, cfg)
+
+
+def write_llama(path, metadata_changes=None) -> GGUFFile:
+    """The tiny llama file above written by gguf.GGUFWriter, integers as uint32 as converters write them."""
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in {**LLAMA, **(metadata_changes or {})}.items():
+        if key == "general.architecture":
+            continue  # the writer adds it
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, shape in LLAMA_SHAPES.items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return GGUFFile(path)
+
+
+OVERSIZED_LLAMA = {
+    # Listing 9 tensor names for each of 4e9 layers used to exhaust memory in required_tensors.
+    "absurd block count": (
+        {"llama.block_count": 4_000_000_000},
+        "'llama.block_count' is 4000000000, but 4000000000 layers need 36000000000 tensors and the file has 11",
+    ),
+    "one layer too many": ({"llama.block_count": 2}, "'llama.block_count' is 2, but 2 layers need 18 tensors"),
+    # LLM() sizes its block table from the context length by default.
+    "absurd context length": (
+        {"llama.context_length": 2_000_000_000},
+        "'llama.context_length' must be at most 16777216, got 2000000000",
+    ),
+}
+
+
+@pytest.mark.parametrize(("changes", "message"), OVERSIZED_LLAMA.values(), ids=OVERSIZED_LLAMA.keys())
+def test_counts_the_file_cannot_back_are_rejected_while_reading_the_config(tmp_path, changes, message):
+    g = write_llama(tmp_path / "big.gguf", changes)
+    with bounded_memory(100), pytest.raises(GGUFError, match=message):
+        ModelConfig.from_gguf(g)
+
+
+def test_context_length_at_the_limit_is_accepted(tmp_path):
+    g = write_llama(tmp_path / "long.gguf", {"llama.context_length": MAX_CONTEXT})
+    cfg = ModelConfig.from_gguf(g)
+    assert cfg.max_context == MAX_CONTEXT == 2**24 and cfg.num_layers == 1
     check_tensor_shapes(g, cfg)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gguf
 import pytest
+import tokenizers
 
-from models.gguf_file import GGUFFile
+from models.gguf_file import GGUFError, GGUFFile
 from models.tokenizer import ChatTemplateError, Tokenizer
 
 TEXTS = [
@@ -90,3 +92,57 @@ def test_template_runs_sandboxed(tokenizer):
 def test_decode_rejects_out_of_range_ids(tokenizer):
     with pytest.raises(ValueError, match="out of range"):
         tokenizer.decode([1, 10**7])
+
+
+# --------------------------------------------------------------------------------------------
+# Vocabularies and merges from tiny files written by gguf.GGUFWriter
+# --------------------------------------------------------------------------------------------
+
+
+def tokenizer_file(path, tokens: list[str], merges: list[str]) -> GGUFFile:
+    """A header-only GGUF holding just a byte-level BPE vocabulary and its merges."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return GGUFFile(path)
+
+
+def test_tiny_vocabulary_applies_its_merges(tmp_path):
+    tok = Tokenizer.from_gguf(tokenizer_file(tmp_path / "ok.gguf", ["a", "b", "ab", "abb"], ["a b", "ab b"]))
+    assert tok.encode("abb") == [3] and tok.encode("ba") == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "merges", "message"),
+    [
+        (["a", "b", "ab"], ["a c"], r"merge #0 'a c' needs 'c', which is not in the vocabulary"),
+        (["a", "b", "ab"], ["a b", "b a"], r"merge #1 'b a' needs 'ba', which is not in the vocabulary"),
+        (["a", "b"], ["a b"], r"merge #0 'a b' needs 'ab', which is not in the vocabulary"),  # tokenizers panics
+        (["a", "b", "ab"], ["a b", " b"], r"merge #1 ' b' needs '', which is not in the vocabulary"),
+        (["a", "b", "ab"], ["a b c"], r"malformed merge 'a b c'"),
+    ],
+)
+def test_merges_outside_the_vocabulary_are_rejected(tmp_path, tokens, merges, message):
+    g = tokenizer_file(tmp_path / "bad.gguf", tokens, merges)
+    with pytest.raises(GGUFError, match=message):
+        Tokenizer.from_gguf(g)
+
+
+def test_any_failure_inside_tokenizers_is_a_gguf_error(tmp_path, monkeypatch):
+    """A Rust panic in tokenizers is a BaseException (pyo3's PanicException); it must not escape as one."""
+    with pytest.raises(BaseException) as panic:  # captures the type pyo3 gives a Rust panic
+        tokenizers.models.BPE(vocab={"a": 0, "b": 1}, merges=[("a", "b")])  # 'ab' is not in the vocabulary
+    g = tokenizer_file(tmp_path / "ok.gguf", ["a", "b", "ab"], ["a b"])
+    for error in (panic.value, RuntimeError("boom")):
+
+        def failing_bpe(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(tokenizers.models, "BPE", failing_bpe)
+        with pytest.raises(GGUFError, match=rf"ok.gguf: cannot build the tokenizer \({type(error).__name__}"):
+            Tokenizer.from_gguf(g)
