@@ -50,6 +50,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.chat_prompts import all_requests, chat_prompts
+from aither_jax.cli_args import float_in, int_in
 from models.config import ModelConfig
 from models.draft import (
     MASK,
@@ -233,7 +234,7 @@ def self_prompts(llm, num: int, *, seed: int, held_out_texts: list[str], batch: 
                     f"only {len(out)} usable requests from {tried} samples; the target rarely writes one"
                 )
             params = [
-                SamplingParams(max_tokens=96, temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + tried + i)
+                SamplingParams(max_tokens=96, temperature=1.0, top_p=0.95, seed=(seed * 1_000_003 + tried + i) % 2**32)
                 for i in range(batch)
             ]
             tried += batch
@@ -659,21 +660,51 @@ def parse_start_layers(text: str, num_layers: int, intermediate_size: int, targe
     return layers
 
 
+def check_target_flags(args, target: ModelConfig) -> str | None:
+    """The error for a flag out of the range that `target` allows (checked once the model is
+    known), or None."""
+    limits = {
+        "--draft-vocab-size": (args.draft_vocab_size, target.vocab_size),
+        "--teacher-top-k": (args.teacher_top_k, target.vocab_size),
+        # Taps spread over layers 1 .. L-3 (`DraftConfig.for_target`): more than that would repeat.
+        "--num-taps": (args.num_taps, max(1, target.num_layers - 3)),
+    }
+    for flag, (value, high) in limits.items():
+        if value > high:
+            return f"{flag} must be <= {high} for {args.model}, got {value}"
+    return None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m aither_jax.train_draft", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default="runs/dflash-smollm2", help="run directory: data, checkpoints, log")
     p.add_argument("--export", help="write the trained draft here (.npz) for shipping")
     p.add_argument("--split", choices=("train", "eval"), default="train", help=argparse.SUPPRESS)
-    p.add_argument("--print-prompts", type=int, default=0, help="print N prompts of --split as JSON lines and exit")
-    p.add_argument("--num-prompts", type=int, default=768, help="prompts from standard-library docstrings")
-    p.add_argument("--num-chat-prompts", type=int, default=768, help="general chat prompts (0: none)")
     p.add_argument(
-        "--num-self-prompts", type=int, default=0, help="requests the target writes itself (after the others; 0: none)"
+        "--print-prompts",
+        type=int_in("--print-prompts", 0),
+        default=0,
+        help="print N prompts of --split as JSON lines and exit",
+    )
+    p.add_argument(
+        "--num-prompts", type=int_in("--num-prompts", 1), default=768, help="prompts from standard-library docstrings"
+    )
+    p.add_argument(
+        "--num-chat-prompts",
+        type=int_in("--num-chat-prompts", 0, len(all_requests())),
+        default=768,
+        help="general chat prompts (0: none)",
+    )
+    p.add_argument(
+        "--num-self-prompts",
+        type=int_in("--num-self-prompts", 0),
+        default=0,
+        help="requests the target writes itself (after the others; 0: none)",
     )
     p.add_argument(
         "--num-text-sequences",
-        type=int,
+        type=int_in("--num-text-sequences", 0),
         default=0,
         help="conversations answered with existing text (standard-library docstrings and source): "
         "no generation, the target's greedy next tokens as labels (0: none)",
@@ -683,76 +714,73 @@ def parse_args(argv=None):
         default=str(EVAL_PROMPTS),
         help="JSON lines whose prompts self-written requests must not copy (default: the chat evaluation set)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=640, help="longest prompt + continuation")
-    p.add_argument("--gen-batch", type=int, default=32, help="sequences generated together")
-    p.add_argument("--shard-size", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=1024)
-    p.add_argument("--num-taps", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int_in("--max-new-tokens", 1), default=256)
+    p.add_argument("--max-len", type=int_in("--max-len", 2), default=640, help="longest prompt + continuation")
+    p.add_argument("--gen-batch", type=int_in("--gen-batch", 1, 1024), default=32, help="sequences generated together")
+    p.add_argument("--shard-size", type=int_in("--shard-size", 1), default=128, help="sequences per data shard")
+    p.add_argument("--num-layers", type=int_in("--num-layers", 1), default=2)
+    p.add_argument("--intermediate-size", type=int_in("--intermediate-size", 1), default=1024)
+    p.add_argument(
+        "--num-taps", type=int_in("--num-taps", 1), default=3, help="target layers whose hidden states feed the draft"
+    )
     p.add_argument(
         "--init-from-target",
         metavar="LAYERS",
         help="start the draft layers from copies of these target layers: comma-separated indices, one per "
         "draft layer, or 'last' (needs --intermediate-size equal to the target's); default: random",
     )
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int_in("--block-size", 2, 64), default=16, help="drafts + 1 per step")
     p.add_argument(
-        "--draft-vocab-size", type=int, default=8192, help="token ids the draft proposes from (0: the whole vocabulary)"
+        "--draft-vocab-size",
+        type=int_in("--draft-vocab-size", 0),
+        default=8192,
+        help="token ids the draft proposes from (0: the whole vocabulary)",
     )
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int_in("--steps", 1), default=3000)
     p.add_argument(
-        "--stop-after", type=int, default=0, help="stop at this step (the schedule still spans --steps); 0: --steps"
+        "--stop-after",
+        type=int_in("--stop-after", 0),
+        default=0,
+        help="stop at this step (the schedule still spans --steps); 0: --steps",
     )
-    p.add_argument("--batch-seqs", type=int, default=8)
-    p.add_argument("--anchors", type=int, default=8, help="blocks per sequence per step")
-    p.add_argument("--reveal-prob", type=float, default=0.25, help="share of blocks with positions revealed")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--gamma", type=float, default=2.0, help="decay length of the per-position loss weights")
+    p.add_argument("--batch-seqs", type=int_in("--batch-seqs", 1), default=8)
+    p.add_argument("--anchors", type=int_in("--anchors", 1), default=8, help="blocks per sequence per step")
+    p.add_argument(
+        "--reveal-prob",
+        type=float_in("--reveal-prob", 0.0, 1.0),
+        default=0.25,
+        help="share of blocks with positions revealed",
+    )
+    p.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int_in("--warmup", 0), default=100, help="warm-up steps (at most --steps / 10)")
+    p.add_argument(
+        "--gamma",
+        type=float_in("--gamma", 0.0, math.inf, low_open=True),
+        default=2.0,
+        help="decay length of the per-position loss weights (inf: equal weights)",
+    )
     p.add_argument(
         "--teacher-top-k",
-        type=int,
+        type=int_in("--teacher-top-k", 0),
         default=32,
         help="store the target's K most likely next tokens and their log probabilities with the data (0: none)",
     )
     p.add_argument(
         "--soft-weight",
-        type=float,
+        type=float_in("--soft-weight", 0.0, 1.0),
         default=0.5,
         help="weight in [0, 1] of the cross-entropy with the target's stored distribution (the rest: its greedy token)",
     )
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=200, help="checkpoint (and validate) every N steps")
-    p.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation")
-    p.add_argument("--val-batches", type=int, default=4, help="fully masked validation batches")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int_in("--log-every", 1), default=10)
+    p.add_argument(
+        "--save-every", type=int_in("--save-every", 1), default=200, help="checkpoint (and validate) every N steps"
+    )
+    p.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation, in [0, 0.5)")
+    p.add_argument("--val-batches", type=int_in("--val-batches", 1), default=4, help="fully masked validation batches")
+    p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0)
     args = p.parse_args(argv)
-    for name in (
-        "num_prompts",
-        "max_new_tokens",
-        "steps",
-        "batch_seqs",
-        "anchors",
-        "log_every",
-        "save_every",
-        "val_batches",
-    ):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.teacher_top_k < 0:
-        p.error("--teacher-top-k must be >= 0")
-    if not 0 <= args.soft_weight <= 1:
-        p.error("--soft-weight must be in [0, 1]")
     if not 0 <= args.val_fraction < 0.5:
-        p.error("--val-fraction must be in [0, 0.5)")
-    num_requests = len(all_requests())
-    if not 0 <= args.num_chat_prompts <= num_requests:
-        p.error(f"--num-chat-prompts must be in [0, {num_requests}]")
-    if args.num_self_prompts < 0:
-        p.error("--num-self-prompts must be >= 0")
-    if args.num_text_sequences < 0:
-        p.error("--num-text-sequences must be >= 0")
+        p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
     if args.num_text_sequences and not args.teacher_top_k:
         p.error("--num-text-sequences needs --teacher-top-k > 0 (its labels are the target's greedy tokens)")
     if args.num_self_prompts and not pathlib.Path(args.held_out_prompts).is_file():
@@ -777,6 +805,9 @@ def main(argv=None) -> int:
 
     gguf = GGUFFile(resolve_model(args.model))
     target_cfg = ModelConfig.from_gguf(gguf)
+    error = check_target_flags(args, target_cfg)
+    if error:
+        sys.exit(error)
     cfg = DraftConfig.for_target(
         target_cfg,
         num_layers=args.num_layers,

@@ -1,0 +1,119 @@
+"""`python -m aither_jax.train_draft` as a command: flags out of range stop it at parse time with
+exit code 2, and a tiny run on the real target writes data and checkpoints, exports a draft that
+loads, resumes from both, and refuses a run directory made for another draft."""
+
+import json
+import logging
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from aither_jax.train_draft import main, parse_args
+from models.draft import DraftConfig
+from models.draft_io import load_draft
+
+# The cheapest run of every stage: 2 docstring + 2 chat prompts answered with 8 tokens each, in
+# two shards of 2; a one-layer draft with a 256-token head trained on soft and hard labels.
+TINY = [
+    "--num-prompts", "2", "--num-chat-prompts", "2", "--max-new-tokens", "8", "--max-len", "96",
+    "--gen-batch", "4", "--shard-size", "2", "--num-layers", "1", "--intermediate-size", "64", "--num-taps", "1",
+    "--block-size", "4", "--draft-vocab-size", "256", "--teacher-top-k", "4", "--batch-seqs", "2", "--anchors", "2",
+    "--warmup", "0", "--log-every", "1", "--save-every", "1", "--val-fraction", "0",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--gamma", "0"),
+        ("--gamma", "nan"),
+        ("--lr", "-1"),
+        ("--lr", "0"),
+        ("--shard-size", "0"),
+        ("--gen-batch", "0"),
+        ("--reveal-prob", "2"),
+        ("--num-layers", "0"),
+        ("--block-size", "1"),
+        ("--block-size", "65"),
+        ("--intermediate-size", "0"),
+        ("--num-taps", "0"),
+        ("--draft-vocab-size", "-1"),
+        ("--steps", "0"),
+        ("--stop-after", "-1"),
+        ("--warmup", "-1"),
+        ("--max-len", "1"),
+        ("--num-chat-prompts", "100000"),
+        ("--print-prompts", "-1"),
+        ("--val-fraction", "0.5"),
+        ("--val-fraction", "nan"),
+        ("--seed", "-1"),
+        ("--num-prompts", "two"),
+    ],
+)
+def test_out_of_range_flags_exit_with_code_2_naming_the_flag(tmp_path, flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--out", str(tmp_path), flag, value])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--draft-vocab-size", "49153"), ("--teacher-top-k", "49153"), ("--num-taps", "28")],
+)
+def test_flags_beyond_the_target_stop_before_any_work(tmp_path, flag, value):
+    """SmolLM2-135M: 49152 tokens, 30 layers (taps spread over layers 1..27)."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=f"{flag} must be <= "):
+        main(["--out", str(out), *TINY, "--steps", "1", flag, value])
+    assert not out.exists()
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="aither_jax.train_draft")
+    out, first, second = tmp_path / "run", tmp_path / "first.npz", tmp_path / "second.npz"
+    argv = ["--out", str(out), *TINY, "--steps", "4"]
+
+    # Stage 1 + 2 + half of stage 3: the schedule spans 4 steps, the run stops after 2.
+    assert main([*argv, "--stop-after", "2", "--export", str(first)]) == 0
+    shards = sorted((out / "data").glob("*.npz"))
+    assert [p.name for p in shards] == ["shard0000.npz", "shard0001.npz"]
+    cfg = DraftConfig.from_json((out / "draft_config.json").read_text())
+    assert (cfg.num_layers, cfg.block_size, cfg.draft_vocab_size, len(cfg.target_layers)) == (1, 4, 256, 1)
+    assert [r["step"] for r in _log(out)] == [1, 2]
+    assert ocp.CheckpointManager((out / "checkpoints").absolute()).latest_step() == 2
+
+    cfg1, params1, meta, vocab = load_draft(first)
+    assert cfg1 == cfg and vocab is not None and len(vocab) == 256
+    assert meta["model"] == "smollm2-135m" and (meta["data_sequences"], meta["steps"]) == (4, 4)
+    assert meta["command"].startswith("python -m aither_jax.train_draft --out ")
+    assert "--stop-after 2" in meta["command"] and "--num-layers 1" in meta["command"]
+
+    # The rerun reuses the shards (no target, nothing rewritten) and continues from step 2.
+    mtimes = [p.stat().st_mtime_ns for p in shards]
+    caplog.clear()
+    assert main([*argv, "--export", str(second)]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert "resumed from step 2" in messages
+    assert not any(m.startswith("wrote ") for m in messages)
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
+    assert ocp.CheckpointManager((out / "checkpoints").absolute()).latest_step() == 4
+    cfg2, params2, _, vocab2 = load_draft(second)
+    assert cfg2 == cfg and np.array_equal(vocab2, vocab)
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params2), strict=True)]
+    assert any(moved)  # two more steps changed the draft
+
+    # Another draft shape on the same run directory: refused before any work, the config kept.
+    saved = (out / "draft_config.json").read_text()
+    with pytest.raises(SystemExit, match="holds a different draft configuration; use a new --out"):
+        main([*argv, "--num-layers", "2"])
+    assert (out / "draft_config.json").read_text() == saved
+    assert ocp.CheckpointManager((out / "checkpoints").absolute()).latest_step() == 4
