@@ -36,19 +36,26 @@ from models.kv_spec import MAX_SINK_TOKENS, KVSpec, parse_kv_spec
 from models.registry import resolve_model
 
 
-def capacity_rows(cfg: ModelConfig, specs: list[KVSpec], memory_bytes: int) -> list[dict]:
-    """One row per format: bytes per token, compression against bf16, tokens in the budget."""
+def capacity_rows(
+    cfg: ModelConfig, specs: list[KVSpec], memory_bytes: int, *, context_length: int = 4096, num_seqs: int = 1
+) -> list[dict]:
+    """One row per format: bytes per token (the issue's formula), compression against bf16 per
+    token and at `context_length` tokens of one sequence (sink tokens are a fixed cost per
+    sequence), and the tokens that fit in the budget beside `num_seqs` sequences' fixed costs."""
     bf16 = parse_kv_spec("bf16").bytes_per_token(cfg)
     rows = []
     for spec in specs:
-        per_token = spec.bytes_per_token(cfg)
+        per_token, per_seq = spec.bytes_per_token(cfg), spec.bytes_per_sequence(cfg)
         rows.append(
             {
                 "kv_cache_dtype": spec.name,
                 "bytes_per_token": per_token,
-                "bytes_per_sequence": spec.bytes_per_sequence(cfg),  # sink tokens, per slot
+                "bytes_per_sequence": per_seq,  # sink tokens, per slot
                 "compression_vs_bf16": round(bf16 / per_token, 3),
-                "tokens_in_budget": memory_bytes // per_token,
+                "context_length": context_length,
+                "compression_at_context": round(bf16 * context_length / (per_token * context_length + per_seq), 3),
+                "num_seqs": num_seqs,
+                "tokens_in_budget": max(0, memory_bytes - num_seqs * per_seq) // per_token,
                 "budget_bytes": memory_bytes,
             }
         )
@@ -83,14 +90,19 @@ class FormatScorer:
     """Scores KV formats on one text against bf16 KV: one model load, one reference run, then
     an engine per format that shares the weights."""
 
-    def __init__(self, model: str, dtype: str, text_file: str, max_tokens: int, chunk: int):
+    def __init__(
+        self, model: str, dtype: str, text_file: str, max_tokens: int, chunk: int, attention: str = "reference"
+    ):
         import aither_jax as aj  # heavy import after argument checks
-        from aither_jax.llm import resolve_dtype
+        from aither_jax.llm import resolve_attention, resolve_dtype
 
         with open(text_file, encoding="utf-8") as f:
             text = f.read()
         self.model, self.text_file, self.chunk = model, os.path.abspath(text_file), chunk
         self.dtype = resolve_dtype(dtype)
+        # How quantized layers are read: "reference" decodes the pages (the measurements in
+        # docs/BENCHMARKS.md), "xla" / "pallas" read them in the rotated domain as LLM does.
+        self.attention = resolve_attention(attention)
         self.max_tokens = max_tokens
         self.llm = aj.LLM(model, dtype=self.dtype, kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=max_tokens + 1)
         self.ids = self.llm.tokenizer.encode(text)[:max_tokens]
@@ -112,6 +124,7 @@ class FormatScorer:
             max_prefill_chunk=self.chunk,
             kv_cache_dtype=kv,
             model_name=self.model,
+            attention=self.attention,
         )
         t0 = time.perf_counter()
         out = engine.score(self.ids)
@@ -131,6 +144,7 @@ class FormatScorer:
             "text_file": self.text_file,
             "weights_dtype": self.dtype,
             "chunk": self.chunk,
+            "attention": self.attention,
             "seconds": round(seconds, 3),
         }
 
@@ -143,7 +157,7 @@ def resolve_specs(specs: list[KVSpec | str], model: str) -> list[KVSpec]:
 
 
 def run_perplexity(args) -> list[dict]:
-    scorer = FormatScorer(args.model, args.dtype, args.text_file, args.max_tokens, args.chunk)
+    scorer = FormatScorer(args.model, args.dtype, args.text_file, args.max_tokens, args.chunk, args.attention)
     specs = resolve_specs(args.kv_cache_dtype, args.model)
     return [scorer.score(spec) for spec in tqdm(specs, desc="scoring KV formats", unit="format")]
 
@@ -216,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=KV_FORMATS_HELP,
     )
     add_text_arguments(ppl)
+    ppl.add_argument(
+        "--attention",
+        choices=("reference", "xla", "pallas", "auto"),
+        default="reference",
+        help="how quantized pages are read: decoded (reference), or in the rotated domain as LLM reads them "
+        "(xla: jnp; pallas: the kernels, interpreted on CPU; auto: LLM's choice for this backend)",
+    )
     ppl.add_argument("--plot", default="out/kv_quality.png", help="where to write the quality plot ('' to skip)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
     alloc = sub.add_parser("allocate", help="per-layer key/value bits for a compression target, from measurements")
@@ -309,6 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="KV memory budget in GiB",
     )
+    cap.add_argument(
+        "--context-length",
+        type=int_in("--context-length", 1, 1 << 24),
+        default=4096,
+        help="tokens per sequence for the compression that counts per-sequence bytes (sink tokens)",
+    )
+    cap.add_argument(
+        "--num-seqs",
+        type=int_in("--num-seqs", 1, 1 << 20),
+        default=1,
+        help="sequences whose fixed bytes (sink tokens) come out of the budget first",
+    )
     cap.add_argument("--json", action="store_true", help="print one JSON object per format")
     return p
 
@@ -382,21 +415,27 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
         parser.error(str(e))
-    rows = capacity_rows(cfg, resolve_specs(args.kv_cache_dtype, args.model), int(args.memory_gib * (1 << 30)))
+    specs = resolve_specs(args.kv_cache_dtype, args.model)
+    budget = int(args.memory_gib * (1 << 30))
+    rows = capacity_rows(cfg, specs, budget, context_length=args.context_length, num_seqs=args.num_seqs)
     if args.json:
         for row in rows:
             print(json.dumps({"model": args.model, **row}))
         return 0
     print(
         f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim}, "
-        f"budget {args.memory_gib:g} GiB"
+        f"budget {args.memory_gib:g} GiB for {args.num_seqs} sequence(s); "
+        f"'at N': compression with the per-sequence bytes at {args.context_length:,} tokens"
     )
     w = max(16, *(len(r["kv_cache_dtype"]) for r in rows))
-    print(f"{'kv_cache_dtype':<{w}} {'bytes/token':>12} {'vs bf16':>8} {'tokens in budget':>17} {'bytes/sequence':>15}")
+    print(
+        f"{'kv_cache_dtype':<{w}} {'bytes/token':>12} {'vs bf16':>8} {'at N':>7} {'tokens in budget':>17} "
+        f"{'bytes/sequence':>15}"
+    )
     for r in rows:
         print(
             f"{r['kv_cache_dtype']:<{w}} {r['bytes_per_token']:>12,} {r['compression_vs_bf16']:>7.2f}x "
-            f"{r['tokens_in_budget']:>17,} {r['bytes_per_sequence']:>15,}"
+            f"{r['compression_at_context']:>6.2f}x {r['tokens_in_budget']:>17,} {r['bytes_per_sequence']:>15,}"
         )
     return 0
 
@@ -492,7 +531,7 @@ def perplexity_main(parser: argparse.ArgumentParser, args) -> int:
         return 0
     print(
         f"{args.model}: {rows[0]['num_tokens']} tokens of {args.text_file}, weights {rows[0]['weights_dtype']}, "
-        f"perplexity with bf16 KV {rows[0]['perplexity_bf16']:.4f}"
+        f"{rows[0]['attention']} attention, perplexity with bf16 KV {rows[0]['perplexity_bf16']:.4f}"
     )
     w = max(16, *(len(r["kv_cache_dtype"]) for r in rows))
     print(

@@ -68,8 +68,8 @@ class PagedKVCache:
     `k` and `v` are tuples with one storage pytree per layer group (`k_groups`, `v_groups`),
     whose leaves all start with [P, Lg, S, Hkv]: one array [P, Lg, S, Hkv, Dh] for unquantized
     groups; for TurboQuant groups a dict with "codes" uint8 [P, Lg, S, Hkv, Dh*b/8] and "norms"
-    float32 [P, Lg, S, Hkv] (and with QJL "qjl_signs" uint8 [P, Lg, S, Hkv, Dh/8] and
-    "qjl_norms" float32 [P, Lg, S, Hkv]); split-group groups hold "group_norms" float16
+    float16 [P, Lg, S, Hkv] (and with QJL "qjl_signs" uint8 [P, Lg, S, Hkv, Dh/8] and
+    "qjl_norms" float16 [P, Lg, S, Hkv]); split-group groups hold "group_norms" float16
     [P, Lg, S, Hkv, 2] instead of "norms".
     """
 
