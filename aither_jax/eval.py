@@ -108,10 +108,10 @@ class FormatScorer:
         self.ids = self.llm.tokenizer.encode(text)[:max_tokens]
         if len(self.ids) < 2:
             raise ValueError(f"{text_file} has fewer than 2 tokens")
-        self.reference, _ = self.logits("bf16")
+        self.reference, _, _ = self.logits("bf16")
         self.bf16_bytes = parse_kv_spec("bf16").bytes_per_token(self.llm.config)
 
-    def logits(self, kv: str) -> tuple[np.ndarray, float]:
+    def logits(self, kv: str) -> tuple[np.ndarray, float, str]:
         from aither_jax.engine import Engine
 
         engine = Engine(
@@ -128,11 +128,11 @@ class FormatScorer:
         )
         t0 = time.perf_counter()
         out = engine.score(self.ids)
-        return out, time.perf_counter() - t0
+        return out, time.perf_counter() - t0, engine.cache.fingerprint
 
     def score(self, spec: KVSpec) -> dict:
         """One format's row: bytes per token, compression, and the quality metrics."""
-        logits, seconds = self.logits(spec.name)
+        logits, seconds, fingerprint = self.logits(spec.name)
         per_token = spec.bytes_per_token(self.llm.config)
         return {
             "model": self.model,
@@ -145,6 +145,7 @@ class FormatScorer:
             "weights_dtype": self.dtype,
             "chunk": self.chunk,
             "attention": self.attention,
+            "format_fingerprint": fingerprint,  # rotations, codebooks and key transform (PagedKVCache)
             "seconds": round(seconds, 3),
         }
 

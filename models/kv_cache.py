@@ -19,6 +19,7 @@ buffer; kernels read the packed pages directly.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import jax
@@ -47,10 +48,14 @@ class LayerGroups:
     where: tuple[tuple[int, int], ...]
 
     @staticmethod
-    def build(bits: tuple[int | float | None, ...], head_dim: int, seed: int, qjl: bool) -> LayerGroups:
+    def build(
+        bits: tuple[int | float | None, ...], head_dim: int, seed: int, qjl: bool, rotation: str = "haar"
+    ) -> LayerGroups:
         formats = sorted(set(bits), key=lambda b: (b is None, b or 0))
         groups = tuple(tuple(i for i, b in enumerate(bits) if b == f) for f in formats)
-        codecs = tuple(None if f is None else make_codec(head_dim, f, seed=seed, qjl=qjl) for f in formats)
+        codecs = tuple(
+            None if f is None else make_codec(head_dim, f, seed=seed, qjl=qjl, rotation=rotation) for f in formats
+        )
         where = [None] * len(bits)
         for g, layers in enumerate(groups):
             for j, i in enumerate(layers):
@@ -112,6 +117,20 @@ class PagedKVCache:
     @property
     def max_pages_per_seq(self) -> int:
         return self.block_tables.shape[1]
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the stored format: the name, every layer's codec on both sides (rotation
+        and codebook, `TurboQuant.fingerprint`) and the key transform. Pages written under one
+        fingerprint decode correctly only under the same one."""
+        h = hashlib.sha256(self.spec.name.encode())
+        for groups in (self.k_groups, self.v_groups):
+            for g, _ in groups.where:
+                codec = groups.codecs[g]
+                h.update(b"|" + (b"unquantized" if codec is None else codec.fingerprint.encode()))
+        if self.key_transform is not None:
+            h.update(np.asarray(self.key_transform, np.float32).tobytes())
+        return h.hexdigest()
 
     def quantized(self, layer: int) -> bool:
         """Whether the keys or the values of `layer` are TurboQuant-coded."""
@@ -241,8 +260,8 @@ def _decode(stored: Any, codec: TurboQuant | SplitTurboQuant | None, spec: KVSpe
 def make_groups(spec: KVSpec, num_layers: int, head_dim: int, seed: int = 0) -> tuple[LayerGroups, LayerGroups]:
     """Key and value layer groups of a format (keys and values get different rotations)."""
     return (
-        LayerGroups.build(spec.layer_bits("k", num_layers), head_dim, seed, spec.key_qjl),
-        LayerGroups.build(spec.layer_bits("v", num_layers), head_dim, seed + 1, spec.value_qjl),
+        LayerGroups.build(spec.layer_bits("k", num_layers), head_dim, seed, spec.key_qjl, spec.key_rotation),
+        LayerGroups.build(spec.layer_bits("v", num_layers), head_dim, seed + 1, spec.value_qjl, spec.value_rotation),
     )
 
 

@@ -13,6 +13,9 @@ Names:
     ...-s<n>              keep the first n tokens of every sequence ("sinks") unquantized too
     ...-pc                store keys through the model's fitted query-aware transform
                           (models/kv_transform.py): same bytes, less score error
+    ...-hadk / -hadv / -had
+                          randomized Hadamard rotation for keys / values / both instead of
+                          the default Haar rotation (integer bit widths)
     ...-k<b>@<layers>     keys of the listed layers (e.g. 1,2,10) at b bits, or bf16 with
     ...-v<b>@<layers>     b = "bf16"; later modifiers override earlier ones
 
@@ -42,6 +45,7 @@ _TQ = re.compile(
 _BOUNDARY = re.compile(r"^b(?P<n>\d+)$")
 _SINKS = re.compile(r"^s(?P<n>\d+)$")
 _PRECONDITION = "pc"
+_HADAMARD = {"hadk": ("k",), "hadv": ("v",), "had": ("k", "v")}
 MAX_SINK_TOKENS = 64
 _OVERRIDE = re.compile(rf"^(?P<side>[kv])(?P<bits>{_BITS}|\d+|bf16)@(?P<layers>\d+(?:,\d+)*)$")
 
@@ -68,6 +72,8 @@ class KVSpec:
     sink_tokens: int = 0  # first tokens of each sequence also kept unquantized, per slot
     precondition: bool = False  # keys stored through the model's key transform (models/kv_transform.py)
     overrides: tuple[tuple[str, LayerBits, tuple[int, ...]], ...] = ()
+    key_rotation: str = "haar"  # "haar" or "hadamard" (pallas_kernels/turboquant.py: ROTATIONS)
+    value_rotation: str = "haar"
 
     @property
     def quantized(self) -> bool:
@@ -89,6 +95,9 @@ class KVSpec:
 
     def qjl(self, side: str) -> bool:
         return self.key_qjl if side == "k" else self.value_qjl
+
+    def rotation(self, side: str) -> str:
+        return self.key_rotation if side == "k" else self.value_rotation
 
     def vector_bytes(self, head_dim: int, side: str, bits: LayerBits) -> int:
         """Bytes stored for one key ("k") or value ("v") vector of `head_dim` elements at
@@ -121,16 +130,19 @@ def parse_kv_spec(name: str) -> KVSpec:
             f"unknown kv cache dtype {name!r}: use bf16, fp32, tq<bits> (e.g. tq4, or tq3.5 for the "
             "split-group format), tq-k<bits>v<bits> (e.g. tq-k6v4), optionally with -qjlk, -qjlv or -qjl, "
             "then -b<n> (first/last n layers unquantized), -s<n> (first n tokens unquantized) and "
-            "-k<bits>@<layers> / -v<bits>@<layers> (e.g. -k8@1,2,10 or -kbf16@0); -pc: the fitted key transform"
+            "-k<bits>@<layers> / -v<bits>@<layers> (e.g. -k8@1,2,10 or -kbf16@0); -pc: the fitted key transform; "
+            "-hadk, -hadv, -had: Hadamard rotations"
         )
     kbits = _bits(m["bits"] or m["kbits"])
     vbits = _bits(m["bits"] or m["vbits"])
     for side, bits in (("key", kbits), ("value", vbits)):
         _check_bits(name, side, bits)
-    boundary, sinks, overrides, precondition = 0, 0, [], False
+    boundary, sinks, overrides, precondition, hadamard = 0, 0, [], False, set()
     for mod in m["mods"].split("-")[1:]:
         if mod == _PRECONDITION:
             precondition = True
+        elif mod in _HADAMARD:
+            hadamard.update(_HADAMARD[mod])
         elif b := _BOUNDARY.match(mod):
             boundary = int(b["n"])
         elif m_sinks := _SINKS.match(mod):
@@ -144,9 +156,13 @@ def parse_kv_spec(name: str) -> KVSpec:
             overrides.append((o["side"], bits, tuple(sorted({int(i) for i in o["layers"].split(",")}))))
         else:
             raise ValueError(
-                f"{name!r}: unknown modifier {mod!r} (use b<n>, s<n>, pc, k<bits>@<layers> or v<bits>@<layers>)"
+                f"{name!r}: unknown modifier {mod!r} (use b<n>, s<n>, pc, hadk, hadv, had, k<bits>@<layers> "
+                "or v<bits>@<layers>)"
             )
     qjl = m["qjl"] or ""
+    halves = [(side, b) for side, b in (("k", kbits), ("v", vbits)) if side in hadamard and is_split_bits(b)]
+    if halves or any(s in hadamard and is_split_bits(b) for s, b, _ in overrides if b is not None):
+        raise ValueError(f"{name!r}: the Hadamard rotation is for integer bit widths (split-group halves are Haar)")
     return KVSpec(
         name,
         key_bits=kbits,
@@ -157,6 +173,8 @@ def parse_kv_spec(name: str) -> KVSpec:
         sink_tokens=sinks,
         precondition=precondition,
         overrides=tuple(overrides),
+        key_rotation="hadamard" if "k" in hadamard else "haar",
+        value_rotation="hadamard" if "v" in hadamard else "haar",
     )
 
 

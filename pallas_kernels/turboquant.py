@@ -477,9 +477,13 @@ class SplitTurboQuant(_Codec):
         return jnp.concatenate(halves, axis=-1)[..., self.order]
 
 
-def make_codec(head_dim: int, bits: float, seed: int = 0, qjl: bool = False) -> TurboQuant | SplitTurboQuant:
+def make_codec(
+    head_dim: int, bits: float, seed: int = 0, qjl: bool = False, rotation: str = "haar"
+) -> TurboQuant | SplitTurboQuant:
     """The codec of a stored format: `TurboQuant` for integer bits, `SplitTurboQuant` for
-    half-integer ones."""
+    half-integer ones (whose halves are always Haar-rotated)."""
     if is_split_bits(bits):
+        if rotation != "haar":
+            raise ValueError(f"split-group formats use Haar rotations, got rotation {rotation!r}")
         return SplitTurboQuant(head_dim=head_dim, bits=bits, seed=seed, qjl=qjl)
-    return TurboQuant(head_dim=head_dim, bits=int(bits), seed=seed, qjl=qjl)
+    return TurboQuant(head_dim=head_dim, bits=int(bits), seed=seed, qjl=qjl, rotation=rotation)

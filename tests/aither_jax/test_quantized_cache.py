@@ -308,3 +308,26 @@ def test_key_transform_keeps_attention_and_lowers_quantization_error(llm_fp32):
         return float((np.exp(ref) * (ref - got)).sum(-1).mean())
 
     assert kl(make_llm("tq4-pc").logits(ids)) < 0.8 * kl(make_llm("tq4").logits(ids))
+
+
+def test_hadamard_rotations_are_part_of_the_format(short_ids):
+    """-hadk/-hadv/-had give the keys/values randomized Hadamard rotations: the cache's codecs
+    carry them, its fingerprint changes with them (and with nothing that stays the same), the
+    bytes do not, and the rotated-domain path reads Hadamard pages as the reference does."""
+    kv, ids = "tq4-b13-hadk", short_ids[:40]
+    ref, fast = small_llm(kv, "reference"), small_llm(kv, "xla")
+    cache = fast.engine.cache
+    rotations = {
+        (side, c.rotation) for side, g in (("k", cache.k_groups), ("v", cache.v_groups)) for c in g.codecs if c
+    }
+    assert rotations == {("k", "hadamard"), ("v", "haar")}
+    haar = small_llm("tq4-b13").engine.cache
+    both = small_llm("tq4-b13-had").engine.cache
+    assert len({cache.fingerprint, haar.fingerprint, both.fingerprint}) == 3
+    assert cache.fingerprint == ref.engine.cache.fingerprint  # same format, built again
+    assert fast.kv_spec.bytes_per_token(fast.config) == small_llm("tq4-b13").kv_spec.bytes_per_token(fast.config)
+    a, b = fast.logits(ids), ref.logits(ids)
+    exact = small_llm("fp32").logits(ids)
+    assert np.isfinite(a).all()
+    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact).mean()
+    assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.95

@@ -89,3 +89,21 @@ def test_sink_tokens_do_not_change_bytes_per_token():
     spec = parse_kv_spec("tq-k6v4-s4")
     assert spec.sink_tokens == 4 and parse_kv_spec("tq-k6v4").sink_tokens == 0
     assert spec.bytes_per_token(SMOLLM2) == parse_kv_spec("tq-k6v4").bytes_per_token(SMOLLM2)
+
+
+@pytest.mark.parametrize(
+    "name, k, v", [("tq4", "haar", "haar"), ("tq4-hadk", "hadamard", "haar"), ("tq-k6v4-hadv-s2", "haar", "hadamard")]
+)
+def test_rotation_modifiers(name, k, v):
+    spec = parse_kv_spec(name)
+    assert (spec.key_rotation, spec.value_rotation) == (k, v)
+    assert parse_kv_spec("tq4-had").rotation("k") == parse_kv_spec("tq4-had").rotation("v") == "hadamard"
+    assert spec.bytes_per_token(SMOLLM2) == parse_kv_spec(
+        name.replace("-hadk", "").replace("-hadv", "")
+    ).bytes_per_token(SMOLLM2)
+
+
+@pytest.mark.parametrize("name", ["tq3.5-had", "tq-k4.5v4-hadk", "tq4-hadv-v2.5@3"])
+def test_hadamard_needs_integer_bits(name):
+    with pytest.raises(ValueError, match="Hadamard rotation is for integer bit widths"):
+        parse_kv_spec(name)
