@@ -815,3 +815,53 @@ def test_missing_gguf_path_is_rejected(tmp_path):
 def test_existing_gguf_path_resolves_to_itself(writer_file):
     path, _ = writer_file
     assert resolve_model(path) == str(path)
+
+
+def _q6_k_block(block: np.ndarray) -> np.ndarray:
+    """One Q6_K super-block (210 bytes: 128 low nibbles, 64 bytes of high bit pairs, 16 int8
+    scales, a float16 scale) as its 256 values, written out from the format itself."""
+    ql, qh = block[:128].astype(np.int32), block[128:192].astype(np.int32)
+    scales = block[192:208].view(np.int8).astype(np.float32)
+    d = float(block[208:210].view(np.float16)[0])
+    out = np.zeros(256, np.float32)
+    for half in range(2):
+        lo, hi, sc = ql[64 * half :][:64], qh[32 * half :][:32], scales[8 * half :][:8]
+        for i in range(32):
+            quads = (
+                (lo[i] & 15) | (hi[i] & 3) << 4,
+                (lo[i + 32] & 15) | (hi[i] >> 2 & 3) << 4,
+                lo[i] >> 4 | (hi[i] >> 4 & 3) << 4,
+                lo[i + 32] >> 4 | (hi[i] >> 6 & 3) << 4,
+            )
+            for j, q in enumerate(quads):  # element 128 h + 32 j + i uses scale 2 j + i // 16
+                out[128 * half + 32 * j + i] = d * sc[2 * j + i // 16] * (q - 32)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K])
+def test_k_quant_tensors_load_in_shape(tmp_path, qtype):
+    """K-quant tensors (Gemma 3's GGUFs use Q4_K and Q6_K): 256-value super-blocks, two per row
+    here, written raw with GGUFWriter and read back through GGUFFile. Bytes below 0x3C keep
+    every float16 scale finite. Q6_K is checked against the format written out above, the
+    others against gguf's own dequantization of the same bytes."""
+    block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 2 * block
+    raw = np.random.default_rng(int(qtype)).integers(0, 0x3C, (rows, cols // block * size), dtype=np.uint8)
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("w", raw, raw_dtype=qtype)  # shape in bytes: [rows, blocks x block bytes]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = GGUFFile(path)
+    assert g.tensors["w"].ggml_type == qtype and g.tensors["w"].shape == (rows, cols)
+    out = g.dequantize("w")
+    assert out.shape == (rows, cols) and out.dtype == np.float32 and np.isfinite(out).all()
+    if qtype == QT.Q6_K:
+        blocks = raw.reshape(rows * 2, size)
+        expected = np.stack([_q6_k_block(b) for b in blocks]).reshape(rows, cols)
+    else:
+        expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    np.testing.assert_array_equal(out, expected)
+    assert np.abs(out).max() > 0
