@@ -92,7 +92,11 @@ def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, cap
 
     cfg1, params1, meta, vocab = load_draft(first)
     assert cfg1 == cfg and vocab is not None and len(vocab) == 256
-    assert meta["model"] == "smollm2-135m" and (meta["data_sequences"], meta["steps"]) == (4, 4)
+    assert meta["model"] == "smollm2-135m" and (meta["data_sequences"], meta["steps"], meta["schedule_steps"]) == (
+        4,
+        2,
+        4,
+    )
     assert meta["command"].startswith("python -m aither_jax.train_draft --out ")
     assert "--stop-after 2" in meta["command"] and "--num-layers 1" in meta["command"]
 
@@ -106,7 +110,8 @@ def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, cap
     assert [p.stat().st_mtime_ns for p in shards] == mtimes
     assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
     assert ocp.CheckpointManager((out / "checkpoints").absolute()).latest_step() == 4
-    cfg2, params2, _, vocab2 = load_draft(second)
+    cfg2, params2, meta2, vocab2 = load_draft(second)
+    assert (meta2["steps"], meta2["schedule_steps"]) == (4, 4)
     assert cfg2 == cfg and np.array_equal(vocab2, vocab)
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params2), strict=True)]
     assert any(moved)  # two more steps changed the draft
