@@ -57,42 +57,58 @@ def test_logits_match_hf_in_one_large_chunk(llm_f32, hf_model):
     assert np.abs(ours - ref).max() < LOGIT_ATOL
 
 
-def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+# Both sides run past end-of-sequence, so every prompt is compared over exactly this many tokens.
+GREEDY_TOKENS = 32
+GREEDY = aj.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def hf_greedy(hf_model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF greedy continuations of exactly n tokens (EOS ignored), all prompts in one left-padded batch."""
+    pad = hf_model.generation_config.pad_token_id
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
     with torch.no_grad():
         out = hf_model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            input_ids,
+            attention_mask=attention_mask,
             max_new_tokens=n,
             do_sample=False,
-            eos_token_id=2,
-            pad_token_id=2,
+            eos_token_id=None,
+            pad_token_id=pad,
         )
-    return out[0, len(ids) :].tolist()
+    return out[:, width:].tolist()
 
 
-PROMPTS = ["Once upon a time", "The three primary colors are", "import numpy as np\n"]
+# "The end." emits EOS after ten tokens; the rest of the comparison runs past it.
+PROMPTS = ["Once upon a time", "The three primary colors are", "import numpy as np\n", "The end."]
 CHATS = [
+    # The answer ends with EOS after eight tokens.
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three fruits 🍎."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a fun fact about octopuses."},
+    ],
 ]
 
 
 def test_greedy_raw_prompts_match_hf(llm_f32, hf_model):
-    params = aj.SamplingParams(max_tokens=32, temperature=0.0)
-    outs = llm_f32.generate(PROMPTS, params)
-    for out in outs:
-        expected = hf_greedy(hf_model, out.prompt_token_ids, 32)
-        assert out.token_ids == expected
-        assert len(out.token_ids) == 32 or out.token_ids[-1] == 2
+    outs = llm_f32.generate(PROMPTS, GREEDY)
+    expected = hf_greedy(hf_model, [out.prompt_token_ids for out in outs], GREEDY_TOKENS)
+    for out, ref in zip(outs, expected, strict=True):
+        assert len(out.token_ids) == GREEDY_TOKENS
+        assert out.token_ids == ref
 
 
 def test_greedy_chat_matches_hf(llm_f32, hf_model, hf_tokenizer):
-    params = aj.SamplingParams(max_tokens=40, temperature=0.0)
-    outs = llm_f32.chat(CHATS, params)
-    for conv, out in zip(CHATS, outs, strict=True):
-        ref_ids = hf_tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
-        ref_ids = ref_ids["input_ids"] if isinstance(ref_ids, dict) or hasattr(ref_ids, "keys") else ref_ids
-        assert out.prompt_token_ids == list(ref_ids)
-        expected = hf_greedy(hf_model, out.prompt_token_ids, 40)
-        assert out.token_ids == expected
-        assert out.text == hf_tokenizer.decode(expected, skip_special_tokens=True)
+    outs = llm_f32.chat(CHATS, GREEDY)
+    expected = hf_greedy(hf_model, [out.prompt_token_ids for out in outs], GREEDY_TOKENS)
+    for conv, out, ref in zip(CHATS, outs, expected, strict=True):
+        ref_prompt = hf_tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+        ref_prompt = ref_prompt["input_ids"] if hasattr(ref_prompt, "keys") else ref_prompt
+        assert out.prompt_token_ids == list(ref_prompt)
+        assert len(out.token_ids) == GREEDY_TOKENS
+        assert out.token_ids == ref
+        assert out.text == hf_tokenizer.decode(ref, skip_special_tokens=True)
