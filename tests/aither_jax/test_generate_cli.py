@@ -53,26 +53,19 @@ def test_malformed_model_file_is_a_usage_error(tmp_path, capsys):
     assert "broken.gguf" in capsys.readouterr().err
 
 
-def test_json_output_in_a_subprocess():
-    cmd = [
-        sys.executable,
-        "-m",
-        "aither_jax.generate",
-        "--prompt",
-        "The sky is",
-        "--max-tokens",
-        "6",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--kv-cache-dtype",
-        "tq-k6v4",
-        "--json",
-    ]
+def _generate_json(*args: str) -> dict:
+    """The JSON object `python -m aither_jax.generate --json *args` prints (run in a subprocess)."""
+    cmd = [sys.executable, "-m", "aither_jax.generate", "--json", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_json_output_in_a_subprocess():
+    result = _generate_json(
+        "--prompt", "The sky is", "--max-tokens", "6", "--dtype", "float32", "--max-model-len", "128",
+        "--kv-cache-dtype", "tq-k6v4",
+    )  # fmt: skip
     for key in ("text", "token_ids", "prompt_tokens", "completion_tokens", "tokens_per_second"):
         assert key in result
     assert result["completion_tokens"] == len(result["token_ids"]) <= 6
@@ -81,25 +74,34 @@ def test_json_output_in_a_subprocess():
 
 
 def test_speculative_json_reports_drafts():
-    cmd = [sys.executable, "-m", "aither_jax.generate", "--prompt", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "--json"]
-    cmd += ["--max-tokens", "12", "--dtype", "float32", "--kv-cache-dtype", "bf16", "--speculative", "ngram"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _generate_json(
+        "--prompt", "1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "--max-tokens", "12", "--dtype", "float32",
+        "--kv-cache-dtype", "bf16", "--speculative", "ngram",
+    )  # fmt: skip
     spec = result["speculative"]
     assert spec["method"] == "ngram" and spec["verify_passes_with_drafts"] > 0
     assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]  # the repeating prompt is easy to look up
 
 
+def test_dflash_json_reports_drafts_and_keeps_the_greedy_tokens():
+    """--speculative dflash (the shipped draft) on a chat prompt: the JSON reports the drafts,
+    and the tokens are those of the same command without speculation (greedy, float32, bf16 KV)."""
+    args = ["--prompt", "Name three primary colours.", "--chat", "--max-tokens", "12", "--temperature", "0"]
+    args += ["--dtype", "float32", "--kv-cache-dtype", "bf16"]
+    plain = _generate_json(*args)
+    result = _generate_json(*args, "--speculative", "dflash")
+    assert "speculative" not in plain
+    spec = result["speculative"]
+    assert spec["method"] == "dflash" and spec["verify_passes_with_drafts"] > 0 and spec["draft_tokens"] > 0
+    assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert result["token_ids"] == plain["token_ids"] and result["text"] == plain["text"]
+    assert result["completion_tokens"] == len(result["token_ids"]) > 0
+
+
 def test_seeded_chat_sampling_in_a_subprocess_is_reproducible():
-    cmd = [sys.executable, "-m", "aither_jax.generate", "--model", "smollm2-135m", "--prompt", "Name a colour."]
-    cmd += ["--chat", "--json", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"]
-    cmd += ["--max-tokens", "8"]
-    results = []
-    for _ in range(2):
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    args = ["--model", "smollm2-135m", "--prompt", "Name a colour.", "--chat", "--seed", "3", "--temperature", "0.8"]
+    args += ["--top-p", "0.9", "--top-k", "20", "--max-tokens", "8"]
+    results = [_generate_json(*args) for _ in range(2)]
     for result in results:
         assert isinstance(result["text"], str) and all(isinstance(t, int) for t in result["token_ids"])
         assert result["completion_tokens"] == len(result["token_ids"]) <= 8
