@@ -53,7 +53,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     "env": ([PY, "scripts/gpu_check.py", "env"], 120, ""),
     # The kernels against their references, compiled for the GPU; ~4.7 s a test (each compiles
     # its own kernels), so they go in two stages of one call each: the TurboQuant attention
-    # tests (101, 72 of them building Pallas kernels), then the other kernels' (95).
+    # tests (107, 75 of them building Pallas kernels), then the other kernels' (95).
     "tests": (
         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/pallas_kernels/test_tq_attention.py"],
         480,

@@ -22,12 +22,15 @@ IMPLS = {"pallas": tq_paged_attention, "xla": tq_paged_attention_xla}
 both_impls = pytest.mark.parametrize("impl", sorted(IMPLS))
 
 
-def make_case(*, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_lens=(0, 5, 19), t=1, layers=2, seed=0):
+def make_case(
+    *, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_lens=(0, 5, 19), t=1, layers=2, seed=0,
+    rotations=("haar", "haar"),
+):  # fmt: skip
     """Pools of `layers` layers filled with encoded random vectors; pages no row owns hold NaN
     norms, so an unmasked read of them poisons the output."""
     rng = np.random.default_rng(seed)
-    k_codec = TurboQuant(head_dim=head_dim, bits=k_bits, seed=seed)
-    v_codec = TurboQuant(head_dim=head_dim, bits=v_bits, seed=seed + 1)
+    k_codec = TurboQuant(head_dim=head_dim, bits=k_bits, seed=seed, rotation=rotations[0])
+    v_codec = TurboQuant(head_dim=head_dim, bits=v_bits, seed=seed + 1, rotation=rotations[1])
     b = len(ctx_lens)
     pages_per_row = max(-(-(c + t) // page_size) for c in ctx_lens) + 1
     num_pages = 1 + b * pages_per_row + 3
@@ -91,6 +94,18 @@ def test_the_default_formats_width_pairs_are_all_tested():
 @both_impls
 def test_decode_matches_reference_over_bit_widths(impl, k_bits, v_bits):
     args, codecs = make_case(k_bits=k_bits, v_bits=v_bits)
+    out, ref = run_both(args, codecs, impl, pages_per_split=2)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("rotations", [("hadamard", "haar"), ("haar", "hadamard"), ("hadamard", "hadamard")])
+@both_impls
+def test_hadamard_rotations_match_reference(impl, rotations):
+    """The -hadk / -hadv / -had formats: the kernel rotates queries and outputs by whatever
+    orthogonal matrix the codec carries."""
+    args, codecs = make_case(k_bits=5, v_bits=4, rotations=rotations, ctx_lens=(3, 0, 21))
+    assert (codecs["k_codec"].rotation, codecs["v_codec"].rotation) == rotations
     out, ref = run_both(args, codecs, impl, pages_per_split=2)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
