@@ -52,6 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# SamplingParams names its fields; the CLI's messages name the flags that set them.
+SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "stop": "--stop",
+    "each stop string": "each --stop string",
+}
+
+
+def _flag_message(message: str) -> str:
+    """A SamplingParams error with its field name replaced by the flag's."""
+    for field, flag in sorted(SAMPLING_FLAGS.items(), key=lambda kv: -len(kv[0])):
+        if message.startswith(field + " "):
+            return flag + message[len(field) :]
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -75,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             stop=args.stop,
         )
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(_flag_message(str(e)))
     args.dtype = resolve_dtype(args.dtype)
     try:
         llm = aj.LLM(

@@ -31,10 +31,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         (["--prompt", "x", "--model", "gpt-17"], "unknown model 'gpt-17'"),
         (["--prompt", "x", "--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--prompt", "x", "--kv-cache-dtype", "int4"], "unknown kv cache dtype 'int4'"),
-        (["--prompt", "x", "--stop", ""], "stop must be a non-empty string"),
+        (["--prompt", "x", "--stop", ""], "--stop must be a non-empty string"),
         (["--prompt", "x"] + ["--stop", "s"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS} of them"),
-        (["--prompt", "x", "--stop", "s" * (MAX_STOP_STRING_LEN + 1)], f"at most {MAX_STOP_STRING_LEN} characters"),
-        (["--prompt", "x", "--top-k", "3000000000"], "top_k must be -1, 0 (off) or a positive integer below 2**31"),
+        (
+            ["--prompt", "x", "--stop", "s" * (MAX_STOP_STRING_LEN + 1)],
+            f"each --stop string must be at most {MAX_STOP_STRING_LEN}",
+        ),
+        (["--prompt", "x", "--top-k", "3000000000"], "--top-k must be -1, 0 (off) or a positive integer below 2**31"),
     ],
 )
 def test_bad_usage_exits_2_with_message(argv, message, capsys):
