@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -53,23 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # SamplingParams names its fields; the CLI's messages name the flags that set them.
-SAMPLING_FLAGS = {
-    "max_tokens": "--max-tokens",
-    "temperature": "--temperature",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "seed": "--seed",
-    "stop": "--stop",
-    "each stop string": "each --stop string",
-}
+_SAMPLING_FIELD = re.compile(r"^(each )?(max_tokens|temperature|top_p|top_k|seed|stop)\b")
 
 
 def _flag_message(message: str) -> str:
-    """A SamplingParams error with its field name replaced by the flag's."""
-    for field, flag in sorted(SAMPLING_FLAGS.items(), key=lambda kv: -len(kv[0])):
-        if message.startswith(field + " "):
-            return flag + message[len(field) :]
-    return message
+    """A SamplingParams error with its field name replaced by the flag's (top_k -> --top-k)."""
+    return _SAMPLING_FIELD.sub(lambda m: (m[1] or "") + "--" + m[2].replace("_", "-"), message)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -845,8 +845,8 @@ def main(argv=None) -> int:
     if args.export:
         meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
         trained = min(args.stop_after or args.steps, args.steps)  # steps of this run's schedule it reached
-        meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens, "steps": trained}
-        meta["schedule_steps"] = args.steps
+        meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens}
+        meta |= {"steps": trained, "schedule_steps": args.steps}
         save_draft(args.export, cfg, params, meta, vocab)
         log.info("exported %s (%.1f MB)", args.export, os.path.getsize(args.export) / 1e6)
     return 0

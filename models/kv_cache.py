@@ -259,10 +259,11 @@ def _decode(stored: Any, codec: TurboQuant | SplitTurboQuant | None, spec: KVSpe
 
 def make_groups(spec: KVSpec, num_layers: int, head_dim: int, seed: int = 0) -> tuple[LayerGroups, LayerGroups]:
     """Key and value layer groups of a format (keys and values get different rotations)."""
-    return (
-        LayerGroups.build(spec.layer_bits("k", num_layers), head_dim, seed, spec.key_qjl, spec.key_rotation),
-        LayerGroups.build(spec.layer_bits("v", num_layers), head_dim, seed + 1, spec.value_qjl, spec.value_rotation),
+    keys, values = (
+        LayerGroups.build(spec.layer_bits(side, num_layers), head_dim, seed + i, spec.qjl(side), spec.rotation(side))
+        for i, side in enumerate("kv")
     )
+    return keys, values
 
 
 def init_cache(

@@ -160,8 +160,8 @@ def parse_kv_spec(name: str) -> KVSpec:
                 "or v<bits>@<layers>)"
             )
     qjl = m["qjl"] or ""
-    halves = [(side, b) for side, b in (("k", kbits), ("v", vbits)) if side in hadamard and is_split_bits(b)]
-    if halves or any(s in hadamard and is_split_bits(b) for s, b, _ in overrides if b is not None):
+    widths = [("k", kbits), ("v", vbits), *((side, b) for side, b, _ in overrides)]
+    if any(side in hadamard and b is not None and is_split_bits(b) for side, b in widths):
         raise ValueError(f"{name!r}: the Hadamard rotation is for integer bit widths (split-group halves are Haar)")
     return KVSpec(
         name,
