@@ -23,7 +23,9 @@ Three resumable stages, each skipped when its output exists:
    its stored distribution (`--soft-weight`), with weights decaying along the block; some
    blocks reveal a random subset of positions so multi-step denoising sees partly filled
    blocks. AdamW (optax) with warm-up and cosine decay; orbax checkpoints every
-   `--save-every` steps and at the end; a run restarts from its latest checkpoint.
+   `--save-every` steps and at the end; a run restarts from its latest checkpoint. With
+   `--time-limit S` no training step starts more than S seconds after the run began (the data
+   stage counts, and is never cut): the last step is validated, checkpointed and exported.
 
 `--export F.npz` writes the shipped draft (float16 parameters + config) for `models/draft_io`.
 """
@@ -66,6 +68,8 @@ from models.llama import vocab_logits
 from pallas_kernels.draft_attention import draft_attention_dense
 
 log = logging.getLogger("aither_jax.train_draft")
+
+clock = time.monotonic  # what `--time-limit` is measured by
 
 EVAL_PROMPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "data" / "chat_eval.jsonl"
 
@@ -556,9 +560,12 @@ def train(
     out: pathlib.Path,
     vocab=None,
     start_layers=None,
-) -> DraftParams:
-    """Trains (or resumes) and returns the parameters; `vocab` restricts the head to those ids,
-    `start_layers` (target `LayerWeights`, one per draft layer) start the layers from copies."""
+    deadline: float | None = None,
+) -> tuple[DraftParams, int]:
+    """Trains (or resumes); returns the parameters and the step they are at. `vocab` restricts
+    the head to those ids, `start_layers` (target `LayerWeights`, one per draft layer) start
+    the layers from copies. With `deadline` (a `clock()` reading) no step starts after
+    it, and the last step taken is validated and checkpointed as a final one."""
     import optax
     import orbax.checkpoint as ocp
 
@@ -614,11 +621,21 @@ def train(
     stop = min(args.steps, args.stop_after or args.steps)
     log_path = out / "train_log.jsonl"
     ema, val = None, {}
+
+    def out_of_time() -> bool:
+        return deadline is not None and clock() >= deadline
+
+    if start < stop and out_of_time():
+        log.info("the time limit was reached before training: no step taken (rerun to train)")
+        stop = start
     with tqdm(total=args.steps, initial=start, desc="training draft", unit="step") as bar, log_path.open("a") as logf:
         for step in range(start, stop):
             rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
             batch = dataset.batch(rng, args.batch_seqs, args.anchors, args.reveal_prob)
             state, metrics = update(state, batch)
+            if step + 1 < stop and out_of_time():
+                log.info("time limit reached: stopping at step %d of %d", step + 1, args.steps)
+                stop = step + 1
             validating = len(dataset.val_rows) and ((step + 1) % args.save_every == 0 or step + 1 == stop)
             if validating:
                 val = validate(state["params"])
@@ -636,8 +653,10 @@ def train(
             if (step + 1) % args.save_every == 0 or step + 1 == stop:
                 manager.save(step + 1, args=ocp.args.StandardSave(state))
             bar.update(1)
+            if step + 1 == stop:
+                break  # the time limit moved `stop` before the range's end
     manager.wait_until_finished()
-    return state["params"]
+    return state["params"], int(state["step"])
 
 
 def parse_start_layers(text: str, num_layers: int, intermediate_size: int, target: ModelConfig) -> list[int]:
@@ -743,6 +762,13 @@ def parse_args(argv=None):
         default=0,
         help="stop at this step (the schedule still spans --steps); 0: --steps",
     )
+    p.add_argument(
+        "--time-limit",
+        type=float_in("--time-limit", 0.0, 1e7),
+        default=0.0,
+        help="wall-clock seconds for the whole run, data stage included: no training step starts after them, "
+        "and the last one is checkpointed and exported (the schedule still spans --steps); 0: no limit",
+    )
     p.add_argument("--batch-seqs", type=int_in("--batch-seqs", 1), default=8)
     p.add_argument("--anchors", type=int_in("--anchors", 1), default=8, help="blocks per sequence per step")
     p.add_argument(
@@ -791,7 +817,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    began = clock()
     args = parse_args(argv)
+    deadline = began + args.time_limit if args.time_limit else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
     if args.print_prompts:
@@ -841,10 +869,13 @@ def main(argv=None) -> int:
     vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
     weights = load_weights(gguf, target_cfg, "float32", progress=False)
     start = [weights.layers[i] for i in start_layers] if start_layers is not None else None
-    params = train(args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab, start)
-    if args.export:
+    params, trained = train(
+        args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab, start, deadline
+    )
+    if args.export and trained == 0:
+        log.info("nothing to export: no training step was taken (%s not written)", args.export)
+    elif args.export:
         meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
-        trained = min(args.stop_after or args.steps, args.steps)  # steps of this run's schedule it reached
         meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens}
         meta |= {"steps": trained, "schedule_steps": args.steps}
         save_draft(args.export, cfg, params, meta, vocab)

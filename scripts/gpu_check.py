@@ -127,7 +127,7 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     "draft": (
         [PY, "-m", "aither_jax.train_draft", "--out", ".gpu/draft-run", "--num-prompts", "768"]
         + ["--num-chat-prompts", "979", "--num-self-prompts", "4096", "--gen-batch", "256", "--shard-size", "512"]
-        + ["--steps", "6000"]
+        + ["--steps", "6000", "--time-limit", "500"]  # stops, checkpoints and exports before the stage's limit
         + ["--batch-seqs", "32", "--export", "{out}/draft.npz"],
         570,
         "model",

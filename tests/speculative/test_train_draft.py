@@ -97,7 +97,8 @@ def test_tiny_run_learns_resumes_and_exports(tmp_path):
     lm_head = embed
     final_norm = jnp.ones(D)
 
-    params = train(_args(tmp_path, 80, stop_after=40), cfg, data, embed, lm_head, final_norm, tmp_path)
+    params, step = train(_args(tmp_path, 80, stop_after=40), cfg, data, embed, lm_head, final_norm, tmp_path)
+    assert step == 40
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log][-1] == 40
     first, last = log[0]["loss"], log[-1]["loss"]
@@ -113,7 +114,8 @@ def test_tiny_run_learns_resumes_and_exports(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # Resuming continues from step 40 (not from scratch) and keeps learning.
-    params = train(_args(tmp_path, 80), cfg, data, embed, lm_head, final_norm, tmp_path)
+    params, step = train(_args(tmp_path, 80), cfg, data, embed, lm_head, final_norm, tmp_path)
+    assert step == 80
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in log]
     assert steps == sorted(steps) and steps[-1] == 80 and steps.count(40) == 1
@@ -139,7 +141,7 @@ def test_draft_vocabulary_subset_trains_and_round_trips(tmp_path):
     counts = np.bincount(data.tokens[data.tokens > 0], minlength=V)
     assert counts[vocab].sum() >= np.sort(counts)[::-1][:16].sum() * 0.9  # the frequent ids
     embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
-    params = train(_args(tmp_path, 30), cfg, data, embed, embed, jnp.ones(D), tmp_path, vocab)
+    params, _ = train(_args(tmp_path, 30), cfg, data, embed, embed, jnp.ones(D), tmp_path, vocab)
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] < log[0]["loss"]
     save_draft(tmp_path / "d.npz", cfg, params, vocab=vocab)
@@ -147,6 +149,34 @@ def test_draft_vocabulary_subset_trains_and_round_trips(tmp_path):
     np.testing.assert_array_equal(vocab2, vocab)
     with pytest.raises(ValueError, match="sorted unique"):
         save_draft(tmp_path / "e.npz", cfg, params, vocab=vocab[::-1])
+
+
+def test_a_deadline_ends_training_at_a_checkpointed_validated_step(tmp_path, monkeypatch):
+    """The clock reads 0, 1, 2, ... (one tick per look): with the deadline at 7 the check before
+    training and those after steps 1..6 pass, so step 7 is the last; it is validated and
+    checkpointed although 7 is not a multiple of --save-every (20)."""
+    import aither_jax.train_draft as td
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(td, "clock", lambda: next(ticks))
+    rng = np.random.default_rng(2)
+    cfg = _config()
+    data = Dataset([_shard(tmp_path / "s0.npz", rng)], max_len=48, block_size=cfg.block_size)
+    data.hold_out(0.2, seed=0)
+    embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
+    params, step = train(_args(tmp_path, 80), cfg, data, embed, embed, jnp.ones(D), tmp_path, deadline=7)
+    assert step == 7
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [5, 7] and "val_tau" in log[-1]
+    manager = ocp.CheckpointManager((tmp_path / "checkpoints").absolute())
+    assert manager.latest_step() == 7
+    restored = manager.restore(7, args=ocp.args.StandardRestore())
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # A deadline already past when training would start: no step, the checkpoint as it was.
+    params, step = train(_args(tmp_path, 80), cfg, data, embed, embed, jnp.ones(D), tmp_path, deadline=0)
+    assert step == 7 and ocp.CheckpointManager((tmp_path / "checkpoints").absolute()).latest_step() == 7
 
 
 def test_position_weights_decay():

@@ -42,6 +42,8 @@ TINY = [
         ("--draft-vocab-size", "-1"),
         ("--steps", "0"),
         ("--stop-after", "-1"),
+        ("--time-limit", "-5"),
+        ("--time-limit", "inf"),
         ("--warmup", "-1"),
         ("--max-len", "1"),
         ("--num-chat-prompts", "100000"),
@@ -78,7 +80,7 @@ def _log(out):
 @pytest.mark.slow
 def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="aither_jax.train_draft")
-    out, first, second = tmp_path / "run", tmp_path / "first.npz", tmp_path / "second.npz"
+    out, first, second, third = (tmp_path / name for name in ("run", "first.npz", "second.npz", "third.npz"))
     argv = ["--out", str(out), *TINY, "--steps", "4"]
 
     # Stage 1 + 2 + half of stage 3: the schedule spans 4 steps, the run stops after 2.
@@ -99,6 +101,16 @@ def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, cap
     )
     assert meta["command"].startswith("python -m aither_jax.train_draft --out ")
     assert "--stop-after 2" in meta["command"] and "--num-layers 1" in meta["command"]
+
+    # A rerun whose time limit has passed by the end of the (reused) data stage takes no step
+    # and exports the draft as checkpointed.
+    caplog.clear()
+    assert main([*argv, "--time-limit", "1e-6", "--export", str(third)]) == 0
+    assert "the time limit was reached before training: no step taken (rerun to train)" in caplog.messages
+    assert [r["step"] for r in _log(out)] == [1, 2]
+    _, params3, meta3, _ = load_draft(third)
+    assert (meta3["steps"], meta3["schedule_steps"]) == (2, 4)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params1), jax.tree.leaves(params3), strict=True))
 
     # The rerun reuses the shards (no target, nothing rewritten) and continues from step 2.
     mtimes = [p.stat().st_mtime_ns for p in shards]
