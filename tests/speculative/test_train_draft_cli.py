@@ -83,7 +83,12 @@ def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, cap
     out, first, second, third = (tmp_path / name for name in ("run", "first.npz", "second.npz", "third.npz"))
     argv = ["--out", str(out), *TINY, "--steps", "4"]
 
-    # Stage 1 + 2 + half of stage 3: the schedule spans 4 steps, the run stops after 2.
+    # Stages 1 + 2 under a time limit that has passed once the data is written: no step, no export.
+    assert main([*argv, "--time-limit", "1e-6", "--export", str(first)]) == 0
+    assert "nothing to export: no training step was taken" in " ".join(caplog.messages)
+    assert not first.exists() and ocp.CheckpointManager((out / "checkpoints").absolute()).latest_step() is None
+
+    # Stage 3 from those shards: the schedule spans 4 steps, the run stops after 2.
     assert main([*argv, "--stop-after", "2", "--export", str(first)]) == 0
     shards = sorted((out / "data").glob("*.npz"))
     assert [p.name for p in shards] == ["shard0000.npz", "shard0001.npz"]
