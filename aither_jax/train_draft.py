@@ -633,10 +633,10 @@ def train(
             rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
             batch = dataset.batch(rng, args.batch_seqs, args.anchors, args.reveal_prob)
             state, metrics = update(state, batch)
-            if step + 1 < stop and out_of_time():
+            final = step + 1 == stop or out_of_time()  # the time limit makes this step the last
+            if final and step + 1 < stop:
                 log.info("time limit reached: stopping at step %d of %d", step + 1, args.steps)
-                stop = step + 1
-            validating = len(dataset.val_rows) and ((step + 1) % args.save_every == 0 or step + 1 == stop)
+            validating = len(dataset.val_rows) and ((step + 1) % args.save_every == 0 or final)
             if validating:
                 val = validate(state["params"])
             if (step + 1) % args.log_every == 0 or validating:
@@ -650,11 +650,11 @@ def train(
                     json.dumps({"step": step + 1, "time": time.time(), **m, **(val if validating else {})}) + "\n"
                 )
                 logf.flush()
-            if (step + 1) % args.save_every == 0 or step + 1 == stop:
+            if (step + 1) % args.save_every == 0 or final:
                 manager.save(step + 1, args=ocp.args.StandardSave(state))
             bar.update(1)
-            if step + 1 == stop:
-                break  # the time limit moved `stop` before the range's end
+            if final:
+                break
     manager.wait_until_finished()
     return state["params"], int(state["step"])
 
@@ -875,9 +875,14 @@ def main(argv=None) -> int:
     if args.export and trained == 0:
         log.info("nothing to export: no training step was taken (%s not written)", args.export)
     elif args.export:
-        meta = {"model": args.model, "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])])}
-        meta |= {"data_sequences": dataset.num, "data_tokens": dataset.num_tokens}
-        meta |= {"steps": trained, "schedule_steps": args.steps}
+        meta = {
+            "model": args.model,
+            "command": " ".join(["python -m aither_jax.train_draft", *(argv or sys.argv[1:])]),
+            "data_sequences": dataset.num,
+            "data_tokens": dataset.num_tokens,
+            "steps": trained,
+            "schedule_steps": args.steps,
+        }
         save_draft(args.export, cfg, params, meta, vocab)
         log.info("exported %s (%.1f MB)", args.export, os.path.getsize(args.export) / 1e6)
     return 0
