@@ -705,9 +705,10 @@ class Engine:
         speculative decoding each such shape also compiles the verify pass over the draft block,
         the draft context write and (DFlash) the drafting call. The calls run on padding rows
         only, which write to the null page and change nothing. Afterwards a decode step with a
-        shape outside this set logs a warning. Stops early, with a warning, once compiled code
-        nears the process's memory-mapping limit (aither_jax/code_maps.py). Returns the number
-        of shapes compiled.
+        shape outside this set logs a warning. Code compiled before the warm-up that already nears
+        the process's memory-mapping limit is dropped first; the warm-up stops early, with a
+        warning, once its own shapes near it (aither_jax/code_maps.py). Returns the number of
+        shapes compiled.
 
         The target's step calls compile on `workers` threads first (`_precompile`; default
         `step_jit.compile_workers()`, 1 compiles each call when it first runs).
@@ -722,6 +723,9 @@ class Engine:
         max_pages = self.scheduler.pages_needed(max_len + self.num_lookahead_tokens)  # page_bucket() caps it
         pages = {r: sorted({self._pages_to_read(n, r) for n in range(1, max_pages + 1)}) for r in rows}
         shapes = [(r, p, g) for r in rows for p in pages[r] for g in ((True, False) if sampling else (True,))]
+        # Code compiled for earlier shapes (another configuration's, say) that already holds the
+        # budget is dropped first, so the warm-up stops only when its own shapes fill it.
+        self.code_budget.release_if_over()
         if workers > 1:
             self._precompile(shapes, workers, progress)
         done, tokens = 0, None
@@ -821,6 +825,7 @@ class Engine:
                 usable.append(record)
         writes: set[str] = set()
         done = 0
+        self.code_budget.release_if_over()  # as in `warmup`: earlier shapes' code does not stop this one
         bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
         with ThreadPoolExecutor(workers, thread_name_prefix="aither-compile") as pool:
             futures = []

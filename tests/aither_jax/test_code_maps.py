@@ -20,12 +20,14 @@ LINUX = os.path.exists(code_maps.MAPS_PATH) and os.path.exists(code_maps.LIMIT_P
 
 # A fresh interpreter, since dropping compiled code clears every jit cache of the process:
 # decodes twice, then again with a budget over its limit until the first release (so the next
-# step drops the compiled steps), warms up under a spent budget, and tries a limit too low to
-# reach.
+# step drops the compiled steps), warms up under a spent budget and under one its own shapes
+# fill, and tries a limit too low to reach.
 CHILD = """
 import json, logging
+import jax
 import aither_jax as aj
 from aither_jax.code_maps import CodeMapBudget, map_count
+from aither_jax.steps import CompileCounter
 logging.basicConfig(level=logging.WARNING)
 
 class OnceOver(CodeMapBudget):  # over its limit until the first release, then far below it
@@ -52,8 +54,22 @@ out = {
     "recompiles_after_release": eng.num_compiles - before,
     "releases": eng.code_budget.num_releases,
 }
-eng.code_budget = CodeMapBudget(limit=map_count() // 2)
-out["warmed_over_budget"] = llm.warmup(max_len=128, sampling=False)
+# Over the limit before a warm-up (earlier shapes' code): the warm-up drops it, then compiles.
+eng.code_budget = OnceOver(limit=map_count() // 2)
+out["warmed_after_release"] = eng.warmup(max_len=128, sampling=False, workers=1)
+out["warm_releases"] = eng.code_budget.num_releases
+
+class FullOnceCompiled(CodeMapBudget):  # reaches its limit as soon as the warm-up compiles a shape
+    def __init__(self):
+        super().__init__(limit=10**9)
+        self.start = CompileCounter.count()
+
+    def over(self):
+        return CompileCounter.count() > self.start
+
+jax.clear_caches()
+eng.code_budget = FullOnceCompiled()
+out["warmed_filling_budget"] = eng.warmup(max_len=128, sampling=False, workers=1)
 tiny = CodeMapBudget(limit=10)  # below what any process holds without compiled code
 out["tiny"] = [tiny.release_if_over(), tiny.release_if_over(), tiny.limit]
 print(json.dumps(out))
@@ -70,7 +86,11 @@ def test_steps_past_the_budget_drop_compiled_code_and_decode_the_same():
     # Over the limit, the first step dropped the compiled steps, which then compiled again.
     assert out["releases"] == 1 and out["recompiles_after_release"] > 0
     assert "dropped them all" in proc.stderr
-    assert out["warmed_over_budget"] == 0 and "warm-up stopped after 0 of" in proc.stderr
+    # A warm-up that starts over the budget drops the code compiled before it and compiles its
+    # shapes; one whose own shapes fill the budget stops short of them, with a warning.
+    assert out["warm_releases"] == 1 and out["warmed_after_release"] > 1
+    assert 1 <= out["warmed_filling_budget"] < out["warmed_after_release"]
+    assert f"warm-up stopped after {out['warmed_filling_budget']} of {out['warmed_after_release']}" in proc.stderr
     # A limit that clearing cannot get under is given up after one try, not retried every step.
     assert out["tiny"] == [True, False, None] and "no further clearing" in proc.stderr
 
