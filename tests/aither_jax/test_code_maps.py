@@ -70,6 +70,11 @@ class FullOnceCompiled(CodeMapBudget):  # reaches its limit as soon as the warm-
 jax.clear_caches()
 eng.code_budget = FullOnceCompiled()
 out["warmed_filling_budget"] = eng.warmup(max_len=128, sampling=False, workers=1)
+# The same for recorded shapes (`precompile`, what `serve --compile-shapes` runs).
+eng.code_budget = OnceOver(limit=map_count() // 2)
+out["num_recorded"] = len(eng.step_shapes())
+out["precompiled_after_release"] = eng.precompile(eng.step_shapes(), workers=1)
+out["precompile_releases"] = eng.code_budget.num_releases
 tiny = CodeMapBudget(limit=10)  # below what any process holds without compiled code
 out["tiny"] = [tiny.release_if_over(), tiny.release_if_over(), tiny.limit]
 print(json.dumps(out))
@@ -91,6 +96,7 @@ def test_steps_past_the_budget_drop_compiled_code_and_decode_the_same():
     assert out["warm_releases"] == 1 and out["warmed_after_release"] > 1
     assert 1 <= out["warmed_filling_budget"] < out["warmed_after_release"]
     assert f"warm-up stopped after {out['warmed_filling_budget']} of {out['warmed_after_release']}" in proc.stderr
+    assert out["precompile_releases"] == 1 and out["precompiled_after_release"] == out["num_recorded"] > 0
     # A limit that clearing cannot get under is given up after one try, not retried every step.
     assert out["tiny"] == [True, False, None] and "no further clearing" in proc.stderr
 
