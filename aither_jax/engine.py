@@ -724,10 +724,12 @@ class Engine:
         pages = {r: sorted({self._pages_to_read(n, r) for n in range(1, max_pages + 1)}) for r in rows}
         shapes = [(r, p, g) for r in rows for p in pages[r] for g in ((True, False) if sampling else (True,))]
         # Code compiled for earlier shapes (another configuration's, say) that already holds the
-        # budget is dropped first, so the warm-up stops only when its own shapes fill it.
-        self.code_budget.release_if_over()
+        # budget is dropped first, so the warm-up stops only when its own shapes fill it
+        # (`precompile` makes that check itself).
         if workers > 1:
             self._precompile(shapes, workers, progress)
+        else:
+            self.code_budget.release_if_over()
         done, tokens = 0, None
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             if self.code_budget.over():
@@ -825,7 +827,7 @@ class Engine:
                 usable.append(record)
         writes: set[str] = set()
         done = 0
-        self.code_budget.release_if_over()  # as in `warmup`: earlier shapes' code does not stop this one
+        self.code_budget.release_if_over()  # earlier shapes' code does not stop this one
         bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
         with ThreadPoolExecutor(workers, thread_name_prefix="aither-compile") as pool:
             futures = []

@@ -72,8 +72,9 @@ eng.code_budget = FullOnceCompiled()
 out["warmed_filling_budget"] = eng.warmup(max_len=128, sampling=False, workers=1)
 # The same for recorded shapes (`precompile`, what `serve --compile-shapes` runs).
 eng.code_budget = OnceOver(limit=map_count() // 2)
-out["num_recorded"] = len(eng.step_shapes())
-out["precompiled_after_release"] = eng.precompile(eng.step_shapes(), workers=1)
+recorded = eng.step_shapes()
+out["num_recorded"] = len(recorded)
+out["precompiled_after_release"] = eng.precompile(recorded, workers=1)
 out["precompile_releases"] = eng.code_budget.num_releases
 tiny = CodeMapBudget(limit=10)  # below what any process holds without compiled code
 out["tiny"] = [tiny.release_if_over(), tiny.release_if_over(), tiny.limit]
