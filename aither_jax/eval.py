@@ -300,7 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="dflash: rows with an n-gram match take prompt lookup's drafts (default on; off: the draft alone)",
     )
     acc.add_argument(
-        "--tree", type=int_in("--tree", 1, 63), default=None, help="dflash: verify a tree of this many drafted nodes"
+        "--tree",
+        type=int_in("--tree", 0, 63),
+        default=None,
+        help="dflash: verify a tree of this many drafted nodes; 0: a chain (default: 3 on CPU, else a chain)",
     )
     acc.add_argument("--draft", default=None, help="dflash draft file (default: the one shipped for the model)")
     acc.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)

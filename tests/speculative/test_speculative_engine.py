@@ -153,7 +153,7 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
     """dflash with prompt_lookup: a row whose context has an n-gram match gets prompt lookup's
     drafts, every other row the draft model's; a step where every row matches does not run
     the draft model; greedy output is still plain greedy output token for token."""
-    spec = {"method": "dflash", "prompt_lookup": True}
+    spec = {"method": "dflash", "prompt_lookup": True, "tree": 0}  # chains (a CPU default is a tree)
     llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
     e = llm.engine
     model_calls, steps = [], []
@@ -190,6 +190,7 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
     assert e.spec_stats()["num_lookup_drafts"] == matched
 
 
+CHAIN = {"method": "dflash", "tree": 0}  # a chain of 15 drafts on every backend (CPU's default is a tree)
 ROLLBACK_PROMPTS = [
     "Name five fruits and say what colour each one is.",
     "Count from 1 to 15, separated by commas.",
@@ -206,11 +207,11 @@ ROLLBACK_TOL = {"fp32": 1e-4, "bf16": 0.03, "auto": 0.3}
 @pytest.mark.parametrize(
     ("spec", "kv", "num_rows"),
     [
-        ("dflash", "fp32", 1),
+        (CHAIN, "fp32", 1),
         ({"method": "dflash", "tree": 15}, "fp32", 1),
-        ("dflash", "bf16", 3),
+        (CHAIN, "bf16", 3),
         ({"method": "dflash", "tree": 15}, "bf16", 3),
-        ("dflash", "auto", 3),
+        (CHAIN, "auto", 3),
     ],
     ids=["chain-fp32-1", "tree-fp32-1", "chain-bf16-3", "tree-bf16-3", "chain-auto-3"],
 )
@@ -226,9 +227,16 @@ def test_rollback_leaves_the_caches_of_plain_decoding(spec, kv, num_rows):
     prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in convs]
     params = aj.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     seqs = [llm.engine.add_request(ids, params) for ids in prompts]
-    while max(len(s.output_ids) for s in seqs) < 30:  # a step commits at most 16 tokens: no row finishes
+    def mixed(s):  # the row has had drafts both rejected and accepted
+        return s.num_draft_tokens > s.num_accepted_tokens > 0
+
+    # At least 30 tokens a row, then on until every row is mixed; a step commits at most 16
+    # tokens, so stopping by 46 keeps every row short of its 64 and none finishes.
+    while max(len(s.output_ids) for s in seqs) < 30 or not all(map(mixed, seqs)):
+        if max(len(s.output_ids) for s in seqs) >= 46:
+            break
         llm.engine.step()
-    assert all(s.num_draft_tokens > s.num_accepted_tokens > 0 for s in seqs)  # every row rejected and accepted
+    assert all(map(mixed, seqs)), [(s.num_draft_tokens, s.num_accepted_tokens, len(s.output_ids)) for s in seqs]
 
     plain = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=num_rows + 1, **COMMON)
     refs = [plain.engine.add_request(ids, params) for ids in prompts]
@@ -268,7 +276,7 @@ def _assert_vectors_close(got, want, tol: float, what: str):
     assert err.max() <= tol, f"{what}: layer {layer}, position {pos}, head {head} is {err.max():.3g} off"
 
 
-@pytest.mark.parametrize("method", ["dflash", "ngram", {"method": "dflash", "tree": 8}])
+@pytest.mark.parametrize("method", [CHAIN, "ngram", {"method": "dflash", "tree": 8}, "dflash"])
 def test_sampled_speculative_equals_plain_sampling_with_the_same_seed(method):
     """The verifier draws each position's token with the key plain decoding uses there, so a
     seeded sampled request emits the same tokens with or without speculation (float32 logits,

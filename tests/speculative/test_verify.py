@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from aither_jax.sampling import SamplingBatch, sample_tokens
-from aither_jax.speculative import SpeculativeConfig, draft_tree, ngram_propose, verify, verify_tree
+from aither_jax.speculative import CPU_TREE, SpeculativeConfig, draft_tree, ngram_propose, verify, verify_tree
 
 V, T, N = 6, 3, 40_000
 P_VALUE = 1e-3  # the correct rule must pass at this level; the broken ones must fail far below it
@@ -170,6 +170,26 @@ def test_speculative_config_parsing():
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_the_default_tree_is_three_nodes_on_cpu_and_a_chain_elsewhere(monkeypatch, backend):
+    """Left unset, `tree` is CPU_TREE for a dflash config at its defaults on CPU, and 0 (a
+    chain) on other backends and wherever the config asks for a chain's settings."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    default = CPU_TREE if backend == "cpu" else 0
+    assert CPU_TREE == 3
+    assert SpeculativeConfig.parse("dflash").tree == default
+    assert SpeculativeConfig.parse('{"method": "dflash", "prompt_lookup": false}').tree == default
+    for chain in [
+        '{"method": "dflash", "num_speculative_tokens": 15}',
+        '{"method": "dflash", "steps": 2}',
+        '{"method": "dflash", "adaptive": true}',
+        '{"method": "dflash", "tree": 0}',
+        "ngram",
+    ]:
+        assert SpeculativeConfig.parse(chain).tree == 0, chain
+    assert SpeculativeConfig.parse('{"method": "dflash", "tree": 15}').tree == 15
 
 
 # -- trees ----------------------------------------------------------------------------------
