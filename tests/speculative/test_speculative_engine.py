@@ -227,6 +227,7 @@ def test_rollback_leaves_the_caches_of_plain_decoding(spec, kv, num_rows):
     prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in convs]
     params = aj.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     seqs = [llm.engine.add_request(ids, params) for ids in prompts]
+
     def mixed(s):  # the row has had drafts both rejected and accepted
         return s.num_draft_tokens > s.num_accepted_tokens > 0
 
