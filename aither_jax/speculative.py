@@ -102,11 +102,10 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.prompt_lookup is None:
             object.__setattr__(self, "prompt_lookup", self.method == "dflash")
-        if self.tree is None:
-            defaults = self.method == "dflash" and self.steps == 1 and not self.adaptive
+        if self.tree is None:  # a tree only for a dflash config left at its defaults, on CPU
+            chain_set = self.num_speculative_tokens is not None or self.steps != 1 or self.adaptive
             on_cpu = jax.default_backend() == "cpu"
-            tree = CPU_TREE if defaults and self.num_speculative_tokens is None and on_cpu else 0
-            object.__setattr__(self, "tree", tree)
+            object.__setattr__(self, "tree", CPU_TREE if self.method == "dflash" and not chain_set and on_cpu else 0)
         for name in ("draft_kernels", "adaptive", "prompt_lookup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -149,11 +149,14 @@ def test_adaptive_draft_length_keeps_the_output(baselines):
     assert llm.engine.num_accepted_tokens > 0
 
 
+CHAIN = {"method": "dflash", "tree": 0}  # a chain of 15 drafts on every backend (CPU's default is a tree)
+
+
 def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
     """dflash with prompt_lookup: a row whose context has an n-gram match gets prompt lookup's
     drafts, every other row the draft model's; a step where every row matches does not run
     the draft model; greedy output is still plain greedy output token for token."""
-    spec = {"method": "dflash", "prompt_lookup": True, "tree": 0}  # chains (a CPU default is a tree)
+    spec = CHAIN | {"prompt_lookup": True}
     llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
     e = llm.engine
     model_calls, steps = [], []
@@ -190,7 +193,6 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
     assert e.spec_stats()["num_lookup_drafts"] == matched
 
 
-CHAIN = {"method": "dflash", "tree": 0}  # a chain of 15 drafts on every backend (CPU's default is a tree)
 ROLLBACK_PROMPTS = [
     "Name five fruits and say what colour each one is.",
     "Count from 1 to 15, separated by commas.",
@@ -231,11 +233,12 @@ def test_rollback_leaves_the_caches_of_plain_decoding(spec, kv, num_rows):
     def mixed(s):  # the row has had drafts both rejected and accepted
         return s.num_draft_tokens > s.num_accepted_tokens > 0
 
+    def longest():
+        return max(len(s.output_ids) for s in seqs)
+
     # At least 30 tokens a row, then on until every row is mixed; a step commits at most 16
     # tokens, so stopping by 46 keeps every row short of its 64 and none finishes.
-    while max(len(s.output_ids) for s in seqs) < 30 or not all(map(mixed, seqs)):
-        if max(len(s.output_ids) for s in seqs) >= 46:
-            break
+    while longest() < 46 and (longest() < 30 or not all(map(mixed, seqs))):
         llm.engine.step()
     assert all(map(mixed, seqs)), [(s.num_draft_tokens, s.num_accepted_tokens, len(s.output_ids)) for s in seqs]
 
