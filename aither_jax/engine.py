@@ -205,8 +205,9 @@ class Engine:
         # Per verify pass of a row (drafts or not): how many tokens it committed, 1 .. k + 1.
         self.committed_hist = np.zeros(self.num_speculative_tokens + 2, np.int64)
         # Decode steps whose rows share cached prefix pages read them once for the whole batch
-        # (see `models.llama.forward`); counted in num_shared_prefix_steps.
-        self.shared_prefix_attention = bool(shared_prefix_attention)
+        # (see `models.llama.forward`); counted in num_shared_prefix_steps. Not with sliding-
+        # window layers (Gemma), whose shared part would need the window too.
+        self.shared_prefix_attention = bool(shared_prefix_attention) and not cfg.window_layers
         self.num_shared_prefix_steps = 0
         # Slots admitted on cached pages whose sink tokens were recomputed (-s<n> formats).
         self.num_sink_refills = 0

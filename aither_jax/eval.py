@@ -105,7 +105,7 @@ class FormatScorer:
         self.attention = resolve_attention(attention)
         self.max_tokens = max_tokens
         self.llm = aj.LLM(model, dtype=self.dtype, kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=max_tokens + 1)
-        self.ids = self.llm.tokenizer.encode(text)[:max_tokens]
+        self.ids = self.llm.tokenizer.encode_prompt(text)[:max_tokens]
         if len(self.ids) < 2:
             raise ValueError(f"{text_file} has fewer than 2 tokens")
         self.reference, _, _ = self.logits("bf16")
@@ -370,7 +370,7 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
     else:
         with open(args.text_file, encoding="utf-8") as f:
             text, source = f.read(), os.path.basename(args.text_file)
-    ids = llm.tokenizer.encode(text)[: args.max_tokens]
+    ids = llm.tokenizer.encode_prompt(text)[: args.max_tokens]
     cfg = llm.config
     q, k = (np.asarray(a) for a in queries_and_keys(llm.engine.weights, jnp.asarray(ids, jnp.int32), cfg=cfg))
     m, ratios = fit_key_transforms(q, k, cfg.num_heads // cfg.num_kv_heads)
@@ -580,7 +580,7 @@ def prompt_ids(tokenizer, prompts: list[tuple[str, object]]) -> list[list[int]]:
     out = []
     for kind, value in prompts:
         text = tokenizer.apply_chat_template(value, add_generation_prompt=True) if kind == "messages" else value
-        out.append(tokenizer.encode(text))
+        out.append(tokenizer.encode_prompt(text))
     return out
 
 

@@ -198,7 +198,7 @@ class LLM:
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 texts.append(p)
-                ids.append(self.tokenizer.encode(p))
+                ids.append(self.tokenizer.encode_prompt(p))
             elif isinstance(p, Sequence) and all(isinstance(t, int | np.integer) for t in p):
                 texts.append(None)
                 ids.append([int(t) for t in p])
@@ -217,7 +217,7 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # a single conversation
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self._run(texts, [self.tokenizer.encode(t) for t in texts], sampling_params, use_tqdm)
+        return self._run(texts, [self.tokenizer.encode_prompt(t) for t in texts], sampling_params, use_tqdm)
 
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, workers: int | None = None) -> int:
         """Compiles every decode shape up to `max_len` tokens (default: max_model_len) now,

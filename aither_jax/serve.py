@@ -208,7 +208,7 @@ def build_server(args: argparse.Namespace):
         engine.start()
         if pin_text:
             # Pinned for requests without a tenant header, under every key.
-            ids = llm.tokenizer.encode(pin_text)
+            ids = llm.tokenizer.encode_prompt(pin_text)
             for salt in config.root_salts():
                 pinned = await engine.pin(ids, salt)
                 log.info("pinned %d pages (%d tokens) of %s", pinned, len(ids), args.pin_prompt_file)

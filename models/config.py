@@ -7,13 +7,22 @@ from typing import Any
 
 from models.gguf_file import GGUFError, GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 # The tensors each block stores, as `blk.{i}.{name}.weight` (models.weights loads them). A file
 # must hold this many tensors per layer it declares, which bounds `block_count` before anything
 # is built per layer.
 LAYER_TENSORS = {
     "llama": ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"),
-}
+    # Gemma 3 adds per-head query/key norms and norms after attention and after the MLP.
+    "gemma3": (
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+        "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
+    ),
+}  # fmt: skip
+# Gemma 3 facts its GGUF files leave out (llama.cpp and transformers assume the same values):
+# every sixth layer attends globally, the others over a sliding window with their own RoPE base.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Far above any model we load; `LLM()` sizes its block table from the context length by default.
 MAX_CONTEXT = 1 << 24
 
@@ -39,6 +48,15 @@ class ModelConfig:
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     name: str = ""
+    # Gemma 3. Layers in `window_layers` attend only to the last `sliding_window` positions
+    # (themselves included) and rotate with `local_rope_base`; the rest attend to everything.
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
+    local_rope_base: float = 10000.0
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (sqrt(hidden) in Gemma)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
 
     @property
     def q_size(self) -> int:
@@ -52,6 +70,18 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of one layer, or None where it attends to every position."""
+        return self.sliding_window if layer in self.window_layers else None
+
+    def layer_rope_base(self, layer: int) -> float:
+        return self.local_rope_base if layer in self.window_layers else self.rope_base
+
+    @property
+    def rope_bases(self) -> tuple[float, ...]:
+        """The distinct RoPE bases the layers use, global first."""
+        return (self.rope_base, self.local_rope_base) if self.window_layers else (self.rope_base,)
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
@@ -92,6 +122,18 @@ class ModelConfig:
                 f"{gguf.path}: metadata '{arch}.block_count' is {num_layers}, but {num_layers} layers need "
                 f"{num_layers * per_layer} tensors and the file has {len(gguf.tensors)}"
             )
+        gemma: dict[str, Any] = {}
+        if arch == "gemma3":
+            window = field("attention.sliding_window", int, most=MAX_CONTEXT)
+            gemma = dict(
+                sliding_window=window,
+                window_layers=tuple(i for i in range(num_layers) if (i + 1) % GEMMA3_GLOBAL_EVERY),
+                local_rope_base=GEMMA3_LOCAL_ROPE_BASE,
+                embed_scale=float(hidden) ** 0.5,
+                qk_norm=True,
+                post_norms=True,
+                activation="gelu_tanh",
+            )
         cfg = cls(
             arch=arch,
             num_layers=num_layers,
@@ -106,5 +148,6 @@ class ModelConfig:
             rope_base=field("rope.freq_base", float, 10000.0),
             tie_embeddings="output.weight" not in gguf.tensors,
             name=str(gguf.get("general.name", "")),
+            **gemma,
         )
         return cfg

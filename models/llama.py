@@ -1,4 +1,6 @@
-"""The llama decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) over a paged cache.
+"""The llama decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) over a paged cache,
+and Gemma 3 beside it (query/key norms, post-norms, GeGLU, sliding-window layers with their own
+RoPE base, scaled embeddings: the `ModelConfig` fields past the llama set).
 
 One function serves prefill chunks and decode steps: each row of the batch brings T new
 tokens (T = 1 for decode) that start at a given position and attend to the row's stored
@@ -188,6 +190,8 @@ def forward(
     """
     b, t = tokens.shape
     page_size = cache.page_size
+    if shared_pages and cfg.window_layers:
+        raise ValueError("shared-prefix attention does not apply sliding windows; run windowed models without it")
     if shared_pages and shared_pages * page_size < cache.num_sinks:
         raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
     stored = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T] where each entry is written
@@ -200,14 +204,15 @@ def forward(
     shared = table[0, :shared_pages]  # row 0 is never padding
     shared_len = shared_pages * page_size
     ctx_lens = batch.start - shared_len  # stored tokens per row past the shared pages
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_base)
+    rope = {base: rope_tables(positions, cfg.head_dim, base) for base in cfg.rope_bases}
 
     transposed = _transposed_stream(b * t)
-    x = _to_stream(weights.embed[tokens].reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
+    x = _to_stream(embed(weights, tokens, cfg).reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
     new_k, new_v, sink_k, sink_v, tapped = [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
-            q, k, v = _attention_inputs(x, lw, cfg, cos, sin, b, transposed)
+            window = cfg.window(idx)
+            q, k, v = _attention_inputs(x, lw, cfg, *rope[cfg.layer_rope_base(idx)], b, transposed)
             if cache.key_transform is not None:  # the -pc formats: q . k unchanged, keys reshaped
                 q, k = _transform_query_key(q, k, cache.query_transform[idx], cache.key_transform[idx])
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
@@ -226,7 +231,8 @@ def forward(
             # of their own, and the shared part leaves out their quantized copies.
             row_sinks = None if shared_pages else sinks
             skip = cache.num_sinks if sinks is not None else 0
-            if attention != "reference" and _kernel_reads(cache, idx):
+            # The rotated-domain kernels attend to every position; windowed layers take the reference.
+            if attention != "reference" and window is None and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
                 rotated = tq_paged_attention if attention == "pallas" else tq_paged_attention_xla
                 codecs = dict(k_codec=cache.k_groups.codec(idx), v_codec=cache.v_groups.codec(idx), v_layer=vi)
@@ -267,13 +273,15 @@ def forward(
                     batch.num_new,
                     return_lse=bool(shared_pages),
                     new_mask=new_mask,
+                    window=window,
+                    positions=positions,
                 )
                 if shared_pages:
                     k_sh, v_sh = cache.read(shared[None], idx)
                     prefix = shared_prefix_attention(q, k_sh[0, skip:], v_sh[0, skip:], shared_len - skip)
             if shared_pages:
                 attn = merge_attention([attn, prefix] + ([sinks.attend(q)] if sinks is not None else []))
-            x = _mlp_block(_attention_output(x, attn, lw, transposed), lw, cfg, transposed)
+            x = _mlp_block(_attention_output(x, attn, lw, cfg, transposed), lw, cfg, transposed)
             new_k.append(k_store)
             new_v.append(v_store)
             if idx in taps:
@@ -336,6 +344,13 @@ def compact_update(update: KVUpdate, path: jax.Array) -> KVUpdate:
     return update.replace(k=jax.tree_util.tree_map(take, update.k), v=jax.tree_util.tree_map(take, update.v), **sink)
 
 
+def embed(weights: ModelWeights, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Token embeddings [..., D]; Gemma scales them by sqrt(D), rounded to the weights' dtype
+    first as its reference implementation does."""
+    x = weights.embed[tokens]
+    return x if cfg.embed_scale == 1.0 else x * jnp.asarray(cfg.embed_scale, x.dtype)
+
+
 def _transposed_stream(num_tokens: int) -> bool:
     """Whether a call runs its layers on the transposed stream: calls of at most
     TRANSPOSED_MAX_TOKENS tokens on CPU (bfloat16 products there pad their activations,
@@ -364,23 +379,35 @@ def _attention_inputs(
     qkv = _to_stream(qkv, transposed).reshape(b, -1, lw.wqkv.shape[0])
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     t = qkv.shape[1]
-    q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
-    k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-    return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
 
 
-def _attention_output(x: jax.Array, attn: jax.Array, lw: LayerWeights, transposed: bool) -> jax.Array:
-    """The residual stream plus the output projection of attention [B, T, Hq, Dh]."""
+def _attention_output(x: jax.Array, attn: jax.Array, lw: LayerWeights, cfg: ModelConfig, transposed: bool) -> jax.Array:
+    """The residual stream plus the output projection of attention [B, T, Hq, Dh] (normed first
+    with post-norms)."""
     rows = attn.reshape(-1, lw.wo.shape[1])
-    return x + linear(_to_stream(rows, transposed), lw.wo, transposed=transposed)
+    out = linear(_to_stream(rows, transposed), lw.wo, transposed=transposed)
+    if cfg.post_norms:
+        out = rms_norm(out, lw.post_attn_norm, cfg.rms_norm_eps, axis=0 if transposed else -1)
+    return x + out
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def _mlp_block(x: jax.Array, lw: LayerWeights, cfg: ModelConfig, transposed: bool) -> jax.Array:
-    """The residual stream after one layer's SwiGLU block."""
+    """The residual stream after one layer's gated MLP block (SwiGLU, or GeGLU for Gemma)."""
     axis = 0 if transposed else -1
     h = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps, axis=axis)
     gate, up = jnp.split(linear(h, lw.w_gate_up, transposed=transposed), 2, axis=axis)
-    return x + linear(jax.nn.silu(gate) * up, lw.w_down, transposed=transposed)
+    out = linear(ACTIVATIONS[cfg.activation](gate) * up, lw.w_down, transposed=transposed)
+    if cfg.post_norms:
+        out = rms_norm(out, lw.post_mlp_norm, cfg.rms_norm_eps, axis=axis)
+    return x + out
 
 
 def _transform_query_key(q: jax.Array, k: jax.Array, q_mat: jax.Array, k_mat: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -406,16 +433,17 @@ def queries_and_keys(weights: ModelWeights, tokens: jax.Array, *, cfg: ModelConf
     of tokens [T], with plain causal attention and no cache (for fitting key transforms), in
     the weights' dtype."""
     t = tokens.shape[0]
-    cos, sin = rope_tables(jnp.arange(t, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_base)
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    rope = {base: rope_tables(positions, cfg.head_dim, base) for base in cfg.rope_bases}
     zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
     transposed = _transposed_stream(t)
-    x = _to_stream(weights.embed[tokens], transposed)
+    x = _to_stream(embed(weights, tokens, cfg), transposed)
     empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), x.dtype)
     queries, keys = [], []
-    for lw in weights.layers:
-        q, k, v = _attention_inputs(x, lw, cfg, cos, sin, 1, transposed)
-        attn = paged_attention_reference(q, k, v, empty, empty, zero, length)
-        x = _mlp_block(_attention_output(x, attn, lw, transposed), lw, cfg, transposed)
+    for idx, lw in enumerate(weights.layers):
+        q, k, v = _attention_inputs(x, lw, cfg, *rope[cfg.layer_rope_base(idx)], 1, transposed)
+        attn = paged_attention_reference(q, k, v, empty, empty, zero, length, window=cfg.window(idx))
+        x = _mlp_block(_attention_output(x, attn, lw, cfg, transposed), lw, cfg, transposed)
         queries.append(q[0])
         keys.append(k[0])
     return jnp.stack(queries), jnp.stack(keys)

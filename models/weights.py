@@ -33,6 +33,12 @@ class LayerWeights:
     mlp_norm: jax.Array  # [D] float32
     w_gate_up: jax.Array  # [2 F, D]
     w_down: jax.Array  # [D, F]
+    # Gemma 3 only (None for llama), float32: per-head query/key norms [Dh] and the norms of
+    # the attention and MLP outputs [D].
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    post_attn_norm: jax.Array | None = None
+    post_mlp_norm: jax.Array | None = None
 
 
 @struct.dataclass
@@ -85,6 +91,10 @@ def check_tensor_shapes(gguf: GGUFFile, cfg: ModelConfig) -> None:
         "ffn_gate": (f, d),
         "ffn_up": (f, d),
         "ffn_down": (d, f),
+        "attn_q_norm": (cfg.head_dim,),
+        "attn_k_norm": (cfg.head_dim,),
+        "post_attention_norm": (d,),
+        "post_ffw_norm": (d,),
     }
     for i in range(cfg.num_layers):
         expected.update({f"blk.{i}.{k}.weight": s for k, s in per_layer.items()})
@@ -94,9 +104,11 @@ def check_tensor_shapes(gguf: GGUFFile, cfg: ModelConfig) -> None:
 
 
 def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", progress: bool = True) -> ModelWeights:
-    """Dequantizes a llama-architecture GGUF into device arrays of `dtype`.
+    """Dequantizes a llama or Gemma 3 GGUF into device arrays of `dtype`.
 
-    Norm scales stay float32 (they are tiny and the norms run in float32).
+    Norm scales stay float32 (they are tiny and the norms run in float32). Gemma's norms
+    scale by (1 + w); llama.cpp stores them with the 1 already added, so every norm here
+    multiplies by its weight as stored.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -109,13 +121,21 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
         bar.update(1)
         return out
 
-    keys = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+    gemma_norms = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm"} if cfg.qk_norm else {}
+    if cfg.post_norms:
+        gemma_norms.update(post_attn_norm="post_attention_norm", post_mlp_norm="post_ffw_norm")
+    keys = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down", *gemma_norms)
     per_layer: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    # llama.cpp interleaves llama's query/key rows for pairwise RoPE; Gemma's it leaves in
+    # rotate-half order.
+    order = unpermute_rope_rows if cfg.arch == "llama" else (lambda w, heads: w)
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        q = unpermute_rope_rows(get(p + "attn_q.weight"), cfg.num_heads)
-        k = unpermute_rope_rows(get(p + "attn_k.weight"), cfg.num_kv_heads)
+        q = order(get(p + "attn_q.weight"), cfg.num_heads)
+        k = order(get(p + "attn_k.weight"), cfg.num_kv_heads)
         v = get(p + "attn_v.weight")
+        for key, name in gemma_norms.items():
+            per_layer[key].append(get(f"{p}{name}.weight"))
         per_layer["attn_norm"].append(get(p + "attn_norm.weight"))
         per_layer["wqkv"].append(np.concatenate([q, k, v], axis=0))
         per_layer["wo"].append(get(p + "attn_output.weight"))
@@ -126,7 +146,7 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
     def dev(x: np.ndarray, dt) -> jax.Array:
         return jnp.asarray(x, dtype=dt)
 
-    norm_keys = ("attn_norm", "mlp_norm")
+    norm_keys = ("attn_norm", "mlp_norm", *gemma_norms)
     layers = tuple(
         LayerWeights(**{k: dev(vs[i], jnp.float32 if k in norm_keys else jdtype) for k, vs in per_layer.items()})
         for i in range(cfg.num_layers)

@@ -112,6 +112,8 @@ def paged_attention_reference(
     scale: float | None = None,
     return_lse: bool = False,
     new_mask: jax.Array | None = None,
+    window: int | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh] (and [B, T, Hq] float32)
     """Causal grouped-query attention of the new tokens over the stored context plus themselves.
 
@@ -120,6 +122,9 @@ def paged_attention_reference(
     before use. With `return_lse` also returns the log of each query's softmax denominator
     (scaled scores), for `merge_attention`. `new_mask` [B, T(query), T(key)] replaces the
     causal mask among the new tokens (a draft tree: each node sees its ancestors and itself).
+    With a sliding `window` (Gemma's local layers), a query at position p sees only keys at
+    positions p - window + 1 .. p: stored key j sits at position j, and new token t at
+    `positions[b, t]` (default ctx_lens[b] + t; a tree node's is its depth's).
     """
     b, t, hq, dh = q.shape
     hkv = k_new.shape[2]
@@ -139,6 +144,12 @@ def paged_attention_reference(
         [jnp.broadcast_to(ctx_valid[:, None, :], (b, t, ctx_valid.shape[1])), among_new & new_valid[:, None, :]],
         axis=2,
     )  # [B, T, Sctx + T]
+    if window is not None:
+        if positions is None:
+            positions = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        ctx_pos = jnp.broadcast_to(jnp.arange(k_ctx.shape[1], dtype=jnp.int32)[None, :], (b, k_ctx.shape[1]))
+        key_pos = jnp.concatenate([ctx_pos, positions], axis=1)  # [B, Sctx + T]
+        mask &= positions[:, :, None] - key_pos[:, None, :] < window
 
     g = hq // hkv
     qg = jnp.moveaxis(q.reshape(b, t, hkv, g, dh), 1, 3).reshape(b, hkv, g * t, dh)  # rows (g, t)

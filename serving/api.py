@@ -248,7 +248,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [tokenizer.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
         pin = body.pin_prefix
         jobs = _jobs(ids, body, body.max_tokens, lambda i: len(ids[i]) if pin is True else int(pin))
         return await _serve(request, body, jobs, "text_completion", body.logprobs, chat=False)
@@ -258,7 +258,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         _check_model(body.model)
         conversation = body.conversation()
         try:
-            ids = tokenizer.encode(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+            ids = tokenizer.encode_prompt(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
             head = _system_head(conversation, ids) if body.pin_prefix else []
         except ChatTemplateError as e:
             raise HTTPError(400, str(e), "messages") from None
@@ -275,12 +275,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         if body.messages is not None:
             conversation = protocol.template_messages(body.messages)
             try:
-                ids = tokenizer.encode(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+                ids = tokenizer.encode_prompt(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
                 ids = _system_head(conversation, ids)
             except ChatTemplateError as e:
                 raise HTTPError(400, str(e), "messages") from None
         else:
-            ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+            ids = tokenizer.encode_prompt(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         try:
             pages = await engine.unpin(ids, _salt(request))
         except (EngineDeadError, ValueError) as e:
@@ -293,7 +293,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         num_system = next((i for i, m in enumerate(conversation) if m["role"] != "system"), len(conversation))
         if not num_system:
             return []
-        head = tokenizer.encode(tokenizer.apply_chat_template(conversation[:num_system], False))
+        head = tokenizer.encode_prompt(tokenizer.apply_chat_template(conversation[:num_system], False))
         return head if ids[: len(head)] == head else []
 
     def _check_model(name: str | None) -> None:

@@ -77,7 +77,7 @@ def test_bfloat16_layer_keeps_its_weights_in_bfloat16(rows):
 
     def layer(x, lw):
         q, _, _ = _attention_inputs(x, lw, CFG, cos, sin, rows, True)
-        return _mlp_block(_attention_output(x, q, lw, True), lw, CFG, True)
+        return _mlp_block(_attention_output(x, q, lw, CFG, True), lw, CFG, True)
 
     hlo = jax.jit(layer).lower(x, lw).compile().as_text()
     shapes = {w.shape for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)}
