@@ -20,6 +20,8 @@ MODEL = "gemma3-270m"
 # Both sides compute in float32 from the same dequantized weights; the differences come from
 # summation order. Measured max |diff| is ~2e-4 on these texts (logits of magnitude ~20-40).
 LOGIT_ATOL = 2e-3
+# The same quantized pages read two ways (rotated domain / decoded): float32 rounding only.
+QUANTIZED_ATOL = 2e-3
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -203,3 +205,19 @@ def test_windowed_attention_equals_dense_attention_under_the_window(tree):
                 p = np.exp(s - s.max())
                 want = (p / p.sum()) @ vv[:, h // (hq // hkv)]
                 np.testing.assert_allclose(np.asarray(out[r, i, h]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_pages_read_in_the_rotated_domain_keep_the_window():
+    """Gemma's default TurboQuant format, read as `LLM` reads it on CPU ("xla": the three
+    global layers in the rotated domain, the windowed ones decoded and masked) against every
+    layer decoded ("reference"), over a text past the window: the same attention, so the same
+    argmax and logits within float32 rounding of the two algorithms."""
+
+    def logits(attention: str) -> np.ndarray:
+        llm = aj.LLM(MODEL, dtype="float32", max_model_len=1024, max_prefill_chunk=128, attention=attention, progress=False)
+        assert llm.kv_spec.name == "tq-k8v5"  # "auto" for Gemma
+        return llm.logits(llm.tokenizer.encode_prompt(LONG)[:700])
+
+    rotated, decoded = logits("xla"), logits("reference")
+    np.testing.assert_array_equal(rotated.argmax(-1), decoded.argmax(-1))
+    assert np.abs(rotated - decoded).max() < QUANTIZED_ATOL
