@@ -15,13 +15,12 @@ from models.gguf_file import GGUFFile
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
 from pallas_kernels.paged_attention import paged_attention_reference
+from tests.aither_jax.test_quantized_cache import check_calls_against_reference
 
 MODEL = "gemma3-270m"
 # Both sides compute in float32 from the same dequantized weights; the differences come from
 # summation order. Measured max |diff| is ~2e-4 on these texts (logits of magnitude ~20-40).
 LOGIT_ATOL = 2e-3
-# The same quantized pages read two ways (rotated domain / decoded): float32 rounding only.
-QUANTIZED_ATOL = 2e-3
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -207,17 +206,25 @@ def test_windowed_attention_equals_dense_attention_under_the_window(tree):
                 np.testing.assert_allclose(np.asarray(out[r, i, h]), want, rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_pages_read_in_the_rotated_domain_keep_the_window():
-    """Gemma's default TurboQuant format, read as `LLM` reads it on CPU ("xla": the three
-    global layers in the rotated domain, the windowed ones decoded and masked) against every
-    layer decoded ("reference"), over a text past the window: the same attention, so the same
-    argmax and logits within float32 rounding of the two algorithms."""
+def test_quantized_pages_read_in_the_rotated_domain_keep_the_window(monkeypatch):
+    """Gemma's default TurboQuant format read as `LLM` reads it on CPU ("xla") against every
+    layer decoded ("reference"), over a text past the window. Only the three global layers
+    take the rotated-domain path, each call matching its reference twin on the same inputs;
+    the windowed ones are decoded and masked. Through the model, rounding differences flip
+    rare codes in later layers, so the logits are held to the gap quantization itself makes
+    (as tests/aither_jax/test_quantized_cache.py does for SmolLM2)."""
+    gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention_xla")
 
-    def logits(attention: str) -> np.ndarray:
-        llm = aj.LLM(MODEL, dtype="float32", max_model_len=1024, max_prefill_chunk=128, attention=attention, progress=False)
-        assert llm.kv_spec.name == "tq-k8v5"  # "auto" for Gemma
+    def logits(kv: str, attention: str) -> np.ndarray:
+        llm = aj.LLM(MODEL, dtype="float32", kv_cache_dtype=kv, max_model_len=1024, max_prefill_chunk=128,
+                     attention=attention, progress=False)  # fmt: skip
         return llm.logits(llm.tokenizer.encode_prompt(LONG)[:700])
 
-    rotated, decoded = logits("xla"), logits("reference")
-    np.testing.assert_array_equal(rotated.argmax(-1), decoded.argmax(-1))
-    assert np.abs(rotated - decoded).max() < QUANTIZED_ATOL
+    rotated = logits("auto", "xla")
+    assert len(gaps) == 6 * 3 and max(gaps) < 1e-4  # 6 chunks (5 x 128 + 60) x layers 5, 11, 17
+    decoded, exact = logits("auto", "reference"), logits("fp32", "reference")
+    assert np.isfinite(rotated).all()
+    # Measured 0.38x: all 18 layers are quantized, so flips cascade further than in the
+    # four-layer SmolLM2 test (0.3x there).
+    assert np.abs(rotated - decoded).mean() < 0.5 * np.abs(decoded - exact).mean()
+    assert (rotated.argmax(-1) == decoded.argmax(-1)).mean() > 0.99
