@@ -689,7 +689,7 @@ def test_llama_config_from_gguf(parse):
 
 
 BAD_LLAMA = {
-    "mamba": ({"general.architecture": "mamba"}, r"architecture 'mamba' is not supported \(supported: llama\)"),
+    "mamba": ({"general.architecture": "mamba"}, r"architecture 'mamba' is not supported \(supported: llama, gemma3\)"),
     "no architecture": ({"general.architecture": None}, "architecture None is not supported"),
     "no block count": ({"llama.block_count": None}, "missing metadata 'llama.block_count'"),
     "no embedding length": ({"llama.embedding_length": None}, "missing metadata 'llama.embedding_length'"),
@@ -865,3 +865,40 @@ def test_k_quant_tensors_load_in_shape(tmp_path, qtype):
         expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
     np.testing.assert_array_equal(out, expected)
     assert np.abs(out).max() > 0
+
+
+def gemma3_file(parse, metadata_changes=None, shape_changes=None) -> GGUFFile:
+    """A tiny gemma3 GGUF of 6 layers (the sixth global): the llama keys under `gemma3.`, a
+    sliding window, and Gemma's four extra norms per layer."""
+    md = {k.replace("llama.", "gemma3."): v for k, v in LLAMA.items()}
+    md |= {"general.architecture": "gemma3", "gemma3.block_count": 6, "gemma3.attention.sliding_window": 3}
+    shapes = {"token_embd.weight": (4, 8), "output_norm.weight": (8,)}
+    for i in range(6):
+        shapes |= {n.replace("blk.0.", f"blk.{i}."): s for n, s in LLAMA_SHAPES.items() if n.startswith("blk.0.")}
+        shapes |= {f"blk.{i}.attn_q_norm.weight": (4,), f"blk.{i}.attn_k_norm.weight": (4,)}
+        shapes |= {f"blk.{i}.post_attention_norm.weight": (8,), f"blk.{i}.post_ffw_norm.weight": (8,)}
+    md, shapes = {**md, **(metadata_changes or {})}, {**shapes, **(shape_changes or {})}
+    kvs = [encode_kv(k, v) for k, v in md.items() if v is not None]
+    infos, data = f32_tensors({n: np.zeros(s, np.float32) for n, s in shapes.items() if s is not None})
+    return parse(build(kvs, infos, data))
+
+
+def test_gemma3_config_and_tensors_from_gguf(parse):
+    g = gemma3_file(parse)
+    cfg = ModelConfig.from_gguf(g)
+    assert (cfg.arch, cfg.num_layers, cfg.sliding_window, cfg.window_layers) == ("gemma3", 6, 3, (0, 1, 2, 3, 4))
+    assert (cfg.window(4), cfg.window(5), cfg.layer_rope_base(4), cfg.layer_rope_base(5)) == (3, None, 10000.0, 10000.0)
+    assert cfg.qk_norm and cfg.post_norms and cfg.activation == "gelu_tanh"
+    assert cfg.embed_scale == pytest.approx(8**0.5)
+    check_tensor_shapes(g, cfg)
+    assert len(required_tensors(cfg)) == 2 + 6 * 13
+    with pytest.raises(GGUFError, match="missing metadata 'gemma3.attention.sliding_window'"):
+        ModelConfig.from_gguf(gemma3_file(parse, {"gemma3.attention.sliding_window": None}))
+    with pytest.raises(GGUFError, match=r"'blk.2.attn_k_norm.weight' has shape \(8,\), expected \(4,\)"):
+        check_tensor_shapes(
+            g := gemma3_file(parse, shape_changes={"blk.2.attn_k_norm.weight": (8,)}), ModelConfig.from_gguf(g)
+        )
+    with pytest.raises(GGUFError, match=r"missing tensors \['blk.0.post_ffw_norm.weight'\]"):
+        check_tensor_shapes(
+            g := gemma3_file(parse, shape_changes={"blk.0.post_ffw_norm.weight": None}), ModelConfig.from_gguf(g)
+        )
