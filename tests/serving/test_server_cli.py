@@ -93,7 +93,7 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--api-key", ""], "--api-key must not be empty"),
         (["--api-key", "good", "--api-key", " padded"], "no surrounding spaces"),
         (["--seed", "-1"], "--seed must be in [0, 4294967295]"),
-        (["--model", "nosuchmodel"], "unknown model 'nosuchmodel': use one of [smollm2-135m]"),
+        (["--model", "nosuchmodel"], "unknown model 'nosuchmodel': use one of [gemma3-270m, smollm2-135m]"),
         (["--chat-template", "{% bad %}", "--kv-cache-dtype", "fp32"], "chat template does not compile"),
         (["--dtype", "float8"], "invalid choice: 'float8'"),
         (["--pin-prompt-file", "/nonexistent/system.txt"], "--pin-prompt-file: no such file"),
