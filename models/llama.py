@@ -231,8 +231,7 @@ def forward(
             # of their own, and the shared part leaves out their quantized copies.
             row_sinks = None if shared_pages else sinks
             skip = cache.num_sinks if sinks is not None else 0
-            # The rotated-domain kernels attend to every position; windowed layers take the reference.
-            if attention != "reference" and window is None and _kernel_reads(cache, idx):
+            if attention != "reference" and _kernel_reads(cache, idx):
                 k_pool, v_pool, ki, vi = cache.layer_pools(idx)
                 rotated = tq_paged_attention if attention == "pallas" else tq_paged_attention_xla
                 codecs = dict(k_codec=cache.k_groups.codec(idx), v_codec=cache.v_groups.codec(idx), v_layer=vi)
@@ -249,6 +248,8 @@ def forward(
                     sinks=row_sinks,
                     return_lse=bool(shared_pages),
                     new_mask=new_mask,
+                    window=window,
+                    positions=positions,
                     **codecs,
                 )
                 if shared_pages:

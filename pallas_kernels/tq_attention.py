@@ -142,11 +142,13 @@ def tq_paged_attention_reference(
     interpret: bool | None = None,
     return_lse: bool = False,
     new_mask: jax.Array | None = None,
+    window: int | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, T, Hq, Dh] (and [B, T, Hq])
     """Decodes the row's pages and the new tokens (sink positions from `sinks` instead), then
-    plain causal GQA attention (`new_mask` [B, T, T]: another mask among the new tokens, as in
-    `paged_attention_reference`). `pages_per_split` and `interpret` are accepted for signature
-    parity and ignored."""
+    plain causal GQA attention (`new_mask` [B, T, T]: another mask among the new tokens;
+    `window` and `positions`: a sliding window, as in `paged_attention_reference`).
+    `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
     del pages_per_split, interpret
     b, num_pages = block_table.shape
     v_layer = layer if v_layer is None else v_layer
@@ -163,7 +165,7 @@ def tq_paged_attention_reference(
         k_ctx, v_ctx = sinks.apply_ctx(k_ctx, v_ctx)
     return paged_attention_reference(
         q, k.astype(q.dtype), v.astype(q.dtype), k_ctx, v_ctx, ctx_lens, num_new, return_lse=return_lse,
-        new_mask=new_mask,
+        new_mask=new_mask, window=window, positions=positions,
     )  # fmt: skip
 
 
@@ -190,11 +192,15 @@ def tq_paged_attention(
     interpret: bool | None = None,
     return_lse: bool = False,
     new_mask: jax.Array | None = None,
+    window: int | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal GQA attention of the new tokens over the packed pages plus themselves (see the
     module doc). Same arguments and result as `tq_paged_attention_reference`; with
     `return_lse` also the log-sum-exp [B, T, Hq] for `paged_attention.merge_attention`.
     `new_mask` [B, T, T] replaces the causal mask among the new tokens (a draft tree).
+    `window`: a sliding window, keys at most window - 1 positions behind their query (stored
+    key j at position j, new token t at `positions[b, t]`, default ctx_lens[b] + t).
 
     Args:
         pages_per_split: pages one kernel program walks (split-K: a row's pages are shared
@@ -228,6 +234,8 @@ def tq_paged_attention(
         dot_precision=dot_precision,
         query_rows=query_rows,
         new_mask=new_mask,
+        window=window,
+        positions=positions,
     )
 
 
@@ -250,17 +258,21 @@ def tq_paged_attention_xla(
     interpret: bool | None = None,
     return_lse: bool = False,
     new_mask: jax.Array | None = None,
+    window: int | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The rotated-domain algorithm of `tq_paged_attention` in plain jnp, for backends without
     a Pallas lowering (the CPU serving path): the gathered codes become codebook values, never
     rotated back, so each stored key costs a lookup and a dot with the rotated query instead
-    of the reference's d x d rotation. Same arguments and result as the reference;
-    `pages_per_split` and `interpret` are accepted for signature parity and ignored."""
+    of the reference's d x d rotation. Same arguments and result as the reference, sliding
+    `window` included; `pages_per_split` and `interpret` are accepted for signature parity
+    and ignored."""
     del interpret
     args = (q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new)
     return _checked_call(
-        args, k_codec, v_codec, v_layer, sinks, pages_per_split, False, False, return_lse, new_mask=new_mask
-    )
+        args, k_codec, v_codec, v_layer, sinks, pages_per_split, False, False, return_lse, new_mask=new_mask,
+        window=window, positions=positions,
+    )  # fmt: skip
 
 
 def tq_shared_prefix_attention(
@@ -327,11 +339,14 @@ def _checked_call(
     dot_precision=DOT_PRECISION,
     query_rows=None,
     new_mask=None,
+    window=None,
+    positions=None,
 ):
     """Validates the public arguments and runs the jitted body: the stored context through the
     kernel (`kernel`) or the jnp path; stored positions below `skip_first` (or the sinks'
-    count) are left out. `pages_per_split`, `code_loads` and `query_rows` None take
-    `default_pages_per_split`, `default_code_loads` and `default_query_rows`."""
+    count) are left out, and with a `window` those too far behind each query.
+    `pages_per_split`, `code_loads` and `query_rows` None take `default_pages_per_split`,
+    `default_code_loads` and `default_query_rows`."""
     q, k_new, v_new, k_pool, v_pool, block_table, layer, ctx_lens, num_new = args
     _check_args(q, k_new, v_new, k_pool, v_pool, block_table, ctx_lens, num_new, k_codec, v_codec, pages_per_split)
     if code_loads is None:
@@ -357,6 +372,13 @@ def _checked_call(
     b, t = q.shape[:2]
     if new_mask is not None and new_mask.shape != (b, t, t):
         raise ValueError(f"new_mask must be [B={b}, T={t}, T={t}], got {new_mask.shape}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if positions is None:
+            positions = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        if positions.shape != (b, t):
+            raise ValueError(f"positions must be [B={b}, T={t}], got {positions.shape}")
     return _tq_paged_attention(
         *args[:6],
         layers,
@@ -364,6 +386,8 @@ def _checked_call(
         num_new,
         sinks,
         new_mask=new_mask,
+        positions=positions if window is not None else None,
+        window=window,
         k_codec=k_codec,
         v_codec=v_codec,
         pages_per_split=pages_per_split if kernel else None,
@@ -415,6 +439,7 @@ _STATIC = (
     "interpret",
     "return_lse",
     "skip_first",
+    "window",
 )
 
 
@@ -442,10 +467,14 @@ def _tq_paged_attention(
     dot_precision=DOT_PRECISION,
     query_rows=None,
     new_mask=None,
+    positions=None,
+    window=None,
 ):
     b, t, hq, dh = q.shape
     hkv = k_pool["codes"].shape[3]
     group = hq // hkv
+    # With a window: [B, T, K] which of K keys at `key_pos` [B or 1, K] each new token sees.
+    in_window = None if window is None else (lambda key_pos: positions[:, :, None] - key_pos[:, None, :] < window)
     scale = dh**-0.5
     rk, rv = jnp.asarray(k_codec.rotation_matrix), jnp.asarray(v_codec.rotation_matrix)
     hi = jax.lax.Precision.HIGHEST
@@ -462,8 +491,12 @@ def _tq_paged_attention(
         acc = jnp.zeros((b, hkv, 0, num_q, dh), jnp.float32)
         m = sums = jnp.zeros((b, hkv, 0, num_q), jnp.float32)
     elif pages_per_split is None:  # the jnp path: the whole context as one split
+        near = None
+        if window is not None:  # [B, 1, T x G, C]: the query blocks' rows are (token, head) pairs
+            near = in_window(jnp.arange(block_table.shape[1] * k_pool["codes"].shape[2], dtype=jnp.int32)[None])
+            near = jnp.repeat(near, group, axis=1)[:, None]
         acc, m, sums = _context_partials_jnp(
-            q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks
+            q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks, near
         )
     else:
         rows, num_blocks = _query_blocks(num_q, query_rows or default_query_rows(dot_precision, dh), dot_precision)
@@ -472,6 +505,10 @@ def _tq_paged_attention(
         num_pages = block_table.shape[1]
         num_splits = -(-num_pages // pages_per_split)
         table = jnp.pad(block_table, ((0, 0), (0, num_splits * pages_per_split - num_pages)))
+        # Each query row's position, (token, head) pairs in order; padding rows at 0.
+        q_pos = jnp.zeros((b, padded_q), jnp.int32)
+        if window is not None:
+            q_pos = q_pos.at[:, :num_q].set(jnp.repeat(positions, group, axis=1))
         acc, m, sums = _context_partials(
             q_blocks,
             k_pool,
@@ -488,6 +525,8 @@ def _tq_paged_attention(
             code_loads,
             dot_precision,
             rows,
+            q_pos,
+            window,
         )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
     num_splits = acc.shape[2]
     acc, m, sums = (x[:, :, :, :num_q].reshape(b, hkv, num_splits, t, group, *x.shape[4:]) for x in (acc, m, sums))
@@ -502,7 +541,10 @@ def _tq_paged_attention(
     s_new = jnp.einsum("bthgd,buhd->bhtgu", q_rot, k_vals, precision=hi)  # [B, Hkv, T, G, T]
     new_valid = jnp.arange(t)[None, :] < num_new[:, None]  # [B, T]
     among_new = causal_mask(t)[None] if new_mask is None else new_mask  # [B or 1, T(query), T(key)]
-    mask = (among_new & new_valid[:, None, :])[:, None, :, None, :]  # [B, 1, T, 1, T]
+    among_new = among_new & new_valid[:, None, :]
+    if window is not None:
+        among_new = among_new & in_window(positions)
+    mask = among_new[:, :, None, :][:, None]  # [B, 1, T, 1, T]
     s_new = jnp.where(mask, s_new, MASK_VALUE)
     m_new = jnp.max(s_new, axis=-1)
     p_new = jnp.where(mask, jnp.exp(s_new - m_new[..., None]), 0.0)
@@ -514,11 +556,14 @@ def _tq_paged_attention(
     if sinks is not None:  # the stored sinks, unquantized: seen by every new token of the row
         sk = jnp.einsum("bshd,ed->bshe", sinks.k, rk, precision=hi)
         sv = jnp.einsum("bshd,ed->bshe", sinks.v, rv, precision=hi)
-        seen = (jnp.arange(num_sinks)[None, :] < ctx_lens[:, None])[:, None, None, None, :]  # [B, 1, 1, 1, n]
+        stored = jnp.arange(num_sinks)[None, :] < ctx_lens[:, None]  # [B, n]
+        seen = stored[:, None, None, None, :]  # [B, 1, 1, 1, n]
+        if window is not None:
+            seen = seen & in_window(jnp.arange(num_sinks, dtype=jnp.int32)[None])[:, None, :, None, :]
         s_sink = jnp.where(seen, jnp.einsum("bthgd,bshd->bhtgs", q_rot, sk, precision=hi), MASK_VALUE)
         m_sink = jnp.max(s_sink, axis=-1)
         p_sink = jnp.where(seen, jnp.exp(s_sink - m_sink[..., None]), 0.0)
-        sv = jnp.where(seen[:, 0, 0, 0, :, None, None], sv, 0.0)
+        sv = jnp.where(stored[:, :, None, None], sv, 0.0)
         acc_sink = jnp.einsum("bhtgs,bshd->bhtgd", p_sink, sv, precision=hi)
         parts.append((m_sink[:, :, None], jnp.sum(p_sink, axis=-1)[:, :, None], acc_sink[:, :, None]))
 
@@ -545,10 +590,11 @@ def _rotated_values(enc: dict[str, jax.Array], codec: TurboQuant) -> jax.Array:
     return jnp.asarray(codec.centroids)[idx] * enc["norms"].astype(jnp.float32)[..., None]
 
 
-def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, num_sinks):
+def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, num_sinks, near=None):
     """`_context_partials` over all of each row's pages at once, in jnp: [B, Hkv, 1, Q, Dh],
     [B, Hkv, 1, Q] x 2. Norms scale the scores and the softmax weights, not the codebook
-    values, so the per-coordinate work is the unpacking and the lookup."""
+    values, so the per-coordinate work is the unpacking and the lookup. `near` [B, 1, Q, C]:
+    which stored keys each query row may see besides (a sliding window)."""
     b, num_pages = table.shape
     hi = jax.lax.Precision.HIGHEST
 
@@ -563,6 +609,8 @@ def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_co
     k_vals, k_norms = gather(k_pool, layer[0], k_codec)
     pos = jnp.arange(k_vals.shape[2], dtype=jnp.int32)
     valid = ((pos >= num_sinks)[None, :] & (pos[None, :] < ctx_lens[:, None]))[:, None, None, :]  # [B, 1, 1, C]
+    if near is not None:
+        valid = valid & near
     scores = context_scores(q_blocks, k_vals, hi, heads_first=True) * k_norms[:, :, None]
     # Replace (not add): garbage in unused pages may be NaN.
     scores = jnp.where(valid, scores, MASK_VALUE)
@@ -590,10 +638,13 @@ def _context_partials(
     code_loads,
     dot_precision,
     query_rows,
+    q_pos,
+    window,
 ):
     """Runs the kernel: per (row, KV head, block of `query_rows` queries, split) the
     unnormalized rotated-domain output, the running max and the softmax denominator over that
-    split's stored keys."""
+    split's stored keys (with a `window`, those at most window - 1 positions behind each query
+    row's position in `q_pos` [B, Qp])."""
     b, hkv, padded_q, dh = q_blocks.shape
     num_q_blocks = padded_q // query_rows
     joined = code_loads == "planes"
@@ -613,10 +664,12 @@ def _context_partials(
         num_sinks=num_sinks,
         joined=joined,
         dot_precision=dot_precision,
+        window=window,
     )
     full = lambda shape: pl.BlockSpec(shape, lambda i, j, r, s: (0,) * len(shape))  # noqa: E731
     in_specs = [
         pl.BlockSpec((None, None, query_rows, dh), lambda i, j, r, s: (i, j, r, 0)),  # a query block of (row, head)
+        pl.BlockSpec((None, query_rows), lambda i, j, r, s: (i, r)),  # its rows' positions
         full(table.shape),
         full((2,)),  # key and value pool layers
         full(ctx_lens.shape),
@@ -651,6 +704,7 @@ def _context_partials(
         name=f"tq_paged_attention_{dot_precision}",  # one name per variant in a profiler's summary
     )(
         q_blocks,
+        q_pos,
         table,
         layer,
         ctx_lens,
@@ -718,6 +772,7 @@ def default_pages_per_step(pages_per_split: int, page_size: int, head_dim: int, 
 
 def _context_kernel(
     q_ref,  # [Qp, Dh] rotated, scaled queries of this (row, KV head)
+    qpos_ref,  # [Qp] their positions (read with a window only)
     table_ref,  # [B, NS * pages_per_split] page ids
     layer_ref,  # [2] layer in the key pool, in the value pool
     ctx_ref,  # [B] stored tokens per row
@@ -740,6 +795,7 @@ def _context_kernel(
     num_sinks: int,
     joined: bool,
     dot_precision: str,
+    window: int | None,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
     tokens = pages_per_step * page_size
@@ -773,25 +829,34 @@ def _context_kernel(
         return codebook_ref[code], norms
 
     def step_tokens(i):
-        """The pages [T, 1] of loop step i's tokens, and which of them to attend to [T]: stored
-        and past the sinks (which are read unquantized outside)."""
+        """The pages [T, 1] of loop step i's tokens, which of them are stored and past the
+        sinks (which are read unquantized outside) [T], and their positions [T]."""
         first = split * pages_per_split + i * pages_per_step
         pos = first * page_size + t[:, 0]
-        return table_ref[row, first + t // page_size], (pos >= num_sinks) & (pos < ctx_len)
+        return table_ref[row, first + t // page_size], (pos >= num_sinks) & (pos < ctx_len), pos
+
+    def visible(stored, pos, row=None):
+        """`stored` narrowed to the keys at `pos` within the window of the query rows (all of
+        the program's, or row `row` alone); `stored` itself without a window."""
+        if window is None:
+            return stored
+        q_pos = qpos_ref[...][:, None] if row is None else qpos_ref[row]
+        return stored & (q_pos - pos < window)
 
     key_tile = functools.partial(tile, kc_ref, kn_ref, kcb_ref, k_bits, side=0)
     value_tile = functools.partial(tile, vc_ref, vn_ref, vcb_ref, v_bits, side=1)
     num_steps = pages_per_split // pages_per_step
     if dot_precision == "rows":
-        _rows_loop(q_ref, (acc_ref, m_ref, sum_ref), step_tokens, key_tile, value_tile, num_steps)
+        _rows_loop(q_ref, (acc_ref, m_ref, sum_ref), step_tokens, visible, key_tile, value_tile, num_steps)
         return
 
     q = q_ref[...]
 
     def body(i, carry):
         m, sums, acc = carry
-        pages, valid = step_tokens(i)
-        valid = valid[None, :]  # [1, T]
+        pages, stored, pos = step_tokens(i)
+        stored = stored[None, :]  # [1, T]
+        valid = visible(stored, pos[None, :])  # [Qp or 1, T]
         k_vals, k_norms = key_tile(pages)
         scores = tile_dot(q, k_vals, ((1,), (1,)), dot_precision) * k_norms[None, :]  # [Qp, T]
         # Replace (not add): garbage in unused pages may be NaN.
@@ -800,7 +865,7 @@ def _context_kernel(
         alpha = jnp.exp(m - m_next)
         p = jnp.where(valid, jnp.exp(scores - m_next[:, None]), 0.0)
         v_vals, v_norms = value_tile(pages)
-        weights = p * jnp.where(valid, v_norms[None, :], 0.0)
+        weights = p * jnp.where(stored, v_norms[None, :], 0.0)
         acc = acc * alpha[:, None] + tile_dot(weights, v_vals, ((1,), (0,)), dot_precision)
         return m_next, sums * alpha + jnp.sum(p, axis=1), acc
 
@@ -816,7 +881,7 @@ def _context_kernel(
     sum_ref[...] = sums
 
 
-def _rows_loop(q_ref, outs, step_tokens, key_tile, value_tile, num_steps):
+def _rows_loop(q_ref, outs, step_tokens, visible, key_tile, value_tile, num_steps):
     """`_context_kernel`'s walk over the split with the "rows" products: every query row keeps
     its own running max, denominator and [Dh] accumulator, and meets the step's key and value
     tiles in multiply-reduce loops (the comment at `DOT_PRECISIONS`). Triton cannot slice a
@@ -827,11 +892,12 @@ def _rows_loop(q_ref, outs, step_tokens, key_tile, value_tile, num_steps):
     queries = [q_ref[r, :] for r in range(num_rows)]  # [Dh] each
 
     def body(i, carry):
-        pages, valid = step_tokens(i)  # [T, 1], [T]
+        pages, stored, pos = step_tokens(i)  # [T, 1], [T], [T]
         # Every row's scores first, then the value tile: the key tile is dead by then.
         k_vals, k_norms = key_tile(pages)
         softmax = []
-        for q, (m, sums, _) in zip(queries, carry, strict=True):
+        for r, (q, (m, sums, _)) in enumerate(zip(queries, carry, strict=True)):
+            valid = visible(stored, pos, r)
             scores = jnp.sum(k_vals * q[None, :], axis=1) * k_norms  # [T]
             scores = jnp.where(valid, scores, MASK_VALUE)  # replace: unused pages may hold NaN
             m_next = jnp.maximum(m, jnp.max(scores))
@@ -839,7 +905,7 @@ def _rows_loop(q_ref, outs, step_tokens, key_tile, value_tile, num_steps):
             p = jnp.where(valid, jnp.exp(scores - m_next), 0.0)
             softmax.append((m_next, alpha, p, sums * alpha + jnp.sum(p)))
         v_vals, v_norms = value_tile(pages)
-        v_norms = jnp.where(valid, v_norms, 0.0)
+        v_norms = jnp.where(stored, v_norms, 0.0)
         out = []
         for (m_next, alpha, p, sums), (_, _, acc) in zip(softmax, carry, strict=True):
             acc = acc * alpha + jnp.sum((p * v_norms)[:, None] * v_vals, axis=0)  # [Dh]

@@ -208,9 +208,10 @@ def test_windowed_attention_equals_dense_attention_under_the_window(tree):
 
 def test_quantized_pages_read_in_the_rotated_domain_keep_the_window(monkeypatch):
     """Gemma's default TurboQuant format read as `LLM` reads it on CPU ("xla") against every
-    layer decoded ("reference"), over a text past the window. Only the three global layers
-    take the rotated-domain path, each call matching its reference twin on the same inputs;
-    the windowed ones are decoded and masked. Through the model, rounding differences flip
+    layer decoded ("reference"), over a text past the window. Every layer takes the
+    rotated-domain path, the 15 windowed ones with their window, each call matching its
+    reference twin (decoded and masked by position) on the same inputs. Through the model,
+    rounding differences flip
     rare codes in later layers, so the logits are held to the gap quantization itself makes
     (as tests/aither_jax/test_quantized_cache.py does for SmolLM2)."""
     gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention_xla")
@@ -221,11 +222,16 @@ def test_quantized_pages_read_in_the_rotated_domain_keep_the_window(monkeypatch)
         return llm.logits(llm.tokenizer.encode_prompt(LONG)[:700])
 
     rotated = logits("auto", "xla")
-    assert len(gaps) == 6 * 3 and max(gaps) < 1e-4  # 6 chunks (5 x 128 + 60) x layers 5, 11, 17
+    # 6 chunks (5 x 128 + 60) x 18 layers. Layers 0 and 1 output values up to ~80: their
+    # calls differ by up to 2.5e-4 (float32 rounding, 6e-6 of the largest), the rest by less.
+    assert len(gaps) == 6 * 18 and max(gaps) < 1e-3
     decoded, exact = logits("auto", "reference"), logits("fp32", "reference")
     assert np.isfinite(rotated).all()
-    # Measured 0.55x (0.48x with every key at 6 bits, 0.38x at 8): all 18 layers are quantized,
-    # so flips cascade further than in the four-layer SmolLM2 test (0.3x there), and more so
-    # the fewer the key bits. Argmax agreement measured 99.6%.
-    assert np.abs(rotated - decoded).mean() < 0.7 * np.abs(decoded - exact).mean()
+    # Measured: the rotated path 1.01x as far from the unquantized logits as the decoded one,
+    # 0.70x of that gap from the decoded one, argmax agreement 99.4%. All 18 layers are
+    # quantized, so flips cascade further than in the four-layer SmolLM2 test (0.3x there).
+    # Windowed layers read without their window: 4.6x, 4.3x and 92%.
+    gap = np.abs(decoded - exact).mean()
+    assert np.abs(rotated - exact).mean() < 1.15 * gap
+    assert np.abs(rotated - decoded).mean() < gap
     assert (rotated.argmax(-1) == decoded.argmax(-1)).mean() > 0.98

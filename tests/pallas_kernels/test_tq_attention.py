@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels.paged_attention import merge_attention
 from pallas_kernels.tq_attention import (
+    DOT_PRECISION,
     Sinks,
     tq_paged_attention,
     tq_paged_attention_reference,
@@ -399,6 +400,62 @@ def test_bad_arguments_raise_clear_errors():
         tq_paged_attention(args[0][0], *args[1:], **codecs)
     with pytest.raises(ValueError, match="QJL"):
         tq_paged_attention_xla(*args, k_codec=TurboQuant(head_dim=64, bits=4, qjl=True), v_codec=codecs["v_codec"])
+    for window in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be a positive int or None"):
+            tq_paged_attention_xla(*args, **codecs, window=window)
+    with pytest.raises(ValueError, match="positions must be"):
+        tq_paged_attention_xla(*args, **codecs, window=4, positions=jnp.zeros((3, 2), jnp.int32))
+
+
+# A draft tree of six nodes: each node's parent (-1: the root), and so its depth.
+TREE_PARENTS = (-1, 0, 0, 1, 2, 3)
+TREE_DEPTHS = (0, 1, 1, 2, 2, 3)
+
+
+def tree_mask(parents) -> np.ndarray:
+    """[T, T]: node i sees node j when j is i or one of its ancestors."""
+    mask = np.eye(len(parents), dtype=bool)
+    for i in range(len(parents)):
+        j = parents[i]
+        while j >= 0:
+            mask[i, j], j = True, parents[j]
+    return mask
+
+
+@pytest.mark.parametrize(
+    "t, ctx_lens, window", [(1, (0, 5, 19), 4), (6, (0, 2, 13), 5), (6, (3, 9, 30), 1), (6, (1, 8, 21), 16)]
+)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("num_sinks", [0, 2])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas-rows"])
+def test_sliding_window_in_the_rotated_domain_matches_reference(impl, t, ctx_lens, window, tree, num_sinks):
+    """Both rotated-domain paths (the kernel with its dot and its "rows" products) with a
+    sliding window (Gemma's local layers) against the reference, which decodes the pages and
+    masks by position: stored keys, the new tokens (a chain, or a tree whose nodes sit at
+    their depths) and unquantized sinks alike. The window changes the output wherever keys
+    fall outside it."""
+    args, codecs = make_case(k_bits=6, v_bits=5, t=t, ctx_lens=ctx_lens)
+    b, hkv = len(ctx_lens), 3
+    knobs = {"window": window}
+    if tree:
+        if t == 1:
+            pytest.skip("a one-node tree is a chain")
+        knobs["new_mask"] = jnp.asarray(np.broadcast_to(tree_mask(TREE_PARENTS), (b, t, t)))
+        knobs["positions"] = args[7][:, None] + jnp.asarray(TREE_DEPTHS, jnp.int32)[None, :]
+    if num_sinks:
+        rng = np.random.default_rng(11)
+        shapes = [(b, num_sinks, hkv, 64)] * 2 + [(b, t, hkv, 64)] * 2
+        knobs["sinks"] = Sinks(*(jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in shapes))
+    kernel = {}
+    if impl != "xla":
+        kernel = {"pages_per_split": 2, "dot_precision": "rows" if impl == "pallas-rows" else DOT_PRECISION}
+    out = np.asarray(IMPLS[impl.split("-")[0]](*args, **codecs, **knobs, **kernel))
+    ref = np.asarray(tq_paged_attention_reference(*args, **codecs, **knobs))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+    unwindowed = dict(knobs, window=None)
+    whole = np.asarray(tq_paged_attention_reference(*args, **codecs, **unwindowed))
+    assert np.abs(out - whole).max() > 1e-2  # keys outside the window were left out
 
 
 @gpu
@@ -468,17 +525,22 @@ def test_shared_pages_with_sinks_merge_three_parts(impl, t):
 
 @pytest.mark.parametrize("code_loads", ["gather", "planes"])
 @pytest.mark.parametrize("k_bits, v_bits, t", [(4, 4, 1), (6, 4, 1), (3, 3, 16)])
-def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t, code_loads):
+@pytest.mark.parametrize("window", [None, 24])
+def test_kernel_lowers_to_triton_for_cuda(k_bits, v_bits, t, code_loads, window):
     """Without a GPU, at least the Pallas -> Triton lowering must accept the kernel body
-    (every primitive it uses has a Triton rule). Compiling and running it needs a GPU."""
+    (every primitive it uses has a Triton rule), with and without a sliding window.
+    Compiling and running it needs a GPU."""
     from pallas_kernels import tq_attention
 
     args, codecs = make_case(k_bits=k_bits, v_bits=v_bits, t=t, page_size=16, ctx_lens=(40, 3))
     q, k_new, v_new, k_pool, v_pool, table, layer, ctx, num_new = args
     layers = jnp.asarray([layer, layer], jnp.int32)
+    positions = ctx[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
     def run(*a):
-        return tq_attention._tq_paged_attention(*a, **codecs, pages_per_split=2, interpret=False, code_loads=code_loads)
+        return tq_attention._tq_paged_attention(
+            *a, **codecs, pages_per_split=2, interpret=False, code_loads=code_loads, window=window, positions=positions
+        )
 
     lowered = jax.jit(run).trace(q, k_new, v_new, k_pool, v_pool, table, layers, ctx, num_new, None)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
