@@ -466,6 +466,19 @@ def test_gpu_kernel_matches_reference(k_bits, v_bits):
     np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3)
 
 
+@gpu
+@pytest.mark.parametrize("t", [1, 16])
+def test_gpu_kernel_applies_the_window(t):
+    """Gemma's shape (one KV head of 256, four query heads) with a window shorter than most
+    rows' context, compiled for the GPU."""
+    args, codecs = make_case(
+        k_bits=6, v_bits=5, t=t, head_dim=256, hkv=1, group=4, ctx_lens=(100, 1, 513, 64), page_size=16
+    )
+    out = np.asarray(tq_paged_attention(*args, **codecs, pages_per_split=8, interpret=False, window=64))
+    ref = np.asarray(tq_paged_attention_reference(*args, **codecs, window=64))
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("t, ctx_lens, n", [(1, (0, 3, 19), 4), (6, (0, 2, 13), 8)])
 @both_impls
 def test_sink_tokens_are_read_unquantized(impl, t, ctx_lens, n):
