@@ -205,6 +205,10 @@ def forward(
     shared_len = shared_pages * page_size
     ctx_lens = batch.start - shared_len  # stored tokens per row past the shared pages
     rope = {base: rope_tables(positions, cfg.head_dim, base) for base in cfg.rope_bases}
+    # Sliding-window layers read only the pages their window reaches (see `_window_reads`).
+    windowed = None
+    if cfg.window_layers and not cache.num_sinks:
+        windowed = _window_reads(read_table, ctx_lens, positions, cfg.sliding_window, page_size)
 
     transposed = _transposed_stream(b * t)
     x = _to_stream(embed(weights, tokens, cfg).reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
@@ -212,6 +216,9 @@ def forward(
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
             window = cfg.window(idx)
+            layer_table, layer_ctx, layer_pos = read_table, ctx_lens, positions
+            if window is not None and windowed is not None:
+                layer_table, layer_ctx, layer_pos = windowed
             q, k, v = _attention_inputs(x, lw, cfg, *rope[cfg.layer_rope_base(idx)], b, transposed)
             if cache.key_transform is not None:  # the -pc formats: q . k unchanged, keys reshaped
                 q, k = _transform_query_key(q, k, cache.query_transform[idx], cache.key_transform[idx])
@@ -241,15 +248,15 @@ def forward(
                     v_store,
                     k_pool,
                     v_pool,
-                    read_table,
+                    layer_table,
                     ki,
-                    ctx_lens,
+                    layer_ctx,
                     batch.num_new,
                     sinks=row_sinks,
                     return_lse=bool(shared_pages),
                     new_mask=new_mask,
                     window=window,
-                    positions=positions,
+                    positions=layer_pos,
                     **codecs,
                 )
                 if shared_pages:
@@ -260,7 +267,7 @@ def forward(
             else:
                 # Every position attends to keys/values as stored, the new ones included.
                 k, v = cache.decode(k_store, v_store, idx)
-                k_ctx, v_ctx = cache.read(read_table, idx)
+                k_ctx, v_ctx = cache.read(layer_table, idx)
                 if row_sinks is not None:
                     k, v = row_sinks.apply_new(k, v, batch.start)
                     k_ctx, v_ctx = row_sinks.apply_ctx(k_ctx, v_ctx)
@@ -270,12 +277,12 @@ def forward(
                     v.astype(q.dtype),
                     k_ctx,
                     v_ctx,
-                    ctx_lens,
+                    layer_ctx,
                     batch.num_new,
                     return_lse=bool(shared_pages),
                     new_mask=new_mask,
                     window=window,
-                    positions=positions,
+                    positions=layer_pos,
                 )
                 if shared_pages:
                     k_sh, v_sh = cache.read(shared[None], idx)
@@ -420,6 +427,30 @@ def _transform_query_key(q: jax.Array, k: jax.Array, q_mat: jax.Array, k_mat: ja
     q = jnp.einsum("bthgd,hde->bthge", qg, q_mat, precision=hi).reshape(b, t, hq, dh).astype(q.dtype)
     k = jnp.einsum("bthd,hde->bthe", k.astype(jnp.float32), k_mat, precision=hi).astype(k.dtype)
     return q, k
+
+
+def window_pages(window: int, page_size: int) -> int:
+    """The most pages a row's stored keys within a window of its queries can span: the first
+    new token at position p sees stored keys p - window + 1 .. p - 1, and later ones fewer."""
+    return -(-(window - 1) // page_size) + 1
+
+
+def _window_reads(read_table, ctx_lens, positions, window: int, page_size: int):
+    """What a sliding-window layer reads: each row's block table from the page holding the
+    first key its first new token sees, `window_pages` pages of it (fewer when the bucket
+    holds fewer), with the stored-length and query positions moved to that page's start.
+    The window mask depends on position differences only, so attention over the shifted read
+    equals attention over the whole table; the pages behind the window are never read.
+
+    Returns:
+        (table [B, NW], ctx_lens [B], positions [B, T]) for the layer's attention.
+    """
+    num_pages = read_table.shape[1]
+    count = min(num_pages, window_pages(window, page_size))
+    first = jnp.clip((jnp.min(positions, axis=1) - window + 1) // page_size, 0, num_pages - count)  # [B]
+    table = jnp.take_along_axis(read_table, first[:, None] + jnp.arange(count, dtype=jnp.int32)[None, :], axis=1)
+    shift = first * page_size
+    return table, ctx_lens - shift, positions - shift[:, None]
 
 
 def _kernel_reads(cache: PagedKVCache, layer: int) -> bool:

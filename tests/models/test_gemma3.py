@@ -12,6 +12,7 @@ import torch
 
 import aither_jax as aj
 from models.gguf_file import GGUFFile
+from models.llama import _window_reads, window_pages
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
 from pallas_kernels.paged_attention import paged_attention_reference
@@ -204,6 +205,41 @@ def test_windowed_attention_equals_dense_attention_under_the_window(tree):
                 p = np.exp(s - s.max())
                 want = (p / p.sum()) @ vv[:, h // (hq // hkv)]
                 np.testing.assert_allclose(np.asarray(out[r, i, h]), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_windowed_layers_read_only_the_pages_their_window_reaches(t):
+    """`_window_reads` against reading the whole block table: the same attention from
+    `window_pages` pages per row (window 7, pages of 4: 3 of a 16-page bucket), whatever a
+    row's length and its first key's place in a page. Pages no row owns hold NaN."""
+    rng = np.random.default_rng(3)
+    b, hq, hkv, dh, page, bucket, window = 6, 4, 2, 8, 4, 16, 7
+    ctx_lens = np.array([0, 3, 6, 40, 41, 63 - t], np.int32)
+    pool_k, pool_v = (rng.standard_normal((1 + b * bucket, page, hkv, dh)).astype(np.float32) for _ in range(2))
+    table = 1 + rng.permutation(b * bucket).reshape(b, bucket).astype(np.int32)
+    for r, c in enumerate(ctx_lens):
+        unused = table[r, -(-c // page) :]
+        pool_k[unused], pool_v[unused] = np.nan, np.nan
+    q = rng.standard_normal((b, t, hq, dh)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((b, t, hkv, dh)).astype(np.float32) for _ in range(2))
+    positions = jnp.asarray(ctx_lens[:, None] + np.arange(t)[None, :], jnp.int32)
+    num_new = jnp.full((b,), t, jnp.int32)
+
+    def attend(read, lens, pos):
+        k_ctx = jnp.asarray(pool_k)[read].reshape(b, -1, hkv, dh)
+        v_ctx = jnp.asarray(pool_v)[read].reshape(b, -1, hkv, dh)
+        return np.asarray(
+            paged_attention_reference(
+                *(jnp.asarray(a) for a in (q, k_new, v_new)), k_ctx, v_ctx, lens, num_new, window=window, positions=pos
+            )
+        )
+
+    lens = jnp.asarray(ctx_lens)
+    read, read_lens, read_pos = _window_reads(jnp.asarray(table), lens, positions, window, page)
+    assert read.shape == (b, window_pages(window, page)) == (b, 3)
+    whole = attend(jnp.asarray(table), lens, positions)
+    assert np.isfinite(whole).all()
+    np.testing.assert_allclose(attend(read, read_lens, read_pos), whole, rtol=1e-5, atol=1e-5)
 
 
 def test_quantized_pages_read_in_the_rotated_domain_keep_the_window(monkeypatch):
