@@ -475,6 +475,8 @@ def _tq_paged_attention(
     group = hq // hkv
     # With a window: [B, T, K] which of K keys at `key_pos` [B or 1, K] each new token sees.
     in_window = None if window is None else (lambda key_pos: positions[:, :, None] - key_pos[:, None, :] < window)
+    # Each query row's position, (token, head) pairs in order, for the stored context's window.
+    q_pos = None if window is None else jnp.repeat(positions, group, axis=1)  # [B, T x G]
     scale = dh**-0.5
     rk, rv = jnp.asarray(k_codec.rotation_matrix), jnp.asarray(v_codec.rotation_matrix)
     hi = jax.lax.Precision.HIGHEST
@@ -491,12 +493,8 @@ def _tq_paged_attention(
         acc = jnp.zeros((b, hkv, 0, num_q, dh), jnp.float32)
         m = sums = jnp.zeros((b, hkv, 0, num_q), jnp.float32)
     elif pages_per_split is None:  # the jnp path: the whole context as one split
-        near = None
-        if window is not None:  # [B, 1, T x G, C]: the query blocks' rows are (token, head) pairs
-            near = in_window(jnp.arange(block_table.shape[1] * k_pool["codes"].shape[2], dtype=jnp.int32)[None])
-            near = jnp.repeat(near, group, axis=1)[:, None]
         acc, m, sums = _context_partials_jnp(
-            q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks, near
+            q_blocks, k_pool, v_pool, block_table, layer, ctx_lens, k_codec, v_codec, num_sinks, q_pos, window
         )
     else:
         rows, num_blocks = _query_blocks(num_q, query_rows or default_query_rows(dot_precision, dh), dot_precision)
@@ -505,10 +503,7 @@ def _tq_paged_attention(
         num_pages = block_table.shape[1]
         num_splits = -(-num_pages // pages_per_split)
         table = jnp.pad(block_table, ((0, 0), (0, num_splits * pages_per_split - num_pages)))
-        # Each query row's position, (token, head) pairs in order; padding rows at 0.
-        q_pos = jnp.zeros((b, padded_q), jnp.int32)
-        if window is not None:
-            q_pos = q_pos.at[:, :num_q].set(jnp.repeat(positions, group, axis=1))
+        q_pos = jnp.zeros((b, num_q), jnp.int32) if q_pos is None else q_pos  # the kernel reads it with a window
         acc, m, sums = _context_partials(
             q_blocks,
             k_pool,
@@ -525,7 +520,7 @@ def _tq_paged_attention(
             code_loads,
             dot_precision,
             rows,
-            q_pos,
+            jnp.pad(q_pos, ((0, 0), (0, padded_q - num_q))),
             window,
         )  # [B, Hkv, NS, Qp, Dh], [B, Hkv, NS, Qp] x 2
     num_splits = acc.shape[2]
@@ -590,11 +585,13 @@ def _rotated_values(enc: dict[str, jax.Array], codec: TurboQuant) -> jax.Array:
     return jnp.asarray(codec.centroids)[idx] * enc["norms"].astype(jnp.float32)[..., None]
 
 
-def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, num_sinks, near=None):
+def _context_partials_jnp(
+    q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_codec, v_codec, num_sinks, q_pos=None, window=None
+):
     """`_context_partials` over all of each row's pages at once, in jnp: [B, Hkv, 1, Q, Dh],
     [B, Hkv, 1, Q] x 2. Norms scale the scores and the softmax weights, not the codebook
-    values, so the per-coordinate work is the unpacking and the lookup. `near` [B, 1, Q, C]:
-    which stored keys each query row may see besides (a sliding window)."""
+    values, so the per-coordinate work is the unpacking and the lookup. With a `window`, each
+    query row sees only the stored keys at most window - 1 positions behind its `q_pos` [B, Q]."""
     b, num_pages = table.shape
     hi = jax.lax.Precision.HIGHEST
 
@@ -609,8 +606,8 @@ def _context_partials_jnp(q_blocks, k_pool, v_pool, table, layer, ctx_lens, k_co
     k_vals, k_norms = gather(k_pool, layer[0], k_codec)
     pos = jnp.arange(k_vals.shape[2], dtype=jnp.int32)
     valid = ((pos >= num_sinks)[None, :] & (pos[None, :] < ctx_lens[:, None]))[:, None, None, :]  # [B, 1, 1, C]
-    if near is not None:
-        valid = valid & near
+    if window is not None:
+        valid = valid & (q_pos[:, None, :, None] - pos[None, None, None, :] < window)  # [B, 1, Q, C]
     scores = context_scores(q_blocks, k_vals, hi, heads_first=True) * k_norms[:, :, None]
     # Replace (not add): garbage in unused pages may be NaN.
     scores = jnp.where(valid, scores, MASK_VALUE)

@@ -247,9 +247,8 @@ def test_quantized_pages_read_in_the_rotated_domain_keep_the_window(monkeypatch)
     layer decoded ("reference"), over a text past the window. Every layer takes the
     rotated-domain path, the 15 windowed ones with their window, each call matching its
     reference twin (decoded and masked by position) on the same inputs. Through the model,
-    rounding differences flip
-    rare codes in later layers, so the logits are held to the gap quantization itself makes
-    (as tests/aither_jax/test_quantized_cache.py does for SmolLM2)."""
+    rounding differences flip rare codes in later layers, so the logits are held to the gap
+    quantization itself makes (as tests/aither_jax/test_quantized_cache.py does for SmolLM2)."""
     gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention_xla")
 
     def logits(kv: str, attention: str) -> np.ndarray:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.llama import tree_depth_and_mask
 from pallas_kernels.paged_attention import merge_attention
 from pallas_kernels.tq_attention import (
     DOT_PRECISION,
@@ -407,19 +408,8 @@ def test_bad_arguments_raise_clear_errors():
         tq_paged_attention_xla(*args, **codecs, window=4, positions=jnp.zeros((3, 2), jnp.int32))
 
 
-# A draft tree of six nodes: each node's parent (-1: the root), and so its depth.
+# A draft tree of six nodes: each node's parent (-1: the root).
 TREE_PARENTS = (-1, 0, 0, 1, 2, 3)
-TREE_DEPTHS = (0, 1, 1, 2, 2, 3)
-
-
-def tree_mask(parents) -> np.ndarray:
-    """[T, T]: node i sees node j when j is i or one of its ancestors."""
-    mask = np.eye(len(parents), dtype=bool)
-    for i in range(len(parents)):
-        j = parents[i]
-        while j >= 0:
-            mask[i, j], j = True, parents[j]
-    return mask
 
 
 @pytest.mark.parametrize(
@@ -440,8 +430,8 @@ def test_sliding_window_in_the_rotated_domain_matches_reference(impl, t, ctx_len
     if tree:
         if t == 1:
             pytest.skip("a one-node tree is a chain")
-        knobs["new_mask"] = jnp.asarray(np.broadcast_to(tree_mask(TREE_PARENTS), (b, t, t)))
-        knobs["positions"] = args[7][:, None] + jnp.asarray(TREE_DEPTHS, jnp.int32)[None, :]
+        depth, knobs["new_mask"] = tree_depth_and_mask(jnp.tile(jnp.asarray(TREE_PARENTS, jnp.int32), (b, 1)))
+        knobs["positions"] = args[7][:, None] + depth
     if num_sinks:
         rng = np.random.default_rng(11)
         shapes = [(b, num_sinks, hkv, 64)] * 2 + [(b, t, hkv, 64)] * 2
