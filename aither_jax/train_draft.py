@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import functools
 import hashlib
 import json
@@ -561,17 +562,26 @@ def train(
     vocab=None,
     start_layers=None,
     deadline: float | None = None,
+    start_params: DraftParams | None = None,
 ) -> tuple[DraftParams, int]:
     """Trains (or resumes); returns the parameters and the step they are at. `vocab` restricts
     the head to those ids, `start_layers` (target `LayerWeights`, one per draft layer) start
-    the layers from copies. With `deadline` (a `clock()` reading) no step starts after
-    it, and the last step taken is validated and checkpointed as a final one."""
+    the layers from copies, `start_params` (a trained draft's parameters) start every
+    parameter from them; a checkpoint in `out` takes precedence over both. With `deadline` (a
+    `clock()` reading) no step starts after it, and the last step taken is validated and
+    checkpointed as a final one."""
     import optax
     import orbax.checkpoint as ocp
 
     check_soft_labels(args, dataset)
     optimizer = make_optimizer(args)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), final_norm=final_norm)
+    if start_params is not None:
+        if jax.tree.structure(start_params) != jax.tree.structure(params) or any(
+            a.shape != b.shape for a, b in zip(jax.tree.leaves(start_params), jax.tree.leaves(params), strict=True)
+        ):
+            raise ValueError("the starting parameters do not fit the draft configuration")
+        params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), start_params, params)
     if start_layers is not None:
         params = copy_target_layers(params, cfg, start_layers)
     state = {"params": params, "opt": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
@@ -748,6 +758,12 @@ def parse_args(argv=None):
         help="start the draft layers from copies of these target layers: comma-separated indices, one per "
         "draft layer, or 'last' (needs --intermediate-size equal to the target's); default: random",
     )
+    p.add_argument(
+        "--init-draft",
+        metavar="PATH",
+        help="start from this trained draft (.npz, e.g. the shipped one): its parameters and its head's token "
+        "list; its configuration must equal the flags' (default: a fresh draft)",
+    )
     p.add_argument("--block-size", type=int_in("--block-size", 2, 64), default=16, help="drafts + 1 per step")
     p.add_argument(
         "--draft-vocab-size",
@@ -811,6 +827,10 @@ def parse_args(argv=None):
         p.error("--num-text-sequences needs --teacher-top-k > 0 (its labels are the target's greedy tokens)")
     if args.num_self_prompts and not pathlib.Path(args.held_out_prompts).is_file():
         p.error(f"--held-out-prompts: no such file {args.held_out_prompts!r} (needed with --num-self-prompts)")
+    if args.init_draft and args.init_from_target:
+        p.error("--init-draft and --init-from-target both choose the starting parameters; give one")
+    if args.init_draft and not pathlib.Path(args.init_draft).is_file():
+        p.error(f"--init-draft: no such file {args.init_draft!r}")
     if args.max_new_tokens + 16 > args.max_len:
         p.error("--max-len must leave room for a prompt beside --max-new-tokens")
     return args
@@ -850,6 +870,19 @@ def main(argv=None) -> int:
             start_layers = parse_start_layers(args.init_from_target, cfg.num_layers, cfg.intermediate_size, target_cfg)
         except ValueError as e:
             sys.exit(f"--init-from-target: {e}")
+    start_params = start_vocab = start_meta = None
+    if args.init_draft:
+        from models.draft_io import load_draft
+
+        try:
+            init_cfg, start_params, start_meta, start_vocab = load_draft(args.init_draft)
+        except ValueError as e:
+            sys.exit(f"--init-draft: {e}")
+        if init_cfg != cfg:
+            differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(init_cfg, f.name)]
+            sys.exit(
+                f"--init-draft: {args.init_draft} is a different draft ({', '.join(differ)} differ from the flags')"
+            )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "draft_config.json"
@@ -866,11 +899,24 @@ def main(argv=None) -> int:
         check_soft_labels(args, dataset)  # before loading the target's weights
     except ValueError as e:
         sys.exit(str(e))
-    vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
+    if args.init_draft:
+        vocab = start_vocab  # the head it was trained with, not one chosen from this data
+    else:
+        vocab = dataset.vocab(cfg.draft_vocab_size, cfg.vocab_size) if cfg.draft_vocab_size else None
     weights = load_weights(gguf, target_cfg, "float32", progress=False)
     start = [weights.layers[i] for i in start_layers] if start_layers is not None else None
     params, trained = train(
-        args, cfg, dataset, weights.embed, weights.lm_head, weights.final_norm, out, vocab, start, deadline
+        args,
+        cfg,
+        dataset,
+        weights.embed,
+        weights.lm_head,
+        weights.final_norm,
+        out,
+        vocab,
+        start,
+        deadline,
+        start_params,
     )
     if args.export and trained == 0:
         log.info("nothing to export: no training step was taken (%s not written)", args.export)
@@ -883,6 +929,11 @@ def main(argv=None) -> int:
             "steps": trained,
             "schedule_steps": args.steps,
         }
+        if start_meta is not None:
+            meta["initialized_from"] = {
+                "path": args.init_draft,
+                **{k: start_meta[k] for k in ("command", "steps", "data_tokens") if k in start_meta},
+            }
         save_draft(args.export, cfg, params, meta, vocab)
         log.info("exported %s (%.1f MB)", args.export, os.path.getsize(args.export) / 1e6)
     return 0

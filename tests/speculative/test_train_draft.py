@@ -179,6 +179,29 @@ def test_a_deadline_ends_training_at_a_checkpointed_validated_step(tmp_path, mon
     assert step == 7 and ocp.CheckpointManager((tmp_path / "checkpoints").absolute()).latest_step() == 7
 
 
+def test_a_run_can_start_from_a_trained_drafts_parameters(tmp_path):
+    """A run started from trained parameters begins where they left off: its first logged loss
+    is that of the trained draft, far below a fresh start's; parameters of another shape are
+    refused."""
+    import dataclasses
+
+    rng = np.random.default_rng(3)
+    cfg = _config()
+    data = Dataset([_shard(tmp_path / "s0.npz", rng)], max_len=48, block_size=cfg.block_size)
+    embed = jax.random.normal(jax.random.PRNGKey(0), (V, D)) * 0.5
+    trained, _ = train(_args(tmp_path / "a", 60), cfg, data, embed, embed, jnp.ones(D), tmp_path / "a")
+
+    def first_loss(out):
+        return json.loads((out / "train_log.jsonl").read_text().splitlines()[0])["loss"]
+
+    train(_args(tmp_path / "b", 5), cfg, data, embed, embed, jnp.ones(D), tmp_path / "b", start_params=trained)
+    train(_args(tmp_path / "c", 5), cfg, data, embed, embed, jnp.ones(D), tmp_path / "c")
+    assert first_loss(tmp_path / "b") < 0.6 * first_loss(tmp_path / "c")
+    wider = init_params(dataclasses.replace(cfg, intermediate_size=64), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="do not fit"):
+        train(_args(tmp_path / "d", 5), cfg, data, embed, embed, jnp.ones(D), tmp_path / "d", start_params=wider)
+
+
 def test_position_weights_decay():
     w = position_weights(16, 7.0)
     assert w.shape == (15,) and w[0] == 1.0 and np.all(np.diff(w) < 0)

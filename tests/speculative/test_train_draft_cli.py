@@ -4,6 +4,7 @@ loads, resumes from both, and refuses a run directory made for another draft."""
 
 import json
 import logging
+import shutil
 
 import jax
 import numpy as np
@@ -78,6 +79,19 @@ def _log(out):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--init-draft", "missing.npz"], "--init-draft: no such file"),
+        (["--init-draft", __file__, "--init-from-target", "last"], "give one"),
+    ],
+)
+def test_starting_points_are_checked(tmp_path, extra, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--out", str(tmp_path), *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="aither_jax.train_draft")
     out, first, second, third = (tmp_path / name for name in ("run", "first.npz", "second.npz", "third.npz"))
@@ -138,4 +152,32 @@ def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, cap
     with pytest.raises(SystemExit, match="holds a different draft configuration; use a new --out"):
         main([*argv, "--num-layers", "2"])
     assert (out / "draft_config.json").read_text() == saved
+
+    # A new run started from the exported draft: its parameters and head, its origin recorded.
+    warm, fourth = tmp_path / "warm", tmp_path / "fourth.npz"
+    shutil.copytree(out / "data", warm / "data")  # the same flags make the same data
+    warm_argv = ["--out", str(warm), *TINY, "--val-fraction", "0.25", "--steps", "1", "--lr", "1e-9"]
+    warm_argv += ["--init-draft", str(second)]  # a head from this data would differ: a sequence is held out
+    assert main([*warm_argv, "--export", str(fourth)]) == 0
+    cfg4, params4, meta4, vocab4 = load_draft(fourth)
+    assert cfg4 == cfg and np.array_equal(vocab4, vocab2)
+    assert meta4["initialized_from"] == {
+        "path": str(second),
+        "command": meta2["command"],
+        "steps": 4,
+        "data_tokens": meta2["data_tokens"],
+    }
+    for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params4), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3)  # float16 on disk, one tiny step
+    fresh = tmp_path / "fresh.npz"
+    shutil.copytree(out / "data", tmp_path / "fresh" / "data")
+    assert main(["--out", str(tmp_path / "fresh"), *TINY, "--steps", "1", "--lr", "1e-9", "--export", str(fresh)]) == 0
+    _, params5, _, _ = load_draft(fresh)
+    assert not all(
+        np.allclose(a, b, atol=1e-3) for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params5), strict=True)
+    )
+    with pytest.raises(SystemExit, match="--init-draft: .* not a draft file"):
+        main(["--out", str(tmp_path / "other"), *TINY, "--init-draft", __file__])
+    with pytest.raises(SystemExit, match=r"is a different draft \(num_layers differ"):
+        main([*warm_argv[:-2], "--out", str(tmp_path / "other"), "--num-layers", "2", "--init-draft", str(second)])
     assert ocp.CheckpointManager((out / "checkpoints").absolute()).latest_step() == 4
