@@ -577,9 +577,7 @@ def train(
     optimizer = make_optimizer(args)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), final_norm=final_norm)
     if start_params is not None:
-        if jax.tree.structure(start_params) != jax.tree.structure(params) or any(
-            a.shape != b.shape for a, b in zip(jax.tree.leaves(start_params), jax.tree.leaves(params), strict=True)
-        ):
+        if jax.tree.map(jnp.shape, start_params) != jax.tree.map(jnp.shape, params):  # layout and shapes
             raise ValueError("the starting parameters do not fit the draft configuration")
         params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), start_params, params)
     if start_layers is not None:
