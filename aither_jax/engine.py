@@ -9,6 +9,7 @@ to a bucket (powers of two) of rows, tokens per row and pages read.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -222,6 +223,9 @@ class Engine:
         self.num_steps = 0
         # Compiled code is dropped when it nears the process's mapping limit (code_maps.py).
         self.code_budget = CodeMapBudget()
+        # With `record`: (taps, top_k) of the calls over requests, and what they kept by request.
+        self._recording: tuple[tuple[int, ...], int] | None = None
+        self._records: dict[int, TapRecord] = {}
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -330,9 +334,13 @@ class Engine:
         """One call over (sequence, new tokens) rows (decode or prefill chunks); samples the
         next token of every row that has run all its pending tokens."""
         want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
+        taps, top_k = self._recording or (self._taps, 0)
         next_tokens, logits, hidden, batch = self._run(
-            rows, return_logits="last" if want_logprobs else "none", taps=self._taps
+            rows, return_logits="last" if want_logprobs or top_k else "none", taps=taps, host_logits=not top_k
         )
+        if self._recording is not None:
+            self._keep_record(rows, hidden, logits, top_k)
+            logits = np.asarray(logits) if want_logprobs else None
         self._write_draft_context(hidden, batch)
         for i, ((s, toks), tok) in enumerate(zip(rows, next_tokens, strict=True)):
             self.scheduler.computed(s, len(toks))
@@ -947,6 +955,74 @@ class Engine:
         for tokens, parents in self._verify_shapes(num_rows):
             self._verify(tokens, batch, params, num_pages, greedy_only, return_logits=False, parents=parents)
 
+    # -- recording what the target computed ---------------------------------------------------
+
+    def record(self, taps: tuple[int, ...] | None, top_k: int = 0) -> None:
+        """From now on, every call of the model over requests also keeps, per request, the
+        hidden states after the layers in `taps` at every position it runs and, with `top_k`,
+        the `top_k` most likely next tokens with their log probabilities at every position
+        where a token is sampled (the last prompt position and every decode step); the
+        top-k is chosen on the device. `take_record` hands them over. `None` stops recording.
+
+        This is what a DFlash draft's training data needs, made by generation itself rather
+        than by a second pass over each finished sequence. It needs plain one-step decoding
+        and no prefix cache (a cached page's positions are never run, so they would have no
+        hidden states)."""
+        if taps is None:
+            self._recording = None
+            self._records.clear()
+            return
+        taps = tuple(taps)
+        if not taps or any(not 0 <= i < self.cfg.num_layers for i in taps):
+            raise ValueError(f"taps must be layer indices in [0, {self.cfg.num_layers}), got {taps!r}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if self.speculative is not None or self.num_scheduler_steps > 1:
+            raise ValueError("recording needs plain decoding: no speculative decoding, num_scheduler_steps 1")
+        if self.scheduler.prefix_cache is not None:
+            raise ValueError("recording needs enable_prefix_caching=False: cached positions are never run")
+        self._recording = (taps, top_k)
+
+    def _keep_record(self, rows: list[tuple[Sequence, list[int]]], hidden, logits, top_k: int) -> None:
+        """Keeps one call's tapped hidden states and, for rows that sample, their top-k (called
+        before the rows' new tokens are marked computed)."""
+        hidden = np.asarray(hidden)
+        if top_k:
+            ids, logp = jax.device_get(top_log_probs(logits, top_k))
+        for i, (s, toks) in enumerate(rows):
+            record = self._records.setdefault(s.seq_id, TapRecord({}, {}))
+            # By start position: a preempted request runs its tokens again, to the same values.
+            record.hidden[s.num_cached] = hidden[i, : len(toks)].astype(np.float32)
+            if top_k and s.num_pending == len(toks):  # this call runs its last pending token: it samples
+                record.top[s.num_cached + len(toks) - 1] = (ids[i], logp[i])
+
+    def take_record(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """What `record` kept for a finished request, dropped from the engine: (the tapped
+        hidden states [n, len(taps) * D] float32, the top-k ids [n, k] int32 and log
+        probabilities [n, k] float32, or None without top_k), for the n = num_tokens - 1
+        positions it ran (its last token was sampled, never run). Positions where nothing was
+        sampled (the prompt's but its last) hold id 0 and log probability -inf. Raises
+        RuntimeError if a position was never run."""
+        if self._recording is None:
+            raise RuntimeError("nothing is recorded: call record(taps) before adding the requests")
+        taps, top_k = self._recording
+        record = self._records.pop(seq.seq_id, TapRecord({}, {}))
+        n = seq.num_tokens - 1
+        hidden = np.full((n, len(taps) * self.cfg.hidden_size), np.nan, np.float32)
+        for start, h in record.hidden.items():
+            hidden[start : start + len(h)] = h[: max(n - start, 0)]
+        if np.isnan(hidden).any(axis=1).any():
+            missing = np.flatnonzero(np.isnan(hidden).any(axis=1))
+            raise RuntimeError(f"request {seq.seq_id}: positions {missing[:5].tolist()} were never run")
+        if not top_k:
+            return hidden, None, None
+        ids = np.zeros((n, top_k), np.int32)
+        logp = np.full((n, top_k), -np.inf, np.float32)
+        for pos, (i, lp) in record.top.items():
+            if pos < n:
+                ids[pos], logp[pos] = i, lp
+        return hidden, ids, logp
+
     # -- scoring ----------------------------------------------------------------------------
 
     def score(self, ids: list[int]) -> np.ndarray:
@@ -1076,3 +1152,12 @@ def _checked_shape(index: int, record: Any) -> dict[str, Any]:
             raise ValueError(f"step shape {index} ({kind}): bad {field} {value!r}")
         out[field] = value
     return out
+
+
+@dataclasses.dataclass
+class TapRecord:
+    """What `Engine.record` kept for one request: tapped hidden states [n, len(taps) * D] by
+    the position of their first token, and (top-k ids, log probabilities) by position."""
+
+    hidden: dict[int, np.ndarray]
+    top: dict[int, tuple[np.ndarray, np.ndarray]]

@@ -313,9 +313,7 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
         prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in part]
         keep = [p[: args.max_len - args.max_new_tokens] for p in prompts]
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
-        outs = llm.generate(keep, params, use_tqdm=False)
-        seqs = [p + o.token_ids for p, o in zip(keep, outs, strict=True)]
-        arrays = tap_arrays(llm, cfg, seqs, [len(p) for p in keep], args.teacher_top_k, f"shard {s}: hidden states")
+        arrays = generated_arrays(llm, cfg, keep, params, args.teacher_top_k, f"shard {s}: answers")
         write_shard(path, arrays)
     docs = document_conversations(args.num_text_sequences, seed=args.seed) if args.num_text_sequences else []
     for s, path, part in missing_shards(data_dir, "text", docs, args.shard_size, shards):
@@ -350,6 +348,48 @@ def teacher_labels(arrays: dict[str, np.ndarray]) -> np.ndarray:
     starts = np.cumsum(arrays["lengths"]) - arrays["lengths"]
     labels[starts] = tokens[starts]
     return labels
+
+
+def generated_arrays(llm, cfg: DraftConfig, prompts: list[list[int]], params, top_k: int, desc: str):
+    """The target's answers to `prompts` and the shard arrays of prompt + answer, made by the
+    generation itself (`Engine.record`): its calls keep the tapped hidden states of every
+    position they run and the top-k at every position where they sample, so no second pass
+    over the sequences is needed. A sequence's last token is sampled, never run: its row of
+    hidden states is zeros and its top-k log probabilities -inf, as are the top-k rows of
+    the prompt positions but the last. No training block reads them: blocks start at the
+    prompt's last position and end inside the sequence, and the context is what lies
+    before a block. The arrays are `tap_arrays`'s."""
+    engine = llm.engine
+    engine.record(cfg.target_layers, top_k)
+    seqs = []
+    try:
+        seqs = [engine.add_request(p, params) for p in prompts]
+        with tqdm(total=len(seqs), desc=desc, unit="seq", leave=False) as bar:
+            while engine.has_unfinished():
+                bar.update(len(engine.step()))
+        tokens, hidden, top_ids, top_logp = [], [], [], []
+        for seq in seqs:
+            h, ids, logp = engine.take_record(seq)
+            tokens.append(np.asarray(seq.prompt_ids + seq.output_ids, np.int32))
+            hidden.append(np.concatenate([h, np.zeros_like(h[:1])]).astype(np.float16))
+            if top_k:
+                top_ids.append(np.concatenate([ids, np.zeros_like(ids[:1])]))
+                top_logp.append(np.concatenate([logp, np.full_like(logp[:1], -np.inf)]).astype(np.float16))
+    except BaseException:
+        for seq in seqs:
+            engine.abort(seq)
+        raise
+    finally:
+        engine.record(None)
+    arrays = {
+        "tokens": np.concatenate(tokens),
+        "lengths": np.asarray([len(t) for t in tokens], np.int32),
+        "prompt_lengths": np.asarray([len(p) for p in prompts], np.int32),
+        "hidden": np.concatenate(hidden),
+    }
+    if top_k:
+        arrays |= {"top_ids": np.concatenate(top_ids), "top_log_probs": np.concatenate(top_logp)}
+    return arrays
 
 
 def tap_arrays(llm, cfg: DraftConfig, seqs: list[list[int]], prompt_lengths: list[int], top_k: int, desc: str):

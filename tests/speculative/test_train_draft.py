@@ -4,6 +4,7 @@ checkpoint with the same state, and the exported draft loads."""
 import json
 import pathlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +13,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 from aither_jax import chat_prompts as chat_prompts_module
+from aither_jax.sampling import SamplingParams
 from aither_jax.steps import top_log_probs
 from aither_jax.train_draft import (
     Dataset,
     build_prompts,
     document_conversations,
+    generated_arrays,
     held_out,
     keep_self_prompt,
     loss_fn,
@@ -25,8 +28,10 @@ from aither_jax.train_draft import (
     position_weights,
     read_prompt_texts,
     self_prompts,
+    tap_arrays,
     teacher_labels,
     train,
+    write_shard,
 )
 from models.config import ModelConfig
 from models.draft import DraftConfig, context_features, context_kv, copy_target_layers, init_params
@@ -454,6 +459,64 @@ def test_one_pass_gives_logits_and_tapped_hidden_states(llm_f32):
         llm_f32.engine.forward(ids, logits=False)
     with pytest.raises(ValueError, match="layer indices"):
         llm_f32.engine.forward(ids, taps=(99,))
+
+
+def test_generation_records_what_a_second_pass_computes(llm_f32, tmp_path):
+    """`generated_arrays` (hidden states and top-k kept by the generation's own calls) gives
+    what `tap_arrays` (one more pass over each finished sequence) does: the same tokens, the
+    hidden states within float16 rounding and the same top-k wherever training reads them.
+    The prompts span one to three 64-token prefill chunks and run batched."""
+    tok = llm_f32.tokenizer
+    texts = ["Hi", "Explain why the sky is blue, with an example about sunsets over the sea. " * 6, "A haiku."]
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    prompts = [tok.encode(c) for c in chats]
+    assert max(map(len, prompts)) > 128
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    cfg = types.SimpleNamespace(target_layers=(1, 14, 27))
+    fused = generated_arrays(llm_f32, cfg, prompts, params, 8, "answers")
+    outs = llm_f32.generate(prompts, params, use_tqdm=False)
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
+    second = tap_arrays(llm_f32, cfg, seqs, [len(p) for p in prompts], 8, "hidden states")
+    for key in ("tokens", "lengths", "prompt_lengths"):
+        np.testing.assert_array_equal(fused[key], second[key])
+    assert fused["hidden"].dtype == np.float16 and fused["top_log_probs"].dtype == np.float16
+    ends = np.cumsum(fused["lengths"])
+    for start, end, plen in zip(ends - fused["lengths"], ends, fused["prompt_lengths"], strict=True):
+        # Every position but the last (sampled, never run) was run by the generation.
+        h, h2 = (a["hidden"][start : end - 1].astype(np.float32) for a in (fused, second))
+        np.testing.assert_allclose(h, h2, rtol=2e-3, atol=1e-3)
+        assert not fused["hidden"][end - 1].any()
+        # The top-k where a token was sampled: the prompt's last position and every answer position.
+        answer = slice(start + plen - 1, end - 1)
+        np.testing.assert_array_equal(fused["top_ids"][answer], second["top_ids"][answer])
+        np.testing.assert_allclose(
+            fused["top_log_probs"][answer].astype(np.float32), second["top_log_probs"][answer], atol=2e-3
+        )
+        assert np.isneginf(fused["top_log_probs"][start : start + plen - 1]).all()
+    # Training never reads the rows that hold nothing.
+    write_shard(tmp_path / "s.npz", fused)
+    data = Dataset([tmp_path / "s.npz"], max_len=320, block_size=16)
+    batch = data.batch(np.random.default_rng(0), 16, 8, 0.0)
+    assert np.isfinite(batch["top_log_probs"]).all()
+    assert llm_f32.engine._recording is None  # generated_arrays leaves the engine as it found it
+
+
+def test_recording_refuses_what_it_cannot_record(llm_f32, monkeypatch):
+    engine = llm_f32.engine
+    with pytest.raises(RuntimeError, match="nothing is recorded"):
+        engine.take_record(types.SimpleNamespace(seq_id=0, num_tokens=2))
+    with pytest.raises(ValueError, match="layer indices"):
+        engine.record((99,))
+    with pytest.raises(ValueError, match="top_k"):
+        engine.record((1,), top_k=-1)
+    monkeypatch.setattr(engine, "num_scheduler_steps", 2)
+    with pytest.raises(ValueError, match="plain decoding"):
+        engine.record((1,))
+    monkeypatch.undo()
+    monkeypatch.setattr(engine.scheduler, "prefix_cache", object())
+    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
+        engine.record((1,))
+    assert engine._recording is None
 
 
 def test_draft_layers_copied_from_the_target_start_as_its_blocks(llm_f32):
