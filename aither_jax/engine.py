@@ -968,9 +968,9 @@ class Engine:
         than by a second pass over each finished sequence. It needs plain one-step decoding
         and no prefix cache (a cached page's positions are never run, so they would have no
         hidden states)."""
+        self._records.clear()
         if taps is None:
             self._recording = None
-            self._records.clear()
             return
         taps = tuple(taps)
         if not taps or any(not 0 <= i < self.cfg.num_layers for i in taps):
@@ -991,14 +991,15 @@ class Engine:
             ids, logp = jax.device_get(top_log_probs(logits, top_k))
         for i, (s, toks) in enumerate(rows):
             record = self._records.setdefault(s.seq_id, TapRecord({}, {}))
-            # By start position: a preempted request runs its tokens again, to the same values.
-            record.hidden[s.num_cached] = hidden[i, : len(toks)].astype(np.float32)
+            if s.num_cached == 0:  # a first run, or a preempted request's recompute: its states replace any kept
+                record.hidden.clear()
+            record.hidden[s.num_cached] = hidden[i, : len(toks)].astype(np.float16)
             if top_k and s.num_pending == len(toks):  # this call runs its last pending token: it samples
                 record.top[s.num_cached + len(toks) - 1] = (ids[i], logp[i])
 
     def take_record(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """What `record` kept for a finished request, dropped from the engine: (the tapped
-        hidden states [n, len(taps) * D] float32, the top-k ids [n, k] int32 and log
+        hidden states [n, len(taps) * D] float16, the top-k ids [n, k] int32 and log
         probabilities [n, k] float32, or None without top_k), for the n = num_tokens - 1
         positions it ran (its last token was sampled, never run). Positions where nothing was
         sampled (the prompt's but its last) hold id 0 and log probability -inf. Raises
@@ -1008,7 +1009,7 @@ class Engine:
         taps, top_k = self._recording
         record = self._records.pop(seq.seq_id, TapRecord({}, {}))
         n = seq.num_tokens - 1
-        hidden = np.full((n, len(taps) * self.cfg.hidden_size), np.nan, np.float32)
+        hidden = np.full((n, len(taps) * self.cfg.hidden_size), np.nan, np.float16)
         for start, h in record.hidden.items():
             hidden[start : start + len(h)] = h[: max(n - start, 0)]
         if np.isnan(hidden).any(axis=1).any():
@@ -1156,8 +1157,9 @@ def _checked_shape(index: int, record: Any) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class TapRecord:
-    """What `Engine.record` kept for one request: tapped hidden states [n, len(taps) * D] by
-    the position of their first token, and (top-k ids, log probabilities) by position."""
+    """What `Engine.record` kept for one request: tapped hidden states [n, len(taps) * D]
+    float16 by the position of their first token, and (top-k ids, log probabilities) by
+    position."""
 
     hidden: dict[int, np.ndarray]
     top: dict[int, tuple[np.ndarray, np.ndarray]]

@@ -363,7 +363,8 @@ def generated_arrays(llm, cfg: DraftConfig, prompts: list[list[int]], params, to
     engine.record(cfg.target_layers, top_k)
     seqs = []
     try:
-        seqs = [engine.add_request(p, params) for p in prompts]
+        for p in prompts:  # one at a time, so that a refused prompt leaves the others to abort
+            seqs.append(engine.add_request(p, params))
         with tqdm(total=len(seqs), desc=desc, unit="seq", leave=False) as bar:
             while engine.has_unfinished():
                 bar.update(len(engine.step()))
@@ -371,7 +372,7 @@ def generated_arrays(llm, cfg: DraftConfig, prompts: list[list[int]], params, to
         for seq in seqs:
             h, ids, logp = engine.take_record(seq)
             tokens.append(np.asarray(seq.prompt_ids + seq.output_ids, np.int32))
-            hidden.append(np.concatenate([h, np.zeros_like(h[:1])]).astype(np.float16))
+            hidden.append(np.concatenate([h, np.zeros_like(h[:1])]))
             if top_k:
                 top_ids.append(np.concatenate([ids, np.zeros_like(ids[:1])]))
                 top_logp.append(np.concatenate([logp, np.full_like(logp[:1], -np.inf)]).astype(np.float16))

@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import aither_jax as aj
 from aither_jax import chat_prompts as chat_prompts_module
 from aither_jax.sampling import SamplingParams
 from aither_jax.steps import top_log_probs
@@ -501,6 +502,49 @@ def test_generation_records_what_a_second_pass_computes(llm_f32, tmp_path):
     assert llm_f32.engine._recording is None  # generated_arrays leaves the engine as it found it
 
 
+def test_recording_survives_preemption_and_keeps_log_probabilities():
+    """Four requests in a pool too small for them: some are preempted and run all their
+    tokens again, and the kept states are still those of a second pass. A request that asks
+    for log probabilities gets them beside its record."""
+    llm = aj.LLM(
+        "smollm2-135m", dtype="float32", kv_cache_dtype="fp32", max_model_len=256, max_num_seqs=4,
+        num_pages=20, max_prefill_chunk=64, progress=False,
+    )  # fmt: skip
+    tok = llm.tokenizer
+    texts = ["Name a colour.", "Count to twenty.", "Describe a cat.", "What is rain?"]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)) for t in texts
+    ]
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    cfg = types.SimpleNamespace(target_layers=(3, 25))
+    fused = generated_arrays(llm, cfg, prompts, params, 4, "answers")
+    assert llm.engine.scheduler.num_preemptions > 0
+    seqs = np.split(fused["tokens"], np.cumsum(fused["lengths"])[:-1])
+    second = tap_arrays(llm, cfg, [s.tolist() for s in seqs], [len(p) for p in prompts], 4, "hidden states")
+    np.testing.assert_array_equal(fused["tokens"], second["tokens"])
+    ends = np.cumsum(fused["lengths"])
+    for start, end, plen in zip(ends - fused["lengths"], ends, fused["prompt_lengths"], strict=True):
+        h, h2 = (a["hidden"][start : end - 1].astype(np.float32) for a in (fused, second))
+        np.testing.assert_allclose(h, h2, rtol=2e-3, atol=1e-3)
+        answer = slice(start + plen - 1, end - 1)
+        np.testing.assert_array_equal(fused["top_ids"][answer], second["top_ids"][answer])
+    # Log probabilities while recording: the sampled token's is the record's best.
+    engine = llm.engine
+    engine.record(cfg.target_layers, 3)
+    try:
+        seq = engine.add_request(prompts[0], SamplingParams(max_tokens=5, temperature=0.0), num_logprobs=2)
+        while engine.has_unfinished():
+            engine.step()
+        _, ids, logp = engine.take_record(seq)
+    finally:
+        engine.record(None)
+    plen = len(prompts[0])
+    assert len(seq.logprobs) == len(seq.output_ids) == 5
+    for j, (token_logp, alternatives) in enumerate(seq.logprobs):
+        assert seq.output_ids[j] == ids[plen - 1 + j, 0] == alternatives[0][0]
+        np.testing.assert_allclose(token_logp, logp[plen - 1 + j, 0], atol=1e-4)
+
+
 def test_recording_refuses_what_it_cannot_record(llm_f32, monkeypatch):
     engine = llm_f32.engine
     with pytest.raises(RuntimeError, match="nothing is recorded"):
@@ -509,6 +553,11 @@ def test_recording_refuses_what_it_cannot_record(llm_f32, monkeypatch):
         engine.record((99,))
     with pytest.raises(ValueError, match="top_k"):
         engine.record((1,), top_k=-1)
+    # A refused prompt leaves nothing queued or recorded behind it.
+    cfg = types.SimpleNamespace(target_layers=(1,))
+    with pytest.raises(ValueError, match="maximum context length"):
+        generated_arrays(llm_f32, cfg, [[1, 2, 3], [1] * 700], SamplingParams(max_tokens=4), 2, "answers")
+    assert not engine.has_unfinished() and engine._recording is None and not engine._records
     monkeypatch.setattr(engine, "num_scheduler_steps", 2)
     with pytest.raises(ValueError, match="plain decoding"):
         engine.record((1,))
