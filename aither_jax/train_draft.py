@@ -266,6 +266,9 @@ def read_prompt_texts(path: pathlib.Path) -> list[str]:
 # -- stage 2: data --------------------------------------------------------------------------
 
 
+DATA_PAGE_SIZE = 16  # tokens per KV page of the target that makes the data
+
+
 def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathlib.Path]:
     """Writes shards of (tokens, prompt lengths, tapped hidden states); returns their paths."""
     from aither_jax.llm import LLM
@@ -279,12 +282,17 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
     def target():
         nonlocal llm
         if llm is None:
+            # Pages for every sequence of a batch at full length: the library's default pool
+            # (1 GiB) holds ~23k float32 tokens, and a request preempted for want of pages runs
+            # all its tokens again (--gen-batch 256 at 640 tokens needs 164k, 7.5 GB).
             llm = LLM(
                 args.model,
                 dtype="float32",
                 kv_cache_dtype="fp32",
                 max_model_len=args.max_len,
                 max_num_seqs=args.gen_batch,
+                num_pages=args.gen_batch * -(-args.max_len // DATA_PAGE_SIZE) + 1,
+                page_size=DATA_PAGE_SIZE,
                 progress=False,
             )
             cfg.check_target(llm.config)
