@@ -986,9 +986,7 @@ class Engine:
     def _keep_record(self, rows: list[tuple[Sequence, list[int]]], hidden, logits, top_k: int) -> None:
         """Keeps one call's tapped hidden states and, for rows that sample, their top-k (called
         before the rows' new tokens are marked computed)."""
-        hidden = np.asarray(hidden)
-        if top_k:
-            ids, logp = jax.device_get(top_log_probs(logits, top_k))
+        hidden, (ids, logp) = jax.device_get((hidden, top_log_probs(logits, top_k) if top_k else (None, None)))
         for i, (s, toks) in enumerate(rows):
             record = self._records.setdefault(s.seq_id, TapRecord({}, {}))
             if s.num_cached == 0:  # a first run, or a preempted request's recompute: its states replace any kept
@@ -1000,28 +998,28 @@ class Engine:
     def take_record(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """What `record` kept for a finished request, dropped from the engine: (the tapped
         hidden states [n, len(taps) * D] float16, the top-k ids [n, k] int32 and log
-        probabilities [n, k] float32, or None without top_k), for the n = num_tokens - 1
-        positions it ran (its last token was sampled, never run). Positions where nothing was
-        sampled (the prompt's but its last) hold id 0 and log probability -inf. Raises
-        RuntimeError if a position was never run."""
+        probabilities [n, k] float32, or None without top_k) for its n = num_tokens positions.
+        Its last token was sampled, never run: its hidden states are zeros. Positions where
+        nothing was sampled (the prompt's but its last, and the last) hold id 0 and log
+        probability -inf. Raises RuntimeError if any other position was never run."""
         if self._recording is None:
             raise RuntimeError("nothing is recorded: call record(taps) before adding the requests")
         taps, top_k = self._recording
         record = self._records.pop(seq.seq_id, TapRecord({}, {}))
-        n = seq.num_tokens - 1
+        n = seq.num_tokens
         hidden = np.full((n, len(taps) * self.cfg.hidden_size), np.nan, np.float16)
         for start, h in record.hidden.items():
-            hidden[start : start + len(h)] = h[: max(n - start, 0)]
-        if np.isnan(hidden).any(axis=1).any():
-            missing = np.flatnonzero(np.isnan(hidden).any(axis=1))
+            hidden[start : start + len(h)] = h
+        hidden[n - 1] = 0
+        missing = np.flatnonzero(np.isnan(hidden).any(axis=1))
+        if missing.size:
             raise RuntimeError(f"request {seq.seq_id}: positions {missing[:5].tolist()} were never run")
         if not top_k:
             return hidden, None, None
         ids = np.zeros((n, top_k), np.int32)
         logp = np.full((n, top_k), -np.inf, np.float32)
         for pos, (i, lp) in record.top.items():
-            if pos < n:
-                ids[pos], logp[pos] = i, lp
+            ids[pos], logp[pos] = i, lp
         return hidden, ids, logp
 
     # -- scoring ----------------------------------------------------------------------------

@@ -364,9 +364,9 @@ def generated_arrays(llm, cfg: DraftConfig, prompts: list[list[int]], params, to
     position they run and the top-k at every position where they sample, so no second pass
     over the sequences is needed. A sequence's last token is sampled, never run: its row of
     hidden states is zeros and its top-k log probabilities -inf, as are the top-k rows of
-    the prompt positions but the last. No training block reads them: blocks start at the
-    prompt's last position and end inside the sequence, and the context is what lies
-    before a block. The arrays are `tap_arrays`'s."""
+    the prompt positions but the last (`Engine.take_record`). No training block reads them:
+    blocks start at the prompt's last position and end inside the sequence, and the context
+    is what lies before a block. The arrays are `tap_arrays`'s."""
     engine = llm.engine
     engine.record(cfg.target_layers, top_k)
     seqs = []
@@ -376,50 +376,40 @@ def generated_arrays(llm, cfg: DraftConfig, prompts: list[list[int]], params, to
         with tqdm(total=len(seqs), desc=desc, unit="seq", leave=False) as bar:
             while engine.has_unfinished():
                 bar.update(len(engine.step()))
-        tokens, hidden, top_ids, top_logp = [], [], [], []
-        for seq in seqs:
-            h, ids, logp = engine.take_record(seq)
-            tokens.append(np.asarray(seq.prompt_ids + seq.output_ids, np.int32))
-            hidden.append(np.concatenate([h, np.zeros_like(h[:1])]))
-            if top_k:
-                top_ids.append(np.concatenate([ids, np.zeros_like(ids[:1])]))
-                top_logp.append(np.concatenate([logp, np.full_like(logp[:1], -np.inf)]).astype(np.float16))
+        records = [engine.take_record(seq) for seq in seqs]
     except BaseException:
         for seq in seqs:
             engine.abort(seq)
         raise
     finally:
         engine.record(None)
-    arrays = {
-        "tokens": np.concatenate(tokens),
-        "lengths": np.asarray([len(t) for t in tokens], np.int32),
-        "prompt_lengths": np.asarray([len(p) for p in prompts], np.int32),
-        "hidden": np.concatenate(hidden),
-    }
-    if top_k:
-        arrays |= {"top_ids": np.concatenate(top_ids), "top_log_probs": np.concatenate(top_logp)}
-    return arrays
+    return shard_arrays([s.prompt_ids + s.output_ids for s in seqs], [len(p) for p in prompts], records)
 
 
 def tap_arrays(llm, cfg: DraftConfig, seqs: list[list[int]], prompt_lengths: list[int], top_k: int, desc: str):
     """One target pass over each sequence: the shard arrays (tokens, lengths, prompt lengths,
     tapped hidden states in float16 and, with `top_k`, the target's top-k next tokens and log
     probabilities at every position, most likely first)."""
-    hidden, top_ids, top_logp = [], [], []
+    records = []
     for ids in tqdm(seqs, desc=desc, leave=False):
         top, h = llm.engine.forward(ids, taps=cfg.target_layers, logits=top_k > 0, top_k=top_k)
-        hidden.append(h.astype(np.float16))
-        if top_k:
-            top_ids.append(top[0])
-            top_logp.append(top[1].astype(np.float16))
+        records.append((h.astype(np.float16), *(top if top_k else (None, None))))
+    return shard_arrays(seqs, prompt_lengths, records)
+
+
+def shard_arrays(seqs: list[list[int]], prompt_lengths: list[int], records: list[tuple]) -> dict[str, np.ndarray]:
+    """A shard's arrays from each sequence's tokens and its (hidden states [n, taps * D],
+    top-k ids [n, k], log probabilities [n, k]) rows, the last two None without soft labels:
+    hidden states and log probabilities stored in float16."""
+    hidden, top_ids, top_logp = zip(*records, strict=True)
     arrays = {
         "tokens": np.concatenate([np.asarray(x, np.int32) for x in seqs]),
         "lengths": np.asarray([len(x) for x in seqs], np.int32),
         "prompt_lengths": np.asarray(prompt_lengths, np.int32),
-        "hidden": np.concatenate(hidden),
+        "hidden": np.concatenate(hidden).astype(np.float16, copy=False),
     }
-    if top_k:
-        arrays |= {"top_ids": np.concatenate(top_ids), "top_log_probs": np.concatenate(top_logp)}
+    if top_ids[0] is not None:
+        arrays |= {"top_ids": np.concatenate(top_ids), "top_log_probs": np.concatenate(top_logp).astype(np.float16)}
     return arrays
 
 
