@@ -5,8 +5,8 @@ llm = aj.LLM("smollm2-135m")
 out = llm.generate(["Once upon a time"], aj.SamplingParams(max_tokens=32, temperature=0.0))[0]
 """
 
+from aither_jax.device.sampling import SamplingParams
 from aither_jax.llm import LLM, RequestOutput
-from aither_jax.sampling import SamplingParams
 from models.registry import MODELS, resolve_model
 
 __all__ = ["LLM", "MODELS", "RequestOutput", "SamplingParams", "resolve_model"]

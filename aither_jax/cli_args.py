@@ -62,7 +62,7 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 def speculative_config(text: str):
     """--speculative-config: a JSON object of SpeculativeConfig fields, checked at parse time."""
-    from aither_jax.speculative import SpeculativeConfig
+    from aither_jax.speculative.config import SpeculativeConfig
 
     try:
         return SpeculativeConfig.parse(text)

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.engine import Engine
-from aither_jax.sampling import SamplingParams
+from aither_jax.core.engine import Engine
+from aither_jax.device.sampling import SamplingParams
 from models.config import ModelConfig
 from models.gguf_file import GGUFFile
 from models.kv_spec import KVSpec, parse_kv_spec
@@ -99,7 +99,7 @@ class LLM:
         seed: seeds requests that bring no seed of their own.
         speculative: speculative decoding: None (off), "dflash" (the draft shipped for the
             model), "ngram" (prompt lookup), or a dict / JSON string of
-            `aither_jax.speculative.SpeculativeConfig` fields, such as
+            `aither_jax.speculative.config.SpeculativeConfig` fields, such as
             {"method": "dflash", "num_speculative_tokens": 7, "steps": 2}. Output is lossless:
             the target's own greedy tokens, or its own sampling distribution.
         shared_prefix_attention: decode steps whose rows all hold the same cached prefix pages

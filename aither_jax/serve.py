@@ -234,7 +234,7 @@ def _use_shape_file(llm, args: argparse.Namespace) -> None:
     step-shapes file or holds a malformed record."""
     import time
 
-    from aither_jax import shape_file
+    from aither_jax.compile import shape_file
 
     path = args.compile_shapes
     shapes: list[dict] = []

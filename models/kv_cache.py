@@ -1,6 +1,6 @@
 """The functional paged KV cache: device page pools plus per-slot block tables and lengths.
 
-Everything here is data; the host-side `PageAllocator` (serving.page_allocator) decides
+Everything here is data; the host-side `PageAllocator` (aither_jax.kv.allocator) decides
 which pages a sequence owns and writes its block-table row. Page 0 is the null page: it is
 never handed out, padding rows write their garbage into it, and unassigned block-table
 entries point at it, so every read of it is masked.

@@ -100,12 +100,3 @@ def load_key_transforms(model: str | os.PathLike, num_layers: int, num_kv_heads:
             f"{(num_layers, num_kv_heads, head_dim, head_dim)}"
         )
     return m
-
-
-def calibration_text() -> str:
-    """The default fitting text: the standard library's docstring paragraphs (those the draft
-    trainer draws prompts from, aither_jax/train_draft.py), in a fixed order. Not the license
-    texts that the quality measurements use."""
-    from aither_jax.train_draft import stdlib_docs
-
-    return "\n\n".join(para for _, _, para in stdlib_docs())

@@ -6,7 +6,7 @@ One function serves prefill chunks and decode steps: each row of the batch bring
 tokens (T = 1 for decode) that start at a given position and attend to the row's stored
 cache plus themselves (causally), so a chunk sees the earlier chunks exactly as they were
 stored. The forward pass only reads the cache and returns the new keys/values as a
-`KVUpdate`; `aither_jax.steps` applies it in a separate donated call (see there for why).
+`KVUpdate`; `aither_jax.device.steps` applies it in a separate donated call (see there for why).
 Layers are unrolled over per-layer weight pytrees.
 """
 
@@ -130,7 +130,7 @@ def vocab_logits(x: jax.Array, head: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class KVUpdate:
-    """What a step adds to the cache; `aither_jax.steps.write_step` applies it in a separate call."""
+    """What a step adds to the cache; `aither_jax.device.steps.write_step` applies it in a separate call."""
 
     pages: jax.Array  # [B, T] int32 page of each new token (NULL_PAGE for padding)
     offsets: jax.Array  # [B, T] int32 slot within the page

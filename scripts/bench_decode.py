@@ -98,10 +98,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from aither_jax.engine import Engine  # noqa: E402
+from aither_jax.compile.counter import CompileCounter  # noqa: E402
+from aither_jax.core.engine import Engine  # noqa: E402
+from aither_jax.device.sampling import SamplingParams  # noqa: E402
 from aither_jax.llm import LLM, default_num_pages, resolve_dtype, resolve_kv_cache_dtype  # noqa: E402
-from aither_jax.sampling import SamplingParams  # noqa: E402
-from aither_jax.steps import CompileCounter  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.gguf_file import GGUFFile  # noqa: E402
 from models.kv_spec import parse_kv_spec  # noqa: E402

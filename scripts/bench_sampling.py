@@ -53,7 +53,7 @@ def time_sampler(rows: int, temperature: float, top_p: float, vocab: int) -> flo
     import jax.numpy as jnp
     import numpy as np
 
-    from aither_jax.sampling import SamplingBatch, sample_tokens
+    from aither_jax.device.sampling import SamplingBatch, sample_tokens
 
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((rows, vocab)).astype(np.float32) * 3)
     batch = SamplingBatch(

@@ -131,7 +131,7 @@ def recorded_shapes(llm, path: pathlib.Path | None):
     """Compiles the step shapes recorded in `path` (when it exists) on several threads, then
     runs the block; afterwards writes every shape the engine ran back to `path`. The prefill
     shapes of the prompts, which the warm-up otherwise compiles one at a time, are among them."""
-    from aither_jax import shape_file
+    from aither_jax.compile import shape_file
 
     if path is not None and path.exists():
         start = time.perf_counter()

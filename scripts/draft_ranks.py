@@ -32,7 +32,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from aither_jax.speculative import best_prefixes  # noqa: E402
+from aither_jax.speculative.dflash import best_prefixes  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,11 +102,12 @@ def draft_ranks(args) -> dict:
     import jax.numpy as jnp
     from tqdm import tqdm
 
+    from aither_jax.device.sampling import SamplingParams
     from aither_jax.eval import prompt_ids, read_prompts
     from aither_jax.llm import LLM
-    from aither_jax.sampling import SamplingParams
-    from aither_jax.speculative import SHIPPED_DRAFTS, ngram_propose
-    from aither_jax.train_draft import tap_arrays
+    from aither_jax.speculative.config import SHIPPED_DRAFTS
+    from aither_jax.speculative.ngram import ngram_propose
+    from aither_jax.speculative.train.data import tap_arrays
     from models.draft import MASK, block_forward, context_features, context_kv
     from models.draft_io import load_draft
     from models.llama import vocab_logits

@@ -528,7 +528,7 @@ def keep_step_shapes(grown: pathlib.Path) -> int:
     (each one read first: a file that is not a step-shapes file is reported and left out).
     Returns the number copied."""
     sys.path.insert(0, str(ROOT))
-    from aither_jax import shape_file
+    from aither_jax.compile import shape_file
 
     copied = 0
     for path in sorted(grown.glob("*.json")) if grown.is_dir() else []:

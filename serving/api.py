@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from aither_jax.sampling import SamplingParams
+from aither_jax.device.sampling import SamplingParams
+from aither_jax.kv.prefix_cache import tenant_salt
 from models.tokenizer import ChatTemplateError, Tokenizer
 from serving import protocol
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Update
-from serving.prefix_cache import tenant_salt
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from aither_jax.engine import Engine
-from aither_jax.sampling import SamplingParams
-from aither_jax.steps import CompileCounter
+from aither_jax.compile.counter import CompileCounter
+from aither_jax.core.engine import Engine
+from aither_jax.core.sequence import Sequence
+from aither_jax.device.sampling import SamplingParams
+from aither_jax.kv.prefix_cache import hash_chain
 from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
-from serving.prefix_cache import hash_chain
-from serving.scheduler import Sequence
 
 log = logging.getLogger(__name__)
 

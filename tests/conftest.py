@@ -7,7 +7,7 @@ import os
 import pytest
 
 import aither_jax as aj
-from aither_jax.code_maps import CodeMapBudget
+from aither_jax.compile.code_maps import CodeMapBudget
 from models.registry import resolve_model
 
 MODEL = "smollm2-135m"

@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_speculative  # noqa: E402
 
-from aither_jax import shape_file  # noqa: E402
+from aither_jax.compile import shape_file  # noqa: E402
 
 
 class FakeEngine:

@@ -57,7 +57,7 @@ def test_summary_of_a_draft_that_is_always_right():
     pos = np.arange(anchors)[:, None] + 1 + np.arange(block - 1)
     ranks = np.where(pos < anchors, 0, -1)
     top = np.tile(np.log(np.array([0.9, 0.05, 0.05]))[None, None], (anchors, block - 1, 1))
-    from aither_jax.speculative import ngram_propose
+    from aither_jax.speculative.ngram import ngram_propose
 
     args = types.SimpleNamespace(trees=[4], draft=None, prompts="p.jsonl", max_tokens=36)
     r = dr.summarize(args, [(tokens, plen, ranks, top)], ngram_propose, block)

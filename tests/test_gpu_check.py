@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 
-from aither_jax import shape_file  # noqa: E402
+from aither_jax.compile import shape_file  # noqa: E402
 
 PY = sys.executable
 
@@ -182,7 +182,7 @@ def test_every_stage_command_is_valid_here():
     """Typos in a stage would cost a device call: every script's flags parse, every test path exists."""
     import importlib
 
-    from aither_jax import train_draft
+    from aither_jax.speculative.train import run as train_draft
 
     for stage, (template, limit, _) in gpu_check.STAGES.items():
         assert 0 < limit <= 590, stage  # one device call runs 600 s at most

@@ -1,4 +1,4 @@
-"""The mapping budget for compiled code (aither_jax.code_maps): compiled steps are dropped when
+"""The mapping budget for compiled code (aither_jax.compile.code_maps): compiled steps are dropped when
 the process nears its memory-mapping limit, decoding goes on with the same tokens, and warm-up
 stops short of the limit instead of crashing the process."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from aither_jax import code_maps
-from aither_jax.code_maps import CodeMapBudget
+from aither_jax.compile import code_maps
+from aither_jax.compile.code_maps import CodeMapBudget
 
 ROOT = Path(__file__).resolve().parents[2]
 LINUX = os.path.exists(code_maps.MAPS_PATH) and os.path.exists(code_maps.LIMIT_PATH)
@@ -26,8 +26,8 @@ CHILD = """
 import json, logging
 import jax
 import aither_jax as aj
-from aither_jax.code_maps import CodeMapBudget, map_count
-from aither_jax.steps import CompileCounter
+from aither_jax.compile.code_maps import CodeMapBudget, map_count
+from aither_jax.compile.counter import CompileCounter
 logging.basicConfig(level=logging.WARNING)
 
 class OnceOver(CodeMapBudget):  # over its limit until the first release, then far below it

@@ -1,4 +1,4 @@
-"""The persistent compilation cache (aither_jax.compile_cache): where it goes, how it is turned
+"""The persistent compilation cache (aither_jax.compile.cache): where it goes, how it is turned
 off, and that a second process loads what the first one compiled (and counts the load)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from aither_jax import compile_cache
+from aither_jax.compile import cache as compile_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,8 +24,8 @@ CHILD = """
 import json, jax, jax.numpy as jnp
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 from jax._src import monitoring
-from aither_jax import compile_cache
-from aither_jax.steps import CompileCounter
+from aither_jax.compile import cache as compile_cache
+from aither_jax.compile.counter import CompileCounter
 hits = []
 monitoring.register_event_listener(lambda e, **k: hits.append(e) if e.endswith("cache_hits") else None)
 path = compile_cache.enable()

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from aither_jax.engine import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS, bucket, page_bucket
-from aither_jax.steps import CompileCounter, decode_steps
+from aither_jax.compile.counter import CompileCounter
+from aither_jax.core.engine import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS, bucket, page_bucket
+from aither_jax.device.steps import decode_steps
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -92,7 +93,7 @@ def test_compile_counter_sees_new_compilations(llm_f32):
     import jax
     import jax.numpy as jnp
 
-    from aither_jax.steps import CompileCounter
+    from aither_jax.compile.counter import CompileCounter
 
     before, seconds, lowering = llm_f32.engine.num_compiles, CompileCounter.seconds(), CompileCounter.lowering_seconds()
     jax.jit(lambda x: x * 3 + 1)(jnp.arange(7)).block_until_ready()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from aither_jax import generate
-from aither_jax.sampling import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from aither_jax.device.sampling import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 from models.registry import GEMMA3_KV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aither_jax.kv_allocation import allocate_bits, probe_name, spec_name
+from aither_jax.quant.allocation import allocate_bits, probe_name, spec_name
 from models.kv_spec import parse_kv_spec
 
 VECTOR_BYTES = {side: {b: 64 * b // 8 + 2 for b in range(2, 9)} for side in "kv"}
@@ -79,7 +79,7 @@ class _FakeScorer:
 
 
 def test_run_allocate_fits_on_the_mean_of_its_texts_and_only_scores_held_out_ones(monkeypatch):
-    import aither_jax.kv_allocation as alloc
+    import aither_jax.quant.allocation as alloc
 
     # Text a finds key layer 0 sensitive, text b value layer 1; the held-out text would pull
     # every bit to key layer 1 if it were used for fitting.
@@ -118,7 +118,7 @@ def _allocate_args(**changes):
 
 
 def test_run_allocate_resumes_from_its_probes_file(monkeypatch, tmp_path):
-    import aither_jax.kv_allocation as alloc
+    import aither_jax.quant.allocation as alloc
 
     monkeypatch.setattr(alloc, "FormatScorer", _FakeScorer)
     _FakeScorer.weights = {t: {(s, i): 0.01 * (i + 1) for s in "kv" for i in range(2)} for t in ("a", "b", "held")}

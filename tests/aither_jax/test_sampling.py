@@ -7,8 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax import sampling as sampling_module
-from aither_jax.sampling import WINDOWS, SamplingBatch, SamplingParams, filtered_logits, greedy_tokens, sample_tokens
+from aither_jax.device import sampling as sampling_module
+from aither_jax.device.sampling import (
+    WINDOWS,
+    SamplingBatch,
+    SamplingParams,
+    filtered_logits,
+    greedy_tokens,
+    sample_tokens,
+)
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 N = 4000

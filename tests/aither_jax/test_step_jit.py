@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax import step_jit as sj
-from aither_jax.steps import forward_step, write_step
+from aither_jax.compile import step_jit as sj
+from aither_jax.device.steps import forward_step, write_step
 
 
 @pytest.fixture

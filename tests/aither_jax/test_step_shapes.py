@@ -1,5 +1,5 @@
 """Step-shape records (`Engine.step_shapes`, `Engine.precompile`) and their files
-(`aither_jax.shape_file`): what one run compiled, compiled up front by the next."""
+(`aither_jax.compile.shape_file`): what one run compiled, compiled up front by the next."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import logging
 import pytest
 
 import aither_jax as aj
-from aither_jax import shape_file
-from aither_jax.steps import CompileCounter
+from aither_jax.compile import shape_file
+from aither_jax.compile.counter import CompileCounter
 
 PROMPTS = [
     "Tell me about the sea and the wind that moves across it at night. " * 6,

@@ -9,12 +9,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.kv_cache import init_cache
-from models.kv_transform import (
-    fit_key_transforms,
-    key_transform,
-    load_key_transforms,
-    score_error_ratio,
-)
+from models.kv_transform import fit_key_transforms, key_transform, load_key_transforms, score_error_ratio
 from models.llama import _transform_query_key
 
 TINY = ModelConfig("llama", 2, 64, 128, 4, 2, 16, 100, 64)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from serving.scheduler import Sequence
+from aither_jax.core.sequence import Sequence
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ def test_shared_prefix_outputs_match_without_caching_and_second_pass_hits(cached
 def share_small_prefixes(monkeypatch):
     """Shared-prefix attention from 2 common pages in steps of 2 (normally 32 and 16), so the
     ~85-token prefix (5 full pages) is read once per decode step as 4 shared pages."""
-    import aither_jax.engine as engine_module
+    import aither_jax.core.engine as engine_module
 
     monkeypatch.setattr(engine_module, "MIN_SHARED_PAGES", 2)
     monkeypatch.setattr(engine_module, "SHARED_PAGE_STEP", 2)

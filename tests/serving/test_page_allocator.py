@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.page_allocator import OutOfPagesError, PageAllocator
+from aither_jax.kv.allocator import OutOfPagesError, PageAllocator
 
 
 def test_allocate_free_roundtrip_never_gives_null_page():

@@ -13,11 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aither_jax.sampling import SamplingParams
+from aither_jax.compile.buckets import bucket
+from aither_jax.core.plan import StepPlan
+from aither_jax.core.scheduler import Scheduler
+from aither_jax.core.sequence import Sequence
+from aither_jax.device.sampling import SamplingParams
+from aither_jax.kv.allocator import PageAllocator
+from aither_jax.kv.prefix_cache import PrefixCache, hash_chain, page_hash, tenant_salt
 from models.kv_cache import NULL_PAGE
-from serving.page_allocator import PageAllocator
-from serving.prefix_cache import PrefixCache, hash_chain, page_hash, tenant_salt
-from serving.scheduler import Scheduler, Sequence, StepPlan, bucket
 
 PAGE = 4
 SECRET = b"test-secret"

@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from aither_jax import shape_file
+from aither_jax.compile import shape_file
 from tests.serving.conftest import EXACT_FLAGS
 
 COMPILES = "aither:xla_compilations_total"

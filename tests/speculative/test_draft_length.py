@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from aither_jax.draft_length import DraftLength
+from aither_jax.speculative.draft_length import DraftLength
 
 
 def test_options_fill_verify_buckets():

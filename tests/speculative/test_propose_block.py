@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax.speculative import DraftPools, _block_attention, _masked_block, propose_block
+from aither_jax.speculative.dflash import DraftPools, _block_attention, _masked_block, propose_block
 from models.draft import MASK, DraftConfig, block_forward, init_params, unmask_schedule
 from models.llama import vocab_logits
 

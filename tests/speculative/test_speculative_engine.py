@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from aither_jax import steps
-from aither_jax.speculative import SHIPPED_DRAFTS, ngram_propose, verify
+from aither_jax.device import steps
+from aither_jax.device.verify import verify
+from aither_jax.speculative.config import SHIPPED_DRAFTS
+from aither_jax.speculative.ngram import ngram_propose
 
 PROMPTS = [
     "Write a haiku about the sea.",

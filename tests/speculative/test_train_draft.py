@@ -14,26 +14,19 @@ import pytest
 
 import aither_jax as aj
 from aither_jax import chat_prompts as chat_prompts_module
-from aither_jax.sampling import SamplingParams
-from aither_jax.steps import top_log_probs
-from aither_jax.train_draft import (
-    Dataset,
+from aither_jax.device.sampling import SamplingParams
+from aither_jax.device.steps import top_log_probs
+from aither_jax.speculative.train.data import Dataset, generated_arrays, tap_arrays, teacher_labels, write_shard
+from aither_jax.speculative.train.loss import loss_fn, position_weights
+from aither_jax.speculative.train.prompts import (
     build_prompts,
     document_conversations,
-    generated_arrays,
     held_out,
     keep_self_prompt,
-    loss_fn,
-    parse_args,
-    parse_start_layers,
-    position_weights,
     read_prompt_texts,
     self_prompts,
-    tap_arrays,
-    teacher_labels,
-    train,
-    write_shard,
 )
+from aither_jax.speculative.train.run import parse_args, parse_start_layers, train
 from models.config import ModelConfig
 from models.draft import DraftConfig, context_features, context_kv, copy_target_layers, init_params
 from models.draft_io import load_draft, save_draft
@@ -161,7 +154,7 @@ def test_a_deadline_ends_training_at_a_checkpointed_validated_step(tmp_path, mon
     """The clock reads 0, 1, 2, ... (one tick per look): with the deadline at 7 the check before
     training and those after steps 1..6 pass, so step 7 is the last; it is validated and
     checkpointed although 7 is not a multiple of --save-every (20)."""
-    import aither_jax.train_draft as td
+    import aither_jax.speculative.train.run as td
 
     ticks = iter(range(1000))
     monkeypatch.setattr(td, "clock", lambda: next(ticks))

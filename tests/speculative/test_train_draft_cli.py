@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from aither_jax.train_draft import main, parse_args
+from aither_jax.speculative.train.run import main, parse_args
 from models.draft import DraftConfig
 from models.draft_io import load_draft
 

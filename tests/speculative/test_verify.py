@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aither_jax.sampling import SamplingBatch, sample_tokens
-from aither_jax.speculative import CPU_TREE, SpeculativeConfig, draft_tree, ngram_propose, verify, verify_tree
+from aither_jax.device.sampling import SamplingBatch, sample_tokens
+from aither_jax.device.verify import verify, verify_tree
+from aither_jax.speculative.config import CPU_TREE, SpeculativeConfig
+from aither_jax.speculative.dflash import draft_tree
+from aither_jax.speculative.ngram import ngram_propose
 
 V, T, N = 6, 3, 40_000
 P_VALUE = 1e-3  # the correct rule must pass at this level; the broken ones must fail far below it

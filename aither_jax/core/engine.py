@@ -20,14 +20,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax import compile_cache
-from aither_jax.code_maps import CodeMapBudget
-from aither_jax.draft_length import DraftLength
-from aither_jax.sampling import SamplingBatch, SamplingParams
-from aither_jax.speculative import DFlashProposer, SpeculativeConfig, ngram_propose
-from aither_jax.step_jit import compile_workers
-from aither_jax.steps import (
-    CompileCounter,
+from aither_jax.compile import cache as compile_cache
+from aither_jax.compile.buckets import bucket, page_bucket
+from aither_jax.compile.code_maps import CodeMapBudget
+from aither_jax.compile.counter import CompileCounter
+from aither_jax.compile.step_jit import compile_workers
+from aither_jax.core.scheduler import Scheduler
+from aither_jax.core.sequence import Sequence
+from aither_jax.device.sampling import SamplingBatch, SamplingParams
+from aither_jax.device.steps import (
     copy_pages,
     decode_steps,
     forward_step,
@@ -37,6 +38,10 @@ from aither_jax.steps import (
     verify_step,
     write_step,
 )
+from aither_jax.speculative.config import SpeculativeConfig
+from aither_jax.speculative.dflash import DFlashProposer
+from aither_jax.speculative.draft_length import DraftLength
+from aither_jax.speculative.ngram import ngram_propose
 from models.config import ModelConfig
 from models.kv_cache import init_cache
 from models.kv_spec import MAX_SINK_TOKENS, parse_kv_spec
@@ -44,7 +49,6 @@ from models.kv_transform import load_key_transforms
 from models.llama import ATTENTION_IMPLS, StepBatch
 from models.tokenizer import Tokenizer
 from models.weights import ModelWeights
-from serving.scheduler import Scheduler, Sequence, bucket, page_bucket
 
 log = logging.getLogger(__name__)
 
@@ -700,7 +704,7 @@ class Engine:
     def step_shapes(self) -> list[dict[str, Any]]:
         """The step shapes this engine has run or precompiled, in first-seen order: one record
         (a JSON-able dict, `SHAPE_FIELDS`) per compiled program. `precompile` takes them, in
-        this process or in the next one (`aither_jax.shape_file`)."""
+        this process or in the next one (`aither_jax.compile.shape_file`)."""
         return [dict(r) for r in self._shapes.values()]
 
     def warmup(
@@ -812,7 +816,7 @@ class Engine:
     ) -> int:
         """Compiles step shapes before any request needs them, on `workers` threads (default
         `step_jit.compile_workers()`): records as `step_shapes` gives them, typically an
-        earlier run's (`aither_jax.shape_file`; `serve --compile-shapes`).
+        earlier run's (`aither_jax.compile.shape_file`; `serve --compile-shapes`).
 
         Each record's call is lowered on this thread, on padding inputs of its shape, and
         compiled in a thread pool (XLA's backend compilation releases the GIL; on the H200's

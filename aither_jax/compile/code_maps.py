@@ -11,7 +11,7 @@ the process dies with a segmentation fault, on a default machine after ~60 shape
 count when something compiled since its last look. Once it passes `high_water` of the limit,
 it drops every compiled executable (`jax.clear_caches`), which unmaps their code; the shapes
 still in use compile again on their next call (or load from the persistent cache,
-`aither_jax.compile_cache`). Warm-ups (`Engine.warmup`, `Engine.precompile`) make the same
+`aither_jax.compile.cache`). Warm-ups (`Engine.warmup`, `Engine.precompile`) make the same
 check before compiling, so code compiled for earlier shapes never stops them at their first
 shape. Raising `vm.max_map_count` makes all of this rarer.
 """
@@ -23,7 +23,7 @@ import logging
 
 import jax
 
-from aither_jax.steps import CompileCounter
+from aither_jax.compile.counter import CompileCounter
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serving.page_allocator import PageAllocator
+from aither_jax.kv.allocator import PageAllocator
 
 
 def tenant_salt(secret: bytes, tenant: str) -> bytes:

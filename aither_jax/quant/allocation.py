@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.eval import FormatScorer
+from aither_jax.quant.scoring import FormatScorer
 from models.kv_spec import parse_kv_spec
 from pallas_kernels.turboquant import tq_vector_bytes
 

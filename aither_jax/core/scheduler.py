@@ -22,107 +22,17 @@ runs once more to fill that buffer.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
-import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from aither_jax.compile.buckets import bucket
+from aither_jax.core.plan import StepPlan
+from aither_jax.core.sequence import Sequence
+from aither_jax.kv.allocator import PageAllocator
+from aither_jax.kv.prefix_cache import PrefixCache, hash_chain, page_hash
 from models.kv_cache import NULL_PAGE
-from serving.page_allocator import PageAllocator
-from serving.prefix_cache import PrefixCache, hash_chain, page_hash
-
-if TYPE_CHECKING:  # aither_jax's engine imports this module
-    from aither_jax.sampling import SamplingParams
 
 MAX_PINNED_FRACTION = 0.5
-
-
-def bucket(n: int, minimum: int, maximum: int) -> int:
-    """Smallest power of two >= n, clamped to [minimum, maximum]."""
-    return max(minimum, min(maximum, 1 << max(0, math.ceil(math.log2(max(n, 1))))))
-
-
-def page_bucket(n: int, minimum: int, maximum: int) -> int:
-    """Smallest of 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, ... (powers of two and, from 6 up, the
-    halfway points 3 * 2^k) >= n, clamped to [minimum, maximum]: how many pages a step reads per row.
-
-    Attention reads every page of the bucket, masked or not. Power-of-two steps read up to
-    twice the pages the longest row needs, a third more on average over context lengths;
-    halfway steps bring that to 1.5x and a sixth, for twice as many compiled decode shapes.
-    """
-    power = bucket(n, 1, 1 << 62)
-    if power >= 8 and 4 * max(n, 1) <= 3 * power:
-        power = 3 * power // 4
-    return max(minimum, min(maximum, power))
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """One request's state on the host."""
-
-    seq_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    max_tokens: int  # params.max_tokens clipped to the context left
-    stop_ids: frozenset[int]
-    salt: bytes = b""  # root of the prefix-cache chain (the tenant)
-    pin_tokens: int = 0  # pin the full pages of this many leading prompt tokens once computed
-    num_logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
-    slot: int = -1
-    pages: list[int] = dataclasses.field(default_factory=list)
-    names: list[bytes] = dataclasses.field(default_factory=list)  # chain of this sequence's full pages so far
-    num_cached: int = 0  # tokens whose KV is in the cache
-    num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at first admission
-    num_computed: int = 0  # tokens run through the model (prefill and decode, recomputes too)
-    num_preemptions: int = 0
-    num_pinned_pages: int | None = None  # set once the pin_tokens prefix is computed and pinned
-    num_spec_steps: int = 0  # speculative verify passes that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    text: str = ""
-    finish_reason: str | None = None
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens to run before the next one can be sampled (1 when decoding)."""
-        return self.num_tokens - self.num_cached
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_pending > 1
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        """Token ids [start, stop) of prompt + output."""
-        n = len(self.prompt_ids)
-        head = self.prompt_ids[start:stop] if start < n else []
-        return head + self.output_ids[max(0, start - n) : max(0, stop - n)]
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """What one engine step runs: (sequence, new tokens) rows and page copies to make first."""
-
-    prefill: list[tuple[Sequence, list[int]]]
-    decode: list[tuple[Sequence, list[int]]]
-    copies: list[tuple[int, int]]  # (source page, destination page)
-    # Sequences admitted on cached pages that cover sink positions, with the tokens whose
-    # sink keys/values their slot needs recomputed before they run (see `Scheduler`).
-    sink_refills: list[tuple[Sequence, list[int]]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
