@@ -27,8 +27,8 @@ Memory bandwidth is measured in the same run as the time of summing a large uint
 (`--bandwidth-mib`); each path's effective bandwidth is the bytes of context it must read
 (codes and norms, or bf16 values) over its time.
 
-Writes JSON (`--out`) and, unless `--no-record`, one row per case and bit pair to
-docs/BENCHMARKS.md.
+Writes JSON (`--out`) and, unless `--no-record`, records one result per case and bit pair
+(scripts/bench_record.py: docs/benchmarks/log.jsonl and the attention table of docs/BENCHMARKS.md).
 
     python scripts/bench_attention.py                          # GPU: 32x8192 and 1x512
     python scripts/bench_attention.py --cases 2x64 --repeats 2 --inner 2 --no-record   # CPU smoke
@@ -53,7 +53,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `python scripts/bench_attention.py` without installing the package
 
-from bench_serving import append_row, environment  # noqa: E402
+import bench_record  # noqa: E402
 
 from pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
 from pallas_kernels.tq_attention import (  # noqa: E402
@@ -66,13 +66,6 @@ from pallas_kernels.tq_attention import (  # noqa: E402
     tq_paged_attention_xla,
 )
 from pallas_kernels.turboquant import TurboQuant  # noqa: E402
-
-HEADER = "## Decode attention (scripts/bench_attention.py)"
-COLUMNS = (
-    "| date | device | batch x context | K/V bits | TurboQuant kernel (us) | TurboQuant xla (us) | bf16 (us) | "
-    "kernel vs bf16 | kernel GB/s (of measured) | versions | command |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|\n"
-)
 
 
 def _case(text: str) -> tuple[int, int]:
@@ -150,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mib", type=positive_int, default=None, help="default: 2048 on GPU, 256 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_attention.json")
-    p.add_argument("--no-record", action="store_true", help="do not append rows to docs/BENCHMARKS.md")
+    p.add_argument("--no-record", action="store_true", help="do not record the figures (scripts/bench_record.py)")
     args = p.parse_args(argv)
     for _, context in args.cases:
         if context % args.page_size:
@@ -307,21 +300,30 @@ def run_case(batch: int, context: int, k_bits: int, v_bits: int, args) -> dict:
 
 
 def record(report: dict, command: str) -> None:
-    env, bw = report["env"], report["bandwidth_bytes_per_second"]
+    """Records one result per case and bit pair (bench_record), keyed on the kernel variants
+    the run timed: a run of other variants does not replace a row."""
+    cfg, bandwidth = report["config"], report["bandwidth_bytes_per_second"]
+    run = {"command": command, **bench_record.provenance(report["env"])}
+    entries = []
     for r in report["results"]:
-        t = r["timings"]
-        kernel, speed, gbs = "not run", "-", "-"
-        if "kernel_seconds" in r:
-            kbs = r["kernel_bytes_per_second"]
-            kernel = f"{r['kernel_seconds'] * 1e6:.1f} ({r['kernel_best']})"
-            speed = f"{r['kernel_speedup_vs_bf16']:.2f}x"
-            gbs = f"{kbs / 1e9:.0f} ({kbs / bw:.0%} of {bw / 1e9:.0f})"
-        row = (
-            f"| {env['date']} | {env['device']} | {r['batch']} x {r['context']} | {r['k_bits']}:{r['v_bits']} | "
-            f"{kernel} | {t['xla']['seconds'] * 1e6:.1f} | {t['bf16']['seconds'] * 1e6:.1f} | {speed} | {gbs} | "
-            f"jax {env['jax']}, Python {env['python']} | `{command}` |\n"
-        )
-        append_row(HEADER, COLUMNS, row)
+        t, kernel = r["timings"], r.get("kernel_seconds")
+        config = {"case": f"{r['batch']} x {r['context']}", "K:V bits": f"{r['k_bits']}:{r['v_bits']}"}
+        config["code loads"] = None if cfg["no_kernel"] else ", ".join(cfg["code_loads"])
+        config["products"] = None if cfg["no_kernel"] else ", ".join(cfg["dot_precision"])
+        kernel_bps = r["kernel_bytes_per_second"] if kernel else None
+        figures = {
+            "kernel us": bench_record.rounded(kernel * 1e6 if kernel else None, 1),
+            "kernel variant": r.get("kernel_best"),
+            "xla us": bench_record.rounded(t["xla"]["seconds"] * 1e6, 1),
+            "bf16 us": bench_record.rounded(t["bf16"]["seconds"] * 1e6, 1),
+            "kernel vs bf16 (x)": bench_record.rounded(r.get("kernel_speedup_vs_bf16"), 2),
+            "kernel GB/s": bench_record.rounded(kernel_bps / 1e9 if kernel else None, 0),
+            "kernel share of measured (%)": bench_record.rounded(100 * kernel_bps / bandwidth if kernel else None, 0),
+            "measured GB/s": bench_record.rounded(bandwidth / 1e9, 0),
+        }
+        details = r | {"bandwidth_bytes_per_second": bandwidth, "kernel_interpreted": report["kernel_interpreted"]}
+        entries.append(bench_record.result("attention", config, figures, details=details, **run))
+    bench_record.record(entries)
 
 
 def main(argv=None) -> int:
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
             print(f"batch {batch} x context {context}, K/V bits {k_bits}:{v_bits}", file=sys.stderr)
             results.append(run_case(batch, context, k_bits, v_bits, args))
     report = {
-        "env": environment(),
+        "env": bench_record.environment(),
         "kernel_interpreted": on_cpu,
         "bandwidth_bytes_per_second": bandwidth,
         "config": {k: v for k, v in vars(args).items() if k != "out"},

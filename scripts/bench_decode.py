@@ -24,9 +24,10 @@ Before the timings, the greedy tokens of both at batch 1 are compared over the f
 tokens (a text prompt and the batch-1 benchmark prompt); a mismatch is warned about and
 recorded as `tokens_match: false` (expected to match in float32; bfloat16 rounding may differ).
 
-Writes a JSON report (`--out`), prints a table, appends one row per batch size to
-docs/BENCHMARKS.md (unless `--no-record`) and, when matplotlib is importable, draws
-`out/bench_decode.png` next to the JSON.
+Writes a JSON report (`--out`), prints a table, records one result per batch size (unless
+`--no-record`; scripts/bench_record.py: docs/benchmarks/log.jsonl and the decode table of
+docs/BENCHMARKS.md) and, when matplotlib is importable, draws `out/bench_decode.png` next to
+the JSON.
 
     python scripts/bench_decode.py                       # defaults: batch 1 and 8, prompt 128, 64 new
     python scripts/bench_decode.py --random-weights      # no GGUF needed (e.g. on a GPU machine)
@@ -93,6 +94,7 @@ def _stub_gguf_if_missing() -> bool:
 
 GGUF_STUBBED = _stub_gguf_if_missing()
 
+import bench_record  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -107,20 +109,6 @@ from models.gguf_file import GGUFFile  # noqa: E402
 from models.kv_spec import parse_kv_spec  # noqa: E402
 from models.registry import DEFAULT_MODEL, MODELS, resolve_model  # noqa: E402
 from models.weights import DTYPES, LayerWeights, ModelWeights  # noqa: E402
-
-BENCHMARKS_MD = REPO_ROOT / "docs" / "BENCHMARKS.md"
-SECTION = "## Decode throughput (scripts/bench_decode.py)"
-TABLE_HEADER = (
-    "| date | device | dtype | batch | prompt | ours prefill tok/s | HF prefill tok/s | ours decode tok/s "
-    "| HF decode tok/s | decode ratio | versions | command |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-)
-MD_INTRO = "# Benchmarks\n\nRows are appended by the scripts named in each heading; edit the text, not the numbers.\n"
-SECTION_INTRO = (
-    "Prefill and decode tokens/s of `aither_jax.LLM.generate` and of HF transformers `generate` (greedy, same\n"
-    "weights and dtype, same random prompts), median of repeats after a warm-up run. prompt = prompt tokens +\n"
-    "generated tokens; decode ratio = ours / HF. Each run also writes a JSON report (`--out`).\n"
-)
 
 CHECK_TOKENS = 16  # greedy tokens compared between ours and HF at batch 1
 CHECK_TEXT = "The three primary colors are red, yellow and blue. Mixing red and blue gives"
@@ -213,7 +201,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "every token",
     )
     p.add_argument("--out", default="out/bench_decode.json", help="JSON report path")
-    p.add_argument("--no-record", action="store_true", help=f"do not append rows to {BENCHMARKS_MD.name}")
+    p.add_argument("--no-record", action="store_true", help="do not record the results (scripts/bench_record.py)")
     return p.parse_args(argv)
 
 
@@ -593,59 +581,38 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"greedy tokens match HF (batch 1, first {CHECK_TOKENS}): {'n/a' if match is None else match}")
 
 
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def record_markdown(report: dict[str, Any], path: Path = BENCHMARKS_MD) -> None:
-    """Appends one row per batch size to the section's table, creating file, section and table as needed."""
-    p, v = report["parameters"], report["versions"]
-    dtype = p["dtype"] + (", random weights" if p["random_weights"] else "")
-    if p.get("kv_cache_dtype") not in (None, unquantized_kv(p["dtype"])):
-        dtype += f" / KV {p['kv_cache_dtype']}"
-    vers = f"jax {v['jax']}" + (f", torch {v['torch']}, transformers {v['transformers']}" if v["torch"] else "")
-    if p["hf_compile"]:
-        vers += ", HF torch.compile"
-    rows = []
+def record(report: dict[str, Any]) -> None:
+    """Records one result per batch size (bench_record), keyed on the model, dtypes, batch,
+    tokens, ours' settings and the HF peer's mode (None: ours alone)."""
+    p = report["parameters"]
+    peer = ("torch.compile" if p["hf_compile"] else "eager") if p["hf"] else None
+    versions = {k: v for k, v in report["versions"].items() if v}
+    run = {"device": report["device"]["summary"], "date": report["date"], "versions": versions}
+    run |= {"command": report["command"], "commit": report.get("commit")}
+    kept = ("parameters", "tokens_match", "ours_compilations", "ours_compile_seconds")
+    entries = []
     for r in report["results"]:
         ours, hf = r["ours"], r["hf"] or {}
-        cells = [
-            report["date"][:10],
-            report["device"]["summary"],
-            dtype,
-            str(r["batch"]),
-            f"{p['prompt_len']}+{p['decode_tokens']}",
-            _fmt(ours["prefill_tok_s"]),
-            _fmt(hf.get("prefill_tok_s")),
-            _fmt(ours["decode_tok_s"]),
-            _fmt(hf.get("decode_tok_s")),
-            _fmt(r["ratio"]["decode"], 2),
-            vers,
-            f"`{report['command']}`",
-        ]
-        rows.append("| " + " | ".join(_md_cell(c) for c in cells) + " |\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = path.read_text().splitlines(keepends=True) if path.exists() else [MD_INTRO]
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    heading = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
-    if heading is None:
-        lines += ["\n", SECTION + "\n", "\n", SECTION_INTRO, "\n", TABLE_HEADER, *rows]
-    else:
-        # The section's table ends at the first non-table line after it starts (or at the next heading).
-        end, in_table = heading + 1, False
-        for i in range(heading + 1, len(lines)):
-            stripped = lines[i].strip()
-            if stripped.startswith("|"):
-                in_table, end = True, i + 1
-            elif in_table or stripped.startswith("#"):
-                break
-            else:
-                end = i + 1
-        if not in_table:  # section without a table yet
-            rows = ["\n", TABLE_HEADER, *rows] if lines[end - 1].strip() else [TABLE_HEADER, *rows]
-        lines[end:end] = rows
-    path.write_text("".join(lines))
+        config = {
+            "model": report["model"],
+            "weights": p["dtype"],
+            "KV": p["kv_cache_dtype"],
+            "batch": r["batch"],
+            "tokens": f"{p['prompt_len']}+{p['decode_tokens']}",
+            "max model len": p["max_model_len"],
+            "steps per call": p["num_scheduler_steps"],
+            "HF": peer,
+        }
+        figures = {
+            "ours prefill tok/s": bench_record.rounded(ours["prefill_tok_s"]),
+            "HF prefill tok/s": bench_record.rounded(hf.get("prefill_tok_s")),
+            "ours decode tok/s": bench_record.rounded(ours["decode_tok_s"]),
+            "HF decode tok/s": bench_record.rounded(hf.get("decode_tok_s")),
+            "decode vs HF (x)": bench_record.rounded(r["ratio"]["decode"], 2),
+        }
+        details = r | {k: report[k] for k in kept}
+        entries.append(bench_record.result("decode", config, figures, details=details, **run))
+    bench_record.record(entries)
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -703,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     max_model_len = args.max_model_len or needed
     dev = jax.devices()[0]
     cpu = cpu_model()
-    device_summary = f"{cpu or 'CPU'} ({os.cpu_count()} cores)" if dev.platform == "cpu" else dev.device_kind
+    device_summary = bench_record.device_name()
     print(f"jax {jax.__version__} on {dev.platform} ({dev.device_kind}); {args.model}, {args.dtype}", flush=True)
 
     # Ours first (HF is not even imported yet, so its threads do not compete).
@@ -801,6 +768,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["bench_decode.py", *argv]),
         "executable": sys.executable,
+        "commit": bench_record.git_commit(),
         "model": args.model + (" (random weights)" if args.random_weights else ""),
         "model_config": dataclasses.asdict(cfg),
         "device": {
@@ -845,8 +813,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"wrote {out}")
     plot(report, out.with_suffix(".png"))
     if not args.no_record:
-        record_markdown(report)
-        print(f"appended {len(results)} row(s) to {BENCHMARKS_MD.relative_to(REPO_ROOT)}")
+        record(report)
     return report
 
 

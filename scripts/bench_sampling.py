@@ -9,7 +9,8 @@ default; temperature 0.8 with top-p 0.9):
   end-of-sequence ignored, one seed per row), decode tok/s = rows * 64 / (t65 - t1), the median
   of `--repeats` pairs after one untimed pair.
 
-Writes JSON (`--out`) and a row in docs/BENCHMARKS.md (unless `--no-record`). To compare two
+Writes JSON (`--out`) and, unless `--no-record`, records the figures (scripts/bench_record.py:
+docs/benchmarks/log.jsonl and the sampling table of docs/BENCHMARKS.md). To compare two
 versions of the sampler, run this file against each checkout:
 `PYTHONPATH=<checkout> python scripts/bench_sampling.py --no-record --out ...`.
 
@@ -27,10 +28,11 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_serving import append_row, environment  # noqa: E402
+import bench_record  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTINGS = ((1.0, 1.0), (0.8, 0.9))  # (temperature, top_p)
+DTYPE, KV = "float32", "fp32"  # the decode measurement's weights and KV cache
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sampler-rows", type=int, nargs="+", default=[1, 8, 128])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_sampling.json")
-    p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
+    p.add_argument("--no-record", action="store_true", help="do not record the figures (scripts/bench_record.py)")
     args = p.parse_args(argv)
     if args.repeats < 1 or min(args.rows + args.sampler_rows) < 1:
         p.error("--repeats, --rows and --sampler-rows must be at least 1")
@@ -102,7 +104,7 @@ def time_decode(llm, rows: int, temperature: float, top_p: float, repeats: int) 
 def bench(args) -> dict:
     import aither_jax as aj
 
-    llm = aj.LLM(args.model, dtype="float32", kv_cache_dtype="fp32", max_num_seqs=max(args.rows), progress=False)
+    llm = aj.LLM(args.model, dtype=DTYPE, kv_cache_dtype=KV, max_num_seqs=max(args.rows), progress=False)
     report = {"config": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
     report["sampler_ms"], report["decode_tok_s"] = [], []
     for temperature, top_p in SETTINGS:
@@ -117,34 +119,33 @@ def bench(args) -> dict:
     return report
 
 
+def setting_name(temperature: float, top_p: float) -> str:
+    return f"temperature {temperature:g}" + ("" if top_p == 1 else f", top-p {top_p:g}")
+
+
 def record(report: dict, command: str) -> None:
-    header = "## Sampled decoding (scripts/bench_sampling.py)"
-    columns = (
-        "| date | device | sampler ms by rows, T=1 | sampler ms by rows, T=0.8 top-p 0.9 | "
-        "decode tok/s by rows, T=1 | decode tok/s by rows, T=0.8 top-p 0.9 | versions | command |\n"
-        "|---|---|---|---|---|---|---|---|\n"
-    )
-    env = report["env"]
-
-    def cells(key: str, value: str, fmt: str) -> list[str]:
-        out = []
-        for temperature, top_p in SETTINGS:
-            rows = [r for r in report[key] if (r["temperature"], r["top_p"]) == (temperature, top_p)]
-            out.append(", ".join(f"{r['rows']}: {r[value]:{fmt}}" for r in rows))
-        return out
-
-    sampler, decode = cells("sampler_ms", "ms", ".2f"), cells("decode_tok_s", "tok_s", ".0f")
-    row = (
-        f"| {env['date']} | {env['device']} | {sampler[0]} | {sampler[1]} | {decode[0]} | {decode[1]} | "
-        f"jax {env['jax']}, Python {env['python']} | `{command}` |\n"
-    )
-    append_row(header, columns, row)
+    """Records one result per sampling setting (bench_record): the sampler's ms and the decode
+    tok/s, each by rows."""
+    run = {"command": command, **bench_record.provenance(report["env"])}
+    entries = []
+    for setting in SETTINGS:
+        sampler = [r for r in report["sampler_ms"] if (r["temperature"], r["top_p"]) == setting]
+        decode = [r for r in report["decode_tok_s"] if (r["temperature"], r["top_p"]) == setting]
+        config = {"model": report["config"]["model"], "weights / KV": f"{DTYPE} / {KV}"}
+        config["setting"] = setting_name(*setting)
+        figures = {
+            "sampler ms by rows": {str(r["rows"]): bench_record.rounded(r["ms"], 2) for r in sampler},
+            "decode tok/s by rows": {str(r["rows"]): bench_record.rounded(r["tok_s"], 0) for r in decode},
+        }
+        details = {"sampler_ms": sampler, "decode_tok_s": decode}
+        entries.append(bench_record.result("sampling", config, figures, details=details, **run))
+    bench_record.record(entries)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = bench(args)
-    report["env"] = environment()
+    report["env"] = bench_record.environment()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     if not args.no_record:

@@ -23,8 +23,9 @@ before serving, and its warm-ups then compile only the shapes the file lacks, wh
 GPU stage starts from files recorded on CPU (`scripts/data/step_shapes/`) and brings the
 grown ones back.
 
-Writes a JSON report (`--out`), a plot next to it, prints a table and appends one row to
-docs/BENCHMARKS.md (unless `--no-record`).
+Writes a JSON report (`--out`), a plot next to it, prints a table and records the figures
+(unless `--no-record`): scripts/bench_record.py adds them to docs/benchmarks/log.jsonl and to
+the serving table of docs/BENCHMARKS.md.
 
     python scripts/bench_serving.py                         # defaults: SmolLM2, default KV format
     python scripts/bench_serving.py --kv-cache-dtype bf16 --concurrency 1,8,32
@@ -35,11 +36,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import os
 import pathlib
-import platform
 import random
 import socket
 import statistics
@@ -48,6 +47,7 @@ import sys
 import tempfile
 import time
 
+import bench_record
 import httpx
 import numpy as np
 
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_serving.json")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="keep the servers' logs in this file")
-    p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
+    p.add_argument("--no-record", action="store_true", help="do not record the figures (scripts/bench_record.py)")
     add_shape_args(p, "each server's step-shapes file in DIR (serve --compile-shapes): compiled before serving")
     return p.parse_args(argv)
 
@@ -373,28 +373,6 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
     return report
 
 
-def environment() -> dict:
-    import jax
-
-    device = jax.devices()[0]
-    name = device.device_kind if device.platform != "cpu" else _cpu_name()
-    return {
-        "device": name,
-        "platform": device.platform,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(),
-    }
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    return f"{platform.processor() or 'cpu'} ({os.cpu_count()} cores)"
-
-
 def plot(report: dict, path: pathlib.Path) -> None:
     try:
         import matplotlib
@@ -435,53 +413,44 @@ def plot(report: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def append_row(header: str, columns: str, row: str) -> None:
-    """Appends `row` to the table under `header` in docs/BENCHMARKS.md (made with `columns`
-    when the section is new)."""
-    path = ROOT / "docs" / "BENCHMARKS.md"
-    text = path.read_text()
-    if header not in text:
-        text = text.rstrip() + f"\n\n{header}\n\n{columns}"
-    start = text.index(header)
-    table_end = text.find("\n\n", text.index("|---", start))
-    table_end = len(text) if table_end < 0 else table_end
-    text = text[:table_end].rstrip("\n") + "\n" + row.rstrip("\n") + text[table_end:]
-    path.write_text(text if text.endswith("\n") else text + "\n")
-
-
 def record(report: dict, command: str) -> None:
-    header = "## Serving (scripts/bench_serving.py)"
-    columns = (
-        "| date | device | KV | tok/s by concurrency | max/min concurrency | TTFT p50 by concurrency (s) | "
-        "shared-prefix mean TTFT on / off (s) | TTFT speedup | versions | command |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
-    )
-    rows = report["concurrency"]
-    sp = report["shared_prefix"]
+    """Records the report (bench_record): throughput and TTFT by concurrency and the
+    shared-prefix comparison, keyed on the model, KV format and workloads configured. A run
+    cut off before a workload records what it measured, with the rest as None."""
+    rows, sp, cfg = report["concurrency"], report["shared_prefix"], report["config"]
     if not rows and "ttft_speedup" not in sp:
         print("no concurrency rows and no shared-prefix comparison in the report: nothing to record", file=sys.stderr)
         return
-    # A run cut off before the shared-prefix workload keeps its concurrency rows; a run with
-    # `--concurrency ""` has only the shared-prefix comparison.
-    tput = ", ".join(f"{r['concurrency']}: {r['throughput_tok_s']:.0f}" for r in rows) or "not measured"
-    ttft = ", ".join(f"{r['concurrency']}: {r['ttft_p50_s']:.2f}" for r in rows) or "-"
-    ratio = f"{rows[-1]['throughput_tok_s'] / rows[0]['throughput_tok_s']:.1f}x" if rows else "-"
-    on_off, speedup = "not measured", "-"
-    if "ttft_speedup" in sp:
-        on_off = f"{sp['on']['ttft_mean_s']:.2f} / {sp['off']['ttft_mean_s']:.2f}"
-        speedup = f"{sp['ttft_speedup']:.1f}x"
-    env = report["env"]
-    row = (
-        f"| {env['date']} | {env['device']} | {report['config']['kv_cache_dtype']} | {tput} | {ratio} | {ttft} | "
-        f"{on_off} | {speedup} | jax {env['jax']}, Python {env['python']} | `{command}` |\n"
-    )
-    append_row(header, columns, row)
+    shared = "ttft_speedup" in sp
+    levels = [c.strip() for c in cfg["concurrency"].split(",") if c.strip()]
+    config = {
+        "model": cfg["model"],
+        "KV": cfg["kv_cache_dtype"],
+        "concurrency": ", ".join(levels) or None,
+        "shared prefix": f"{cfg['shared_requests']} x {cfg['shared_prefix_tokens']} tokens",
+    }
+    ratio = rows[-1]["throughput_tok_s"] / rows[0]["throughput_tok_s"] if rows else None
+
+    def by_concurrency(key: str, digits: int) -> dict | None:
+        return {str(r["concurrency"]): bench_record.rounded(r[key], digits) for r in rows} or None
+
+    figures = {
+        "tok/s by concurrency": by_concurrency("throughput_tok_s", 0),
+        "max/min concurrency (x)": bench_record.rounded(ratio, 1),
+        "TTFT p50 by concurrency (s)": by_concurrency("ttft_p50_s", 2),
+        "shared-prefix TTFT cached (s)": bench_record.rounded(sp["on"]["ttft_mean_s"], 2) if shared else None,
+        "shared-prefix TTFT uncached (s)": bench_record.rounded(sp["off"]["ttft_mean_s"], 2) if shared else None,
+        "TTFT speedup (x)": bench_record.rounded(sp["ttft_speedup"], 1) if shared else None,
+    }
+    details = {k: v for k, v in report.items() if k != "env"}
+    run = {"command": command, **bench_record.provenance(report["env"])}
+    bench_record.record([bench_record.result("serving", config, figures, details=details, **run)])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     prepare_shapes(args)
-    env = environment()
+    env = bench_record.environment()
     config = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -3,7 +3,8 @@ against plain decoding of the same chat prompts, in one run.
 
 Plain decoding runs once; every speculative configuration is compared with it. Writes JSON
 (one row per configuration, `python -m aither_jax.eval acceptance` fields), a plot (tau
-histograms and speedups) and a row in docs/BENCHMARKS.md (unless `--no-record`).
+histograms and speedups) and, unless `--no-record`, records each configuration's figures
+(scripts/bench_record.py: docs/benchmarks/log.jsonl and the speculative table of docs/BENCHMARKS.md).
 
     .venv/bin/python scripts/bench_speculative.py [--prompts scripts/data/chat_eval.jsonl] \
         [--max-tokens 128] [--batch-size 1] [--steps 1 2 4] [--draft-tokens 1 3 7 15] \
@@ -19,7 +20,8 @@ import pathlib
 import sys
 import time
 
-from bench_serving import add_shape_args, append_row, environment, prepare_shapes, shapes_file_name
+import bench_record
+from bench_serving import add_shape_args, prepare_shapes, shapes_file_name
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -59,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_speculative.json")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="default: --out with .png")
-    p.add_argument("--no-record", action="store_true", help="do not append a row to docs/BENCHMARKS.md")
+    p.add_argument("--no-record", action="store_true", help="do not record the figures (scripts/bench_record.py)")
     args = p.parse_args(argv)
     if any(not 1 <= n <= 63 for n in args.tree):
         p.error("--tree sizes must be in [1, 63] (drafted nodes)")
@@ -195,27 +197,31 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 
 def record(report: dict, command: str) -> None:
-    header = "## Speculative decoding (scripts/bench_speculative.py)"
-    columns = (
-        "| date | device | dtype / KV | prompts x max tokens | plain tok/s | tau mean by method | "
-        "speedup by method | identical outputs | versions | command |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
-    )
-    rows, env, cfg = report["rows"], report["env"], report["config"]
-    taus = ", ".join(f"{label(r)}: {r['tau_mean']:.2f}" for r in rows)
-    speed = ", ".join(f"{label(r)}: {r['speedup']:.2f}x" for r in rows)
-    same = ", ".join(f"{r['identical_outputs']}/{r['num_prompts']}" for r in rows)
-    row = (
-        f"| {env['date']} | {env['device']} | {cfg['dtype']} / {cfg['kv_cache_dtype']} | "
-        f"{rows[0]['num_prompts']} x {cfg['max_tokens']} | {rows[0]['baseline_tokens_per_second']:.1f} | {taus} | "
-        f"{speed} | {same} | jax {env['jax']}, Python {env['python']} | `{command}` |\n"
-    )
-    append_row(header, columns, row)
+    """Records one result per configuration (bench_record), keyed on its method label."""
+    cfg, run = report["config"], {"command": command, **bench_record.provenance(report["env"])}
+    entries = []
+    for row in report["rows"]:
+        config = {
+            "model": cfg["model"],
+            "weights": cfg["dtype"],
+            "KV": cfg["kv_cache_dtype"],
+            "prompts x tokens": f"{row['num_prompts']} x {cfg['max_tokens']}",
+            "batch": cfg["batch_size"],
+            "method": label(row),
+        }
+        figures = {
+            "tau": bench_record.rounded(row["tau_mean"], 2),
+            "speedup (x)": bench_record.rounded(row["speedup"], 2),
+            "plain tok/s": bench_record.rounded(row["baseline_tokens_per_second"]),
+            "identical outputs": f"{row['identical_outputs']}/{row['num_prompts']}",
+        }
+        entries.append(bench_record.result("speculative", config, figures, details=row, **run))
+    bench_record.record(entries)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    env = environment()
+    env = bench_record.environment()
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(report: dict) -> None:

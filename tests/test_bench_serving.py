@@ -13,6 +13,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import bench_record  # noqa: E402
 import bench_serving  # noqa: E402
 
 
@@ -43,34 +44,52 @@ def test_an_error_event_fails_the_request_with_the_servers_message():
         request(stream_of(chunk, error))
 
 
+CONFIG = {"model": "smollm2-135m", "kv_cache_dtype": "auto", "concurrency": "1,4,16", "shared_requests": 32}
+CONFIG |= {"shared_prefix_tokens": 1000}
+WHOLE = {"on": {"ttft_mean_s": 0.1}, "off": {"ttft_mean_s": 0.8}, "ttft_speedup": 8.0}
+
+
 def report(shared: dict) -> dict:
     rows = [
         {"concurrency": 1, "throughput_tok_s": 100.0, "ttft_p50_s": 0.05},
         {"concurrency": 16, "throughput_tok_s": 900.0, "ttft_p50_s": 0.2},
     ]
     env = {"date": "2026-11-26", "device": "NVIDIA H200", "jax": "0.11.2", "python": "3.12.3"}
-    return {"concurrency": rows, "rates": [], "shared_prefix": shared, "env": env, "config": {"kv_cache_dtype": "auto"}}
+    return {"concurrency": rows, "rates": [], "shared_prefix": shared, "env": env, "config": dict(CONFIG)}
 
 
-def test_a_report_cut_short_records_its_rows_and_says_what_was_not_measured(tmp_path, monkeypatch):
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n")
-    monkeypatch.setattr(bench_serving, "ROOT", tmp_path)
+@pytest.fixture
+def recorded(tmp_path, monkeypatch):
+    """The recorder's log and markdown, in tmp_path; returns a reader of the H200 table rows."""
+    log, markdown = tmp_path / "log.jsonl", tmp_path / "BENCHMARKS.md"
+    markdown.write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_record, "LOG", log)
+    monkeypatch.setattr(bench_record, "MARKDOWN", markdown)
+
+    def rows() -> tuple[list[str], list[dict]]:
+        logged = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        return [r for r in markdown.read_text().splitlines() if "H200" in r], logged
+
+    return rows
+
+
+def test_a_report_cut_short_records_its_rows_and_a_full_run_replaces_it(recorded):
     bench_serving.record(report({}), "cmd")
-    whole = {"on": {"ttft_mean_s": 0.1}, "off": {"ttft_mean_s": 0.8}, "ttft_speedup": 8.0}
-    bench_serving.record(report(whole), "cmd")
-    rows = [r for r in (tmp_path / "docs" / "BENCHMARKS.md").read_text().splitlines() if "H200" in r]
-    assert len(rows) == 2
-    assert "1: 100, 16: 900" in rows[0] and "9.0x" in rows[0] and "not measured" in rows[0]
-    assert "0.10 / 0.80" in rows[1] and "8.0x" in rows[1]
+    [row], _ = recorded()
+    assert "| 1: 100, 16: 900 | 9.0 | 1: 0.05, 16: 0.2 | – | – | – |" in row
+    bench_serving.record(report(WHOLE), "cmd")
+    [row], logged = recorded()  # the same configuration measured again: one row
+    assert "| 1: 100, 16: 900 | 9.0 | 1: 0.05, 16: 0.2 | 0.1 | 0.8 | 8.0 |" in row and "`cmd`" in row
+    assert [e["figures"]["TTFT speedup (x)"] for e in logged] == [None, 8.0]
+    assert logged[1]["config"] == {
+        "model": "smollm2-135m", "KV": "auto", "concurrency": "1, 4, 16", "shared prefix": "32 x 1000 tokens"
+    }  # fmt: skip
+    assert logged[1]["details"]["shared_prefix"] == WHOLE and logged[1]["area"] == "serving"
 
 
-def test_a_report_without_rows_records_nothing(tmp_path, monkeypatch, capsys):
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n")
-    monkeypatch.setattr(bench_serving, "ROOT", tmp_path)
+def test_a_report_without_rows_records_nothing(recorded, capsys):
     bench_serving.record(report({}) | {"concurrency": []}, "cmd")
-    assert (tmp_path / "docs" / "BENCHMARKS.md").read_text() == "# Benchmarks\n"
+    assert recorded() == ([], [])
     assert "nothing to record" in capsys.readouterr().err
 
 
@@ -90,18 +109,16 @@ def test_compilations_in_a_timed_workload_are_counted_and_warned(capsys):
     assert "3 compilation(s) during a timed workload" in capsys.readouterr().err
 
 
-def test_a_shared_prefix_only_run_records_its_comparison_and_plots_it(tmp_path, monkeypatch):
-    """`--concurrency "" --rates ""`: the row says the sweep was not measured and keeps the
-    shared-prefix figures; the plot is the comparison alone."""
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "BENCHMARKS.md").write_text("# Benchmarks\n")
-    monkeypatch.setattr(bench_serving, "ROOT", tmp_path)
-    whole = {"on": {"ttft_mean_s": 0.1}, "off": {"ttft_mean_s": 0.8}, "ttft_speedup": 8.0}
-    only = report(whole) | {"concurrency": []}
-    bench_serving.record(only, "cmd")
-    [row] = [r for r in (tmp_path / "docs" / "BENCHMARKS.md").read_text().splitlines() if "H200" in r]
-    assert "| not measured | - | - | 0.10 / 0.80 | 8.0x |" in row
-    only["config"] |= {"model": "smollm2-135m", "shared_requests": 32, "shared_prefix_tokens": 1000}
+def test_a_shared_prefix_only_run_records_its_comparison_and_plots_it(recorded, tmp_path):
+    """`--concurrency "" --rates ""`: a row of its own (no concurrency levels) with the
+    shared-prefix figures beside a full run's; the plot is the comparison alone."""
+    bench_serving.record(report(WHOLE), "full")
+    only = report(WHOLE) | {"concurrency": []}
+    only["config"]["concurrency"] = ""
+    bench_serving.record(only, "shared")
+    full, shared = recorded()[0]
+    assert "| 1, 4, 16 |" in full and "`full`" in full
+    assert "| – | 32 x 1000 tokens | – | – | – | 0.1 | 0.8 | 8.0 |" in shared and "`shared`" in shared
     bench_serving.plot(only, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
 

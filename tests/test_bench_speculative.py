@@ -1,6 +1,8 @@
 """scripts/bench_speculative.py without a model: its step-shape files (one per configuration,
-compiled before the configuration's warm-up and written back after it)."""
+compiled before the configuration's warm-up and written back after it) and the recorded rows
+(one per configuration)."""
 
+import json
 import pathlib
 import sys
 import types
@@ -9,6 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import bench_record  # noqa: E402
 import bench_speculative  # noqa: E402
 
 from aither_jax.compile import shape_file  # noqa: E402
@@ -73,3 +76,39 @@ def test_shapes_from_needs_compile_shapes(tmp_path):
     args = bench_speculative.parse_args(["--shapes-from", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench_speculative.prepare_shapes(args)
+
+
+def row(method: str, tau: float, speedup: float, **spec) -> dict:
+    block = 9 if method == "ngram" else 16
+    return {
+        "speculative": method, "block_size": block, "steps": 1 if method == "dflash" else None, "num_prompts": 12,
+        "tau_mean": tau, "speedup": speedup, "identical_outputs": 5, "baseline_tokens_per_second": 54.04, **spec,
+    }  # fmt: skip
+
+
+def test_each_configuration_is_a_row_and_a_rerun_replaces_only_its_own(tmp_path, monkeypatch):
+    log, markdown = tmp_path / "log.jsonl", tmp_path / "BENCHMARKS.md"
+    markdown.write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_record, "LOG", log)
+    monkeypatch.setattr(bench_record, "MARKDOWN", markdown)
+    config = {"model": "smollm2-135m", "dtype": "float32", "kv_cache_dtype": "fp32", "max_tokens": 96, "batch_size": 1}
+    env = {"date": "2026-11-27", "device": "AMD EPYC (2 cores)", "jax": "0.10.2", "python": "3.11.7"}
+    first = [
+        row("dflash", 1.414, 0.6912),
+        row("ngram", 1.2, 1.06),
+        row("dflash", 1.71, 1.05, prompt_lookup=True, tree=3),
+    ]
+    bench_speculative.record({"config": config, "env": env, "rows": first}, "python scripts/bench_speculative.py")
+    rerun = {"config": config, "env": env | {"date": "2026-11-28"}, "rows": [row("dflash", 1.5, 0.7)]}
+    bench_speculative.record(rerun, "again")
+    rows = [line.split(" | ") for line in markdown.read_text().splitlines() if line.startswith("| AMD")]
+    assert [r[6:11] for r in rows] == [
+        ["dflash S=1 k=15", "1.5", "0.7", "54.0", "5/12"],
+        ["ngram k=8", "1.2", "1.06", "54.0", "5/12"],
+        ["dflash S=1 tree 3 +lookup", "1.71", "1.05", "54.0", "5/12"],
+    ]
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["config"]["method"] for e in logged] == ["dflash S=1 k=15", "ngram k=8", "dflash S=1 tree 3 +lookup"] + [
+        "dflash S=1 k=15"
+    ]
+    assert logged[0]["details"]["tau_mean"] == 1.414 and logged[0]["figures"]["tau"] == 1.41

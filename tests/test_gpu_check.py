@@ -35,6 +35,18 @@ def gpu_dir(tmp_path, monkeypatch):
     return d, data
 
 
+def recorder(repo: pathlib.Path, monkeypatch) -> tuple[pathlib.Path, pathlib.Path]:
+    """bench_record's log and markdown moved into `repo`."""
+    import bench_record
+
+    log, markdown = repo / "docs" / "benchmarks" / "log.jsonl", repo / "docs" / "BENCHMARKS.md"
+    markdown.parent.mkdir(parents=True)
+    markdown.write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_record, "LOG", log)
+    monkeypatch.setattr(bench_record, "MARKDOWN", markdown)
+    return log, markdown
+
+
 def test_setup_joins_the_parts_once_all_have_arrived(gpu_dir, capsys):
     d, data = gpu_dir
     third = (d / "model_3").read_bytes()
@@ -111,34 +123,28 @@ def test_run_goes_on_past_failures_and_timeouts(gpu_dir, tmp_path, monkeypatch, 
     assert "bad" in (out / "gpu_check.log").read_text()
     assert "timed out" in capsys.readouterr().out
 
-    # Back here, `record` appends the report's row with the command that ran on the device.
-    import bench_serving
-
-    docs = tmp_path / "repo" / "docs"
-    docs.mkdir(parents=True)
-    (docs / "BENCHMARKS.md").write_text("# Benchmarks\n")
-    monkeypatch.setattr(bench_serving, "ROOT", tmp_path / "repo")
+    # Back here, `record` records the report with the command that ran on the device.
+    log, markdown = recorder(tmp_path / "repo", monkeypatch)
     assert gpu_check.record(out) == 0
-    text = (docs / "BENCHMARKS.md").read_text()
-    assert "## Decode attention (scripts/bench_attention.py)" in text
-    assert "| 2 x 32 | 3:2 |" in text
+    text = markdown.read_text()
+    assert "<!-- bench:attention:begin -->" in text
+    assert "| 2 x 32 | 3:2 | gather | float32 |" in text
     assert "`python scripts/bench_attention.py --cases 2x32" in text
+    [entry] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert entry["area"] == "attention" and entry["details"]["kernel_interpreted"]
 
 
 def test_record_takes_the_shared_prefix_report_of_serving_shared(tmp_path, monkeypatch):
-    """`serving-shared` writes serving-shared.json, with no concurrency rows: `record` appends
-    its comparison under the serving table, with the stage's command."""
-    import bench_serving
-
-    docs = tmp_path / "repo" / "docs"
-    docs.mkdir(parents=True)
-    (docs / "BENCHMARKS.md").write_text("# Benchmarks\n")
-    monkeypatch.setattr(bench_serving, "ROOT", tmp_path / "repo")
+    """`serving-shared` writes serving-shared.json, with no concurrency rows: `record` records
+    its comparison as a serving row, with the stage's command."""
+    _, markdown = recorder(tmp_path / "repo", monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     shared = {"on": {"ttft_mean_s": 0.37}, "off": {"ttft_mean_s": 3.3}, "ttft_speedup": 8.9}
     env = {"date": "2026-11-27", "device": "NVIDIA H200", "jax": "0.11.2", "python": "3.12.3"}
-    report = {"concurrency": [], "rates": [], "shared_prefix": shared, "env": env, "config": {"kv_cache_dtype": "auto"}}
+    config = {"model": "smollm2-135m", "kv_cache_dtype": "auto", "concurrency": "", "shared_requests": 32}
+    config["shared_prefix_tokens"] = 1000
+    report = {"concurrency": [], "rates": [], "shared_prefix": shared, "env": env, "config": config}
     (out / "serving-shared.json").write_text(json.dumps(report))
     summary = [{"stage": "serving-shared", "command": "scripts/bench_serving.py --concurrency  --rates  --no-record"}]
     (out / "summary.json").write_text(json.dumps(summary))
@@ -148,8 +154,8 @@ def test_record_takes_the_shared_prefix_report_of_serving_shared(tmp_path, monke
     (grown / "broken.json").write_text("{")
     monkeypatch.setattr(gpu_check, "SHAPES_DIR", kept)
     assert gpu_check.record(out) == 0
-    [row] = [r for r in (docs / "BENCHMARKS.md").read_text().splitlines() if "H200" in r]
-    assert "0.37 / 3.30 | 8.9x" in row and "`python scripts/bench_serving.py --concurrency" in row
+    [row] = [r for r in markdown.read_text().splitlines() if "H200" in r]
+    assert "| 0.37 | 3.3 | 8.9 |" in row and "`python scripts/bench_serving.py --concurrency" in row
     # The step-shapes files the servers grew replace the recorded ones; a broken one is left out.
     assert [p.name for p in kept.iterdir()] == ["model_caching.json"]
     assert shape_file.load(kept / "model_caching.json") == [{}]
@@ -320,7 +326,7 @@ def test_compile_runs_the_decode_bench_once_per_flag_setting_with_the_cache_off(
 
 def test_decode_steps_runs_our_decode_once_per_setting_and_record_takes_both(tmp_path, monkeypatch, capsys):
     """`decode-steps` runs bench_decode with --num-scheduler-steps 1 and 8 into the out
-    folder; `record` appends both reports' rows with their commands."""
+    folder; `record` records both reports."""
     import bench_decode
 
     bench_decode.parse_args(gpu_check.DECODE_STEPS_RUN[1:])  # a typo would cost a device call
@@ -339,7 +345,7 @@ def test_decode_steps_runs_our_decode_once_per_setting_and_record_takes_both(tmp
     assert "decode-steps, 1 per call: batch 1 100 tok/s, batch 8 800 tok/s" in printed
     assert "decode-steps, 8 per call: batch 1 800 tok/s, batch 8 6400 tok/s" in printed
     recorded = []
-    monkeypatch.setattr(bench_decode, "record_markdown", lambda report: recorded.append(report["command"]))
+    monkeypatch.setattr(bench_decode, "record", lambda report: recorded.append(report["command"]))
     assert gpu_check.record(out) == 0
     assert [c.split("--num-scheduler-steps ")[1][0] for c in recorded] == ["1", "8"]
     monkeypatch.setattr(gpu_check.subprocess, "call", lambda cmd, cwd: 1)

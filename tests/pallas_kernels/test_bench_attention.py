@@ -123,3 +123,38 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
         bench_attention.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def attention_report(us: float, code_loads: list[str], no_kernel: bool = False) -> dict:
+    timings = {"xla": {"seconds": 400e-6}, "bf16": {"seconds": 330e-6}}
+    result = {"batch": 32, "context": 8192, "k_bits": 6, "v_bits": 5, "timings": timings}
+    if not no_kernel:
+        seconds = us * 1e-6
+        result |= {"kernel_best": "pallas/64", "kernel_seconds": seconds, "kernel_speedup_vs_bf16": 330e-6 / seconds}
+        result["kernel_bytes_per_second"] = 70e6 / seconds
+    env = {"date": "2026-11-26", "device": "NVIDIA H200", "jax": "0.11.2", "python": "3.12.3"}
+    config = {"no_kernel": no_kernel, "code_loads": code_loads, "dot_precision": ["float32"]}
+    return {"env": env, "kernel_interpreted": False, "bandwidth_bytes_per_second": 4.1e12, "config": config} | {
+        "results": [result]
+    }
+
+
+def test_a_row_per_case_and_the_variants_timed(tmp_path, monkeypatch):
+    """A run of other kernel variants gets a row of its own; the same variants again replace theirs."""
+    import bench_record
+
+    markdown = tmp_path / "BENCHMARKS.md"
+    markdown.write_text("# Benchmarks\n")
+    monkeypatch.setattr(bench_record, "LOG", tmp_path / "log.jsonl")
+    monkeypatch.setattr(bench_record, "MARKDOWN", markdown)
+    bench_attention.record(attention_report(566.7, ["gather"]), "first")
+    bench_attention.record(attention_report(530.4, ["gather", "planes"]), "planes")
+    bench_attention.record(attention_report(535.9, ["gather"]), "again")
+    bench_attention.record(attention_report(0, [], no_kernel=True), "xla only")
+    rows = [line.split(" | ")[1:12] for line in markdown.read_text().splitlines() if line.startswith("| NVIDIA")]
+    assert rows == [
+        ["32 x 8192", "6:5", "gather", "float32", "535.9", "pallas/64", "400", "330", "0.62", "131", "3"],
+        ["32 x 8192", "6:5", "gather, planes", "float32", "530.4", "pallas/64", "400", "330", "0.62", "132", "3"],
+        ["32 x 8192", "6:5", "–", "–", "–", "–", "400", "330", "–", "–", "–"],
+    ]
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 4
