@@ -30,6 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec_or_auto
+from aither_jax.context.prompt import chat_prompt, text_prompt
 from aither_jax.quant.scoring import FormatScorer
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
@@ -292,7 +293,7 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
     else:
         with open(args.text_file, encoding="utf-8") as f:
             text, source = f.read(), os.path.basename(args.text_file)
-    ids = llm.tokenizer.encode_prompt(text)[: args.max_tokens]
+    ids = text_prompt(llm.tokenizer, text).ids[: args.max_tokens]
     cfg = llm.config
     q, k = (np.asarray(a) for a in queries_and_keys(llm.engine.weights, jnp.asarray(ids, jnp.int32), cfg=cfg))
     m, ratios = fit_key_transforms(q, k, cfg.num_heads // cfg.num_kv_heads)
@@ -499,11 +500,10 @@ def read_prompts(path: str) -> list[tuple[str, object]]:
 
 def prompt_ids(tokenizer, prompts: list[tuple[str, object]]) -> list[list[int]]:
     """Token ids of read_prompts() items (conversations through the chat template)."""
-    out = []
-    for kind, value in prompts:
-        text = tokenizer.apply_chat_template(value, add_generation_prompt=True) if kind == "messages" else value
-        out.append(tokenizer.encode_prompt(text))
-    return out
+    return [
+        chat_prompt(tokenizer, value).ids if kind == "messages" else text_prompt(tokenizer, value).ids
+        for kind, value in prompts
+    ]
 
 
 def timed_decode(llm, ids: list[list[int]], params, batch_size: int, before_timing=None) -> tuple[list, float]:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.core.engine import Engine
 from aither_jax.device.sampling import SamplingParams
 from models.config import ModelConfig
@@ -193,18 +194,13 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        texts: list[str | None] = []
-        ids: list[list[int]] = []
+        assembled = []
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                texts.append(p)
-                ids.append(self.tokenizer.encode_prompt(p))
-            elif isinstance(p, Sequence) and all(isinstance(t, int | np.integer) for t in p):
-                texts.append(None)
-                ids.append([int(t) for t in p])
-            else:
-                raise ValueError(f"prompt {i} must be a string or a list of token ids")
-        return self._run(texts, ids, sampling_params, use_tqdm)
+            try:
+                assembled.append(text_prompt(self.tokenizer, p))
+            except ValueError:
+                raise ValueError(f"prompt {i} must be a string or a list of token ids") from None
+        return self._run(assembled, sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -216,8 +212,7 @@ class LLM:
         """Like `generate` for conversations rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # a single conversation
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self._run(texts, [self.tokenizer.encode_prompt(t) for t in texts], sampling_params, use_tqdm)
+        return self._run([chat_prompt(self.tokenizer, c) for c in conversations], sampling_params, use_tqdm)
 
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, workers: int | None = None) -> int:
         """Compiles every decode shape up to `max_len` tokens (default: max_model_len) now,
@@ -229,17 +224,17 @@ class LLM:
         """Logits [len(ids), vocab] float32 at every position, through the paged-cache path."""
         return self.engine.score([int(t) for t in ids])
 
-    def _run(self, texts, ids, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(ids)
-        if len(sampling_params) != len(ids):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(ids)} prompts")
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         seqs = []
         try:
-            for p, params in zip(ids, sampling_params, strict=True):
-                seqs.append(self.engine.add_request(p, params))
+            for p, params in zip(prompts, sampling_params, strict=True):
+                seqs.append(self.engine.add_request(p.ids, params))
             show = self.progress if use_tqdm is None else use_tqdm
             with tqdm(total=len(seqs), desc="generating", unit="req", disable=not show) as bar:
                 while self.engine.has_unfinished():
@@ -250,7 +245,7 @@ class LLM:
             raise
         return [
             RequestOutput(
-                t,
+                p.text,
                 s.prompt_ids,
                 s.text,
                 s.output_ids,
@@ -259,5 +254,5 @@ class LLM:
                 s.num_accepted_tokens,
                 s.num_spec_steps,
             )
-            for t, s in zip(texts, seqs, strict=True)
+            for p, s in zip(prompts, seqs, strict=True)
         ]

@@ -160,6 +160,7 @@ def build_server(args: argparse.Namespace):
     """The uvicorn server for parsed flags. Raises ValueError for flags the model rejects."""
     import secrets
 
+    from aither_jax.context.prompt import text_prompt
     from aither_jax.llm import LLM, resolve_dtype
     from models.gguf_file import GGUFError
     from models.tokenizer import ChatTemplateError
@@ -208,7 +209,7 @@ def build_server(args: argparse.Namespace):
         engine.start()
         if pin_text:
             # Pinned for requests without a tenant header, under every key.
-            ids = llm.tokenizer.encode_prompt(pin_text)
+            ids = text_prompt(llm.tokenizer, pin_text, pin=True).pinned_ids
             for salt in config.root_salts():
                 pinned = await engine.pin(ids, salt)
                 log.info("pinned %d pages (%d tokens) of %s", pinned, len(ids), args.pin_prompt_file)

@@ -27,9 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.kv.prefix_cache import tenant_salt
-from models.tokenizer import ChatTemplateError, Tokenizer
+from models.tokenizer import Tokenizer
 from serving import protocol
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Update
 
@@ -248,23 +249,19 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [tokenizer.encode_prompt(p) if isinstance(p, str) else list(p) for p in prompts]
-        pin = body.pin_prefix
-        jobs = _jobs(ids, body, body.max_tokens, lambda i: len(ids[i]) if pin is True else int(pin))
+        jobs = _jobs([text_prompt(tokenizer, p, pin=body.pin_prefix) for p in prompts], body, body.max_tokens)
         return await _serve(request, body, jobs, "text_completion", body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         _check_model(body.model)
-        conversation = body.conversation()
         try:
-            ids = tokenizer.encode_prompt(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
-            head = _system_head(conversation, ids) if body.pin_prefix else []
-        except ChatTemplateError as e:
+            prompt = chat_prompt(tokenizer, body.conversation(), pin_system=body.pin_prefix)
+        except ValueError as e:
             raise HTTPError(400, str(e), "messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = _jobs([ids], body, max_tokens, lambda i: len(head))
+        jobs = _jobs([prompt], body, max_tokens)
         return await _serve(request, body, jobs, "chat.completion", top, chat=True)
 
     @app.post("/v1/unpin")
@@ -273,39 +270,30 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         took; pages pinned twice need two calls. Answers with the pages unpinned."""
         _check_model(body.model)
         if body.messages is not None:
-            conversation = protocol.template_messages(body.messages)
             try:
-                ids = tokenizer.encode_prompt(tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
-                ids = _system_head(conversation, ids)
-            except ChatTemplateError as e:
+                pinned = chat_prompt(tokenizer, protocol.template_messages(body.messages), pin_system=True)
+            except ValueError as e:
                 raise HTTPError(400, str(e), "messages") from None
         else:
-            ids = tokenizer.encode_prompt(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+            pinned = text_prompt(tokenizer, body.prompt, pin=True)
         try:
-            pages = await engine.unpin(ids, _salt(request))
+            pages = await engine.unpin(pinned.pinned_ids, _salt(request))
         except (EngineDeadError, ValueError) as e:
             raise _as_http(e) from None
         return {"object": "unpin", "pages": pages}
-
-    def _system_head(conversation: list[dict], ids: list[int]) -> list[int]:
-        """The tokens of the conversation's leading system messages, as they start `ids` (the
-        whole rendered prompt); none when there are none or the template renders them apart."""
-        num_system = next((i for i, m in enumerate(conversation) if m["role"] != "system"), len(conversation))
-        if not num_system:
-            return []
-        head = tokenizer.encode_prompt(tokenizer.apply_chat_template(conversation[:num_system], False))
-        return head if ids[: len(head)] == head else []
 
     def _check_model(name: str | None) -> None:
         if name is not None and name != config.model_name:
             message = f"The model `{name}` does not exist; this server serves `{config.model_name}`."
             raise HTTPError(404, message, "model")
 
-    def _jobs(ids: list[list[int]], body, max_tokens: int | None, pin_of) -> list[_Job]:
-        if len(ids) * body.n > protocol.MAX_CHOICES:
+    def _jobs(prompts: list[Prompt], body, max_tokens: int | None) -> list[_Job]:
+        """`body.n` choices of each prompt; only the first choice of a prompt takes its pin."""
+        if len(prompts) * body.n > protocol.MAX_CHOICES:
             raise HTTPError(400, f"prompts x n must be at most {protocol.MAX_CHOICES}", "n")
         jobs = []
-        for i, prompt_ids in enumerate(ids):
+        for i, prompt in enumerate(prompts):
+            prompt_ids = prompt.ids
             if not prompt_ids:
                 raise HTTPError(400, "the prompt is empty", "prompt")
             if max(prompt_ids) >= tokenizer.vocab_size:
@@ -326,7 +314,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                         ignore_eos=body.ignore_eos,
                     )
                     params.validate(tokenizer.vocab_size)
-                    jobs.append(_Job(i * body.n + j, prompt_ids, params, pin_of(i) if j == 0 else 0))
+                    jobs.append(_Job(i * body.n + j, prompt_ids, params, prompt.num_pinned if j == 0 else 0))
             except ValueError as e:
                 raise HTTPError(400, str(e)) from None
         return jobs

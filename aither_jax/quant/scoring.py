@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from aither_jax.context.prompt import text_prompt
 from models.kv_spec import KVSpec, parse_kv_spec
 
 
@@ -54,7 +55,7 @@ class FormatScorer:
         self.attention = resolve_attention(attention)
         self.max_tokens = max_tokens
         self.llm = aj.LLM(model, dtype=self.dtype, kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=max_tokens + 1)
-        self.ids = self.llm.tokenizer.encode_prompt(text)[:max_tokens]
+        self.ids = text_prompt(self.llm.tokenizer, text).ids[:max_tokens]
         if len(self.ids) < 2:
             raise ValueError(f"{text_file} has fewer than 2 tokens")
         self.reference, _, _ = self.logits("bf16")

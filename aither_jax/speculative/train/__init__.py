@@ -5,8 +5,8 @@ Three resumable stages, each skipped when its output exists:
 1. Prompts: chat requests built from the docstrings of Python's standard library, read with
    `ast` from the interpreter's own source files (no import, nothing downloaded); modules
    whose name hashes into the held-out tenth are never used (`--split eval` lists those).
-   Then general chat requests (`aither_jax.chat_prompts`: explanations, how-tos, tips,
-   stories, emails, small programs) from hand-written topic lists kept apart from
+   Then general chat requests (`prompts.chat_prompts`: explanations, how-tos, tips, stories,
+   emails, small programs) from hand-written topic lists (`requests.json`) kept apart from
    `scripts/data/chat_eval.jsonl`. Then, with `--num-self-prompts`, requests the target writes
    itself: sampled from the chat template cut just after the user turn opens, so the
    instruction-tuned model plays the user (unlimited, varied, in its own chat distribution);

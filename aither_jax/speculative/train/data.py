@@ -14,9 +14,10 @@ import sys
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.chat_prompts import chat_prompts
+from aither_jax.context.prompt import chat_prompt
 from aither_jax.speculative.train.prompts import (
     build_prompts,
+    chat_prompts,
     document_conversations,
     read_prompt_texts,
     self_prompts,
@@ -83,7 +84,7 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
     shards: list[pathlib.Path] = []
     for s, path, part in missing_shards(data_dir, "shard", convs, args.shard_size, shards):
         llm = target()
-        prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in part]
+        prompts = [chat_prompt(llm.tokenizer, c).ids for c in part]
         keep = [p[: args.max_len - args.max_new_tokens] for p in prompts]
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
         arrays = generated_arrays(llm, cfg, keep, params, args.teacher_top_k, f"shard {s}: answers")
@@ -94,7 +95,7 @@ def generate_data(args, cfg: DraftConfig, data_dir: pathlib.Path) -> list[pathli
         tok = llm.tokenizer
         seqs, plens = [], []
         for conv, answer in part:
-            prompt = tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True))
+            prompt = chat_prompt(tok, conv).ids
             seqs.append((prompt + tok.encode(answer))[: args.max_len])
             plens.append(len(prompt))
         arrays = tap_arrays(llm, cfg, seqs, plens, args.teacher_top_k, f"text shard {s}: hidden states")

@@ -1,11 +1,19 @@
 """Stage 1 of draft training: the chat requests the target answers (standard-library docstrings,
-general chat requests, and requests the target writes itself)."""
+general chat requests, and requests the target writes itself).
+
+The requests are built from templates and hand-written topic lists in `requests.json` (beside
+this file), so nothing is downloaded. The general chat requests (explanations, how-tos, lists
+of tips, comparisons, short stories and poems, emails, small programs) make the target answer
+the everyday requests a chat model sees; `check_disjoint` keeps them apart from an evaluation
+set: no topic may occur in an evaluation prompt, and no request may equal one.
+"""
 
 from __future__ import annotations
 
 import ast
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import pathlib
@@ -15,19 +23,23 @@ import sysconfig
 import numpy as np
 from tqdm.auto import tqdm
 
+from aither_jax.context.prompt import user_turn_prefix
+
 log = logging.getLogger("aither_jax.train_draft")
 
 
-EVAL_PROMPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "data" / "chat_eval.jsonl"
+EVAL_PROMPTS = pathlib.Path(__file__).resolve().parents[3] / "scripts" / "data" / "chat_eval.jsonl"
+REQUESTS_FILE = pathlib.Path(__file__).with_name("requests.json")
 
-TEMPLATES = (
-    "Explain in simple terms what `{name}` in Python's `{module}` module does. Its documentation says:\n\n{doc}",
-    "Summarize the following documentation in a few sentences:\n\n{doc}",
-    "Write a short Python example that uses `{module}.{name}` and explain it step by step.",
-    "What is `{name}` for, and when would I use it? Here is its documentation:\n\n{doc}",
-    "Rewrite this technical text so that a beginner can follow it:\n\n{doc}",
-    "List three key points a programmer should know about this:\n\n{doc}",
-)
+
+@functools.cache
+def training_requests() -> dict:
+    """The request templates of `requests.json`: "docstring_requests" and "source_requests"
+    are filled with a standard-library `{module}`, `{name}` and `{doc}`; each entry of
+    "chat_requests" is one kind of everyday request, its "templates" filled with each of its
+    "topics" (`{x}`) and, where a template asks for a count (`{n}`), one of "chat_counts"."""
+    with REQUESTS_FILE.open(encoding="utf-8") as f:
+        return json.load(f)
 
 
 # -- stage 1: prompts -----------------------------------------------------------------------
@@ -85,22 +97,59 @@ def build_prompts(num: int, *, seed: int, split: str = "train") -> list[list[dic
     docs = [d for d in stdlib_docs() if held_out(d[0]) == (split == "eval")]
     if not docs:
         raise RuntimeError("no documented standard-library modules found")
+    templates = training_requests()["docstring_requests"]
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(docs), size=min(num, len(docs)), replace=False)
     convs = []
     for i in picks:
         module, name, doc = docs[i]
-        template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+        template = templates[int(rng.integers(len(templates)))]
         convs.append([{"role": "user", "content": template.format(module=module, name=name, doc=doc)}])
     return convs
 
 
-DOC_TEMPLATES = (
-    "What does `{name}` in Python's `{module}` module do? Show me its code.",
-    "Explain `{module}.{name}` and how it is implemented.",
-    "How does `{name}` from the `{module}` module work?",
-    "Can you walk me through the source of `{module}.{name}`?",
-)
+def chat_topics() -> list[str]:
+    """The topics of every kind of general chat request, in file order."""
+    return [x for kind in training_requests()["chat_requests"] for x in kind["topics"]]
+
+
+def chat_requests() -> list[str]:
+    """Every general chat request the lists make, in a fixed order: each kind's templates
+    crossed with its topics, the counts taken in turn."""
+    lists = training_requests()
+    counts = lists["chat_counts"]
+    out = []
+    for i, kind in enumerate(lists["chat_requests"]):
+        for j, (t, x) in enumerate(itertools.product(kind["templates"], kind["topics"])):
+            out.append(t.format(x=x, n=counts[(i + j) % len(counts)]))
+    return out
+
+
+def _spaced_words(text: str) -> str:
+    return " " + " ".join(re.findall(r"[a-z0-9']+", text.lower())) + " "
+
+
+def check_disjoint(eval_texts: list[str]) -> None:
+    """Raises ValueError if a chat topic occurs in, or a chat request equals, an evaluation prompt."""
+    evals = [_spaced_words(t) for t in eval_texts]
+    for x in chat_topics():
+        w = _spaced_words(x)
+        hit = next((e for e in evals if w in e), None)
+        if hit is not None:
+            raise ValueError(f"training topic {x!r} occurs in the evaluation prompt {hit.strip()!r}")
+    requests = {_spaced_words(r) for r in chat_requests()}
+    for e in evals:
+        if e in requests:
+            raise ValueError(f"evaluation prompt {e.strip()!r} is also a training request")
+
+
+def chat_prompts(num: int, *, seed: int) -> list[list[dict]]:
+    """`num` single-turn conversations drawn without replacement from `chat_requests()`."""
+    requests = chat_requests()
+    if num > len(requests):
+        raise ValueError(f"only {len(requests)} distinct chat requests, {num} asked")
+    picks = np.random.default_rng(seed).choice(len(requests), size=num, replace=False)
+    return [[{"role": "user", "content": requests[i]}] for i in picks]
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,18 +176,16 @@ def document_conversations(num: int, *, seed: int, max_chars: int = 2400) -> lis
     Python code block, cut to `max_chars`. Read with `ast` from the interpreter's sources, in a
     fixed order, then sampled with `seed`."""
     items = documented_definitions()
+    templates = training_requests()["source_requests"]
     rng = np.random.default_rng([seed, 3])
     picks = rng.choice(len(items), size=min(num, len(items)), replace=False)
     out = []
     for i in picks:
         module, name, doc, code = items[i]
-        question = DOC_TEMPLATES[int(rng.integers(len(DOC_TEMPLATES)))].format(module=module, name=name)
+        question = templates[int(rng.integers(len(templates)))].format(module=module, name=name)
         answer = f"{doc}\n\n```python\n{code}\n```"[:max_chars]
         out.append(([{"role": "user", "content": question}], answer))
     return out
-
-
-SELF_PROMPT_PLACEHOLDER = "\x00request\x00"
 
 
 def _word_set(text: str) -> frozenset[str]:
@@ -161,19 +208,16 @@ def keep_self_prompt(text: str, seen: set[frozenset[str]], held_out: list[frozen
 def self_prompts(llm, num: int, *, seed: int, held_out_texts: list[str], batch: int = 32) -> list[list[dict]]:
     """`num` single-turn requests written by the target itself, for training data.
 
-    The chat template is rendered around a placeholder user message and cut where the message
-    would start; sampling from there (temperature 1, top-p 0.95, one seed per request) makes
-    the instruction-tuned target write a user's request, ended by its end-of-turn token.
+    Sampling from where the chat template starts a user message's content (`user_turn_prefix`;
+    temperature 1, top-p 0.95, one seed per request) makes the instruction-tuned target write a
+    user's request, ended by its end-of-turn token.
     Requests cut off by the length limit, repeats and near-copies of `held_out_texts` are
     dropped (`keep_self_prompt`). Deterministic for a given seed and machine."""
     from aither_jax.device.sampling import SamplingParams
 
-    rendered = llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": SELF_PROMPT_PLACEHOLDER}], add_generation_prompt=False
-    )
-    if rendered.count(SELF_PROMPT_PLACEHOLDER) != 1:
+    prefix = user_turn_prefix(llm.tokenizer)
+    if prefix is None:
         raise RuntimeError("the chat template does not render the user message verbatim; cannot sample requests")
-    prefix = llm.tokenizer.encode(rendered[: rendered.index(SELF_PROMPT_PLACEHOLDER)])
     held_out = [_word_set(t) for t in held_out_texts]
     seen: set[frozenset[str]] = set()
     out: list[list[dict]] = []

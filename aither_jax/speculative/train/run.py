@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.chat_prompts import all_requests
 from aither_jax.cli_args import float_in, int_in
 from aither_jax.speculative.train.data import Dataset, generate_data
 from aither_jax.speculative.train.loss import loss_fn, position_weights
-from aither_jax.speculative.train.prompts import EVAL_PROMPTS, build_prompts
+from aither_jax.speculative.train.prompts import EVAL_PROMPTS, build_prompts, chat_requests
 from models.config import ModelConfig
 from models.draft import (
     DraftConfig,
@@ -221,7 +220,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--num-chat-prompts",
-        type=int_in("--num-chat-prompts", 0, len(all_requests())),
+        type=int_in("--num-chat-prompts", 0, len(chat_requests())),
         default=768,
         help="general chat prompts (0: none)",
     )

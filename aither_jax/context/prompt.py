@@ -1,0 +1,118 @@
+"""Prompt assembly: a conversation or a completion prompt -> token ids and the span to pin.
+
+Every path from a request to engine input goes through here: the server's routes,
+`LLM.generate` / `LLM.chat`, evaluation and draft training. A conversation is rendered with
+the model's chat template (generation prompt appended) and encoded with
+`Tokenizer.encode_prompt` (BOS in front where the model's file asks for one); a completion's
+text is encoded the same way and its token ids are taken as given. The pin span is how many
+leading tokens the prefix cache keeps pinned once computed: for a conversation, its leading
+system messages; for a completion, all of it or a given count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from models.tokenizer import Tokenizer
+
+# Stands in for a user message's content, to find where the template starts writing it.
+_CONTENT_MARK = "\x00request\x00"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """Token ids for the engine, and how many of the leading ones to pin.
+
+    Attributes:
+        ids: the prompt's token ids [num_tokens].
+        num_pinned: leading tokens whose cached pages stay pinned (0: none; at most len(ids)).
+        text: the text the ids encode (a rendered conversation), or None for ids given as ids.
+    """
+
+    ids: list[int]
+    num_pinned: int = 0
+    text: str | None = None
+
+    @property
+    def pinned_ids(self) -> list[int]:
+        """The pinned span: what `/v1/unpin` names to release the pin."""
+        return self.ids[: self.num_pinned]
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict], *, pin_system: bool = False) -> Prompt:
+    """A conversation rendered with the model's chat template, ready for the assistant's turn.
+
+    Args:
+        tokenizer: the model's tokenizer and chat template.
+        messages: [{"role", "content"}, ...], roles among `models.tokenizer.CHAT_ROLES`.
+        pin_system: pin the tokens of the leading system messages: those the template writes
+            for them alone, when the whole conversation starts with exactly those tokens.
+            Nothing is pinned without leading system messages, or when the template writes
+            them differently alone (a pin must name pages that later requests share).
+
+    Raises:
+        ChatTemplateError: (a ValueError) the model has no chat template, the messages are
+            malformed, or the template raised.
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tokenizer.encode_prompt(text)
+    num_pinned = len(_system_head(tokenizer, messages, ids)) if pin_system else 0
+    return Prompt(ids, num_pinned, text)
+
+
+def text_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], *, pin: bool | int = False) -> Prompt:
+    """A completion prompt: text encoded with `Tokenizer.encode_prompt`, or token ids as given.
+
+    Token ids are not checked against the vocabulary, and an empty prompt is returned as is:
+    the engine refuses both with its own errors.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        prompt: text, or a sequence of token ids (Python or NumPy integers).
+        pin: True pins the whole prompt, False nothing, an int that many leading tokens (at
+            most the whole prompt).
+
+    Raises:
+        ValueError: the prompt is neither text nor a sequence of integers, or `pin` is neither
+            a bool nor a count >= 0.
+    """
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode_prompt(prompt)
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int | np.integer) for t in prompt):
+        text, ids = None, [int(t) for t in prompt]
+    else:
+        raise ValueError("a prompt must be a string or a list of token ids")
+    if isinstance(pin, bool):
+        num_pinned = len(ids) if pin else 0
+    elif isinstance(pin, int | np.integer) and pin >= 0:
+        num_pinned = min(int(pin), len(ids))
+    else:
+        raise ValueError(f"pin must be True, False or a token count >= 0, got {pin!r}")
+    return Prompt(ids, num_pinned, text)
+
+
+def user_turn_prefix(tokenizer: Tokenizer) -> list[int] | None:
+    """The ids the chat template writes before the content of a lone user message: sampling
+    from there makes an instruction-tuned model write a user's request. None when the template
+    does not write the content as given, so there is no place to cut.
+
+    Raises:
+        ChatTemplateError: the model has no chat template, or it raised.
+    """
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _CONTENT_MARK}], add_generation_prompt=False)
+    if text.count(_CONTENT_MARK) != 1:
+        return None
+    return tokenizer.encode_prompt(text[: text.index(_CONTENT_MARK)])
+
+
+def _system_head(tokenizer: Tokenizer, messages: Sequence[dict], ids: list[int]) -> list[int]:
+    """The tokens of the leading system messages, as they start `ids` (the whole rendered
+    conversation); none when there are none or the template writes them differently alone."""
+    num_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if not num_system:
+        return []
+    head = tokenizer.encode_prompt(tokenizer.apply_chat_template(messages[:num_system], add_generation_prompt=False))
+    return head if ids[: len(head)] == head else []
