@@ -27,9 +27,9 @@ run: install
 # Three pytest processes: the model-heavy groups each load many engines, and one process for
 # the whole suite held more memory than a 24 GiB machine has beside the test servers.
 test: install
-	$(PY) -m pytest -q --ignore=tests/serving --ignore=tests/speculative
+	$(PY) -m pytest -q --ignore=tests/serving --ignore=tests/aither_jax/speculative
 	$(PY) -m pytest -q tests/serving
-	$(PY) -m pytest -q tests/speculative
+	$(PY) -m pytest -q tests/aither_jax/speculative
 
 lint: install
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -62,8 +62,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     "tests-2": (
         [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/pallas_kernels/test_paged_attention.py"]
-        + ["tests/pallas_kernels/test_tq_encode.py", "tests/speculative/test_verify.py"]
-        + ["tests/speculative/test_draft_kernels.py"],
+        + ["tests/pallas_kernels/test_tq_encode.py", "tests/aither_jax/speculative/test_verify.py"]
+        + ["tests/aither_jax/speculative/test_draft_kernels.py"],
         480,
         "",
     ),
@@ -119,8 +119,8 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         "model",
     ),
     "model-tests": (
-        [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/aither_jax/test_engine.py"]
-        + ["tests/aither_jax/test_quantized_cache.py", "tests/speculative/test_speculative_engine.py"],
+        [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/aither_jax/core/test_engine.py"]
+        + ["tests/aither_jax/test_quantized_cache.py", "tests/aither_jax/speculative/test_speculative_engine.py"],
         540,
         "model",
     ),

@@ -332,20 +332,28 @@ class AsyncEngine:
             (
                 "aither:shared_prefix_attention_steps_total",
                 "Decode calls that read their rows' common prefix pages once for the batch.",
-                lambda: eng.num_shared_prefix_steps,
+                lambda: eng.runner.num_shared_prefix_steps,
             ),
             (
                 "aither:sink_refills_total",
                 "Requests admitted on cached pages whose unquantized sink tokens were recomputed (-s<n> formats).",
-                lambda: eng.num_sink_refills,
+                lambda: eng.runner.num_sink_refills,
             ),
             (
                 "vllm:spec_decode_num_drafts_total",
                 "Speculative verify passes that carried drafts.",
-                lambda: eng.num_drafts,
+                lambda: eng.spec_counters.num_drafts,
             ),
-            ("vllm:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", lambda: eng.num_draft_tokens),
-            ("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", lambda: eng.num_accepted_tokens),
+            (
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Draft tokens proposed.",
+                lambda: eng.spec_counters.num_draft_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Draft tokens accepted.",
+                lambda: eng.spec_counters.num_accepted_tokens,
+            ),
         )
         for name, help_text, read in read_gauges:
             m.gauge(name, help_text, read)
@@ -354,7 +362,9 @@ class AsyncEngine:
         m.counter_series(
             "vllm:spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted, by position in the draft (0: the first).",
-            lambda: [({"position": str(i)}, float(n)) for i, n in enumerate(eng.accepted_per_pos.tolist())],
+            lambda: [
+                ({"position": str(i)}, float(n)) for i, n in enumerate(eng.spec_counters.accepted_per_pos.tolist())
+            ],
         )
         m.counter("vllm:prompt_tokens_total", "Prompt tokens of finished requests.")
         m.counter("vllm:generation_tokens_total", "Generated tokens.")

@@ -28,6 +28,7 @@ import numpy as np
 from aither_jax.compile.buckets import bucket
 from aither_jax.core.plan import StepPlan
 from aither_jax.core.sequence import Sequence
+from aither_jax.eviction.policy import LRUPolicy
 from aither_jax.kv.allocator import PageAllocator
 from aither_jax.kv.prefix_cache import PrefixCache, hash_chain, page_hash
 from models.kv_cache import NULL_PAGE
@@ -66,7 +67,12 @@ class Scheduler:
         self.min_token_bucket = min_token_bucket
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = (
-            PrefixCache(self.allocator, page_size, max_pinned_pages=int(max_pinned_fraction * (num_pages - 1)))
+            PrefixCache(
+                self.allocator,
+                page_size,
+                max_pinned_pages=int(max_pinned_fraction * (num_pages - 1)),
+                policy=LRUPolicy(),
+            )
             if enable_prefix_caching
             else None
         )

@@ -22,8 +22,6 @@ from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.llama import KVUpdate, StepBatch, compact_update, forward, tree_depth_and_mask
 from models.weights import ModelWeights
 
-RETURN_LOGITS = ("none", "last", "all")
-
 
 @step_jit(static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention", "taps", "shared_pages"))
 def forward_step(

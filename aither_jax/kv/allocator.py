@@ -1,7 +1,9 @@
-"""Host-side ownership of KV pages: a free list with reference counts."""
+"""Host-side ownership of KV pages: a free list, with each page's reference count in its block
+record (kv/blocks.py)."""
 
 from __future__ import annotations
 
+from aither_jax.kv.blocks import BlockTable
 from models.kv_cache import NULL_PAGE
 
 
@@ -13,15 +15,15 @@ class PageAllocator:
     """Hands out page ids 1..num_pages-1 (page 0 is the null page) and takes them back.
 
     Pages carry reference counts so a page can be shared (prefix caching); it returns to the
-    free list when its last reference is released.
+    free list when its last reference is released, and its block record is cleared.
     """
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2, got {num_pages}")
         self.num_pages = num_pages
+        self.blocks = BlockTable(num_pages)
         self._free = [p for p in range(num_pages - 1, 0, -1) if p != NULL_PAGE]  # pop() yields low ids first
-        self._refs = [0] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -41,24 +43,26 @@ class PageAllocator:
             raise OutOfPagesError(f"need {n} KV pages, {len(self._free)} free of {self.num_pages - 1}")
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
-            self._refs[p] = 1
+            self.blocks[p].refs = 1
         return pages
 
     def share(self, pages: list[int]) -> None:
         """Adds a reference to pages already in use."""
         for p in pages:
-            if self._refs[p] <= 0:
+            if self.blocks[p].refs <= 0:
                 raise ValueError(f"page {p} is not allocated")
-            self._refs[p] += 1
+            self.blocks[p].refs += 1
 
     def free(self, pages: list[int]) -> None:
         """Drops one reference from each page; pages with none left become free."""
         for p in pages:
-            if p == NULL_PAGE or self._refs[p] <= 0:
+            block = self.blocks[p]
+            if p == NULL_PAGE or block.refs <= 0:
                 raise ValueError(f"page {p} is not allocated")
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
+            block.refs -= 1
+            if block.refs == 0:
+                block.forget()
                 self._free.append(p)
 
     def ref_count(self, page: int) -> int:
-        return self._refs[page]
+        return self.blocks[page].refs

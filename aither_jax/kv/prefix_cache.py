@@ -4,20 +4,22 @@ A full page's name is SHA-256(parent name || its token ids); the first page's pa
 tenant's salt, so two tenants sending the same prompt never share (or time) each other's
 pages. The cache keeps one reference of its own on every page it names, so a named page
 outlives the sequence that computed it; a page whose only reference is the cache's is idle and
-may be evicted, least recently used first. A pin is one more reference: pinned pages are never
+may be evicted, in the order the eviction policy ranks them (least recently used first by
+default, aither_jax/eviction/policy.py). A pin is one more reference: pinned pages are never
 idle. A sequence's last, partially filled page can be kept too (named by its parent and its
 tokens); it is never written by anyone else, so whoever adopts it gets a copy (copy on write).
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from aither_jax.kv.allocator import PageAllocator
+from aither_jax.kv.blocks import Block
 
 
 def tenant_salt(secret: bytes, tenant: str) -> bytes:
@@ -38,19 +40,30 @@ def hash_chain(salt: bytes, tokens: Sequence[int], page_size: int, parent: bytes
     return names
 
 
-class PrefixCache:
-    """Maps page names to page ids; owns one allocator reference per named page."""
+class EvictionPolicy(Protocol):
+    """Which idle pages go first when pages must be freed (implementations:
+    aither_jax/eviction/policy.py)."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int, *, max_pinned_pages: int):
+    name: str
+
+    def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
+        """Up to `n` of the idle `candidates`, the first to evict first."""
+        ...
+
+
+class PrefixCache:
+    """Maps page names to page ids; owns one allocator reference per named page. What it knows
+    of each page (name, parent, pins, accesses) is in the page's block record."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int, *, max_pinned_pages: int, policy: EvictionPolicy):
         self.allocator = allocator
+        self.blocks = allocator.blocks
         self.page_size = page_size
         self.max_pinned_pages = max_pinned_pages
-        self._full: dict[bytes, int] = {}
+        self.policy = policy
+        self._full: dict[bytes, int] = {}  # name -> page
         self._partial: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent name -> tokens -> page
-        self._key: dict[int, tuple] = {}  # page -> ("full", name) | ("partial", parent, tokens)
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
-        self._pins: dict[int, int] = {}  # page -> pin count
-        self._up: dict[int, bytes | None] = {}  # full page -> its parent's name
+        self._cached: set[int] = set()  # pages named here (full or partial): the blocks to scan
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -63,7 +76,8 @@ class PrefixCache:
                 break
             pages.append(page)
         for page in reversed(pages):  # parents end up more recent than children: evicted later
-            self._lru.move_to_end(page)
+            self.blocks.touch(page)
+            self.blocks[page].hits += 1
         return pages
 
     def match_partial(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
@@ -75,7 +89,8 @@ class PrefixCache:
             if n < len(tokens) and tuple(tokens[:n]) == stored and (best is None or n > best[1]):
                 best = (page, n)
         if best is not None:
-            self._lru.move_to_end(best[0])
+            self.blocks.touch(best[0])
+            self.blocks[best[0]].hits += 1
         return best
 
     def contains(self, name: bytes) -> bool:
@@ -88,81 +103,87 @@ class PrefixCache:
         a first page); False if that name is already cached (the caller's copy then stays
         private). The page and its cached ancestors become the most recently used, parents
         last, so eviction takes a chain from its end and leaves a usable prefix."""
-        if name in self._full or page in self._key:
+        if name in self._full or page in self._cached:
             return False
         self.allocator.share([page])
         self._full[name] = page
-        self._key[page] = ("full", name)
-        self._up[page] = parent
-        self._lru[page] = None
+        self._cached.add(page)
+        block = self.blocks[page]
+        block.name, block.parent = name, parent
+        self.blocks.touch(page)
         while parent is not None and parent in self._full:
             ancestor = self._full[parent]
-            self._lru.move_to_end(ancestor)
-            parent = self._up.get(ancestor)
+            self.blocks.touch(ancestor)
+            parent = self.blocks[ancestor].parent
         return True
 
     def insert_partial(self, parent: bytes, tokens: Sequence[int], page: int) -> bool:
         tokens = tuple(int(t) for t in tokens)
-        if not 0 < len(tokens) < self.page_size or page in self._key:
+        if not 0 < len(tokens) < self.page_size or page in self._cached:
             return False
         entries = self._partial.setdefault(parent, {})
         if tokens in entries:
             return False
         self.allocator.share([page])
         entries[tokens] = page
-        self._key[page] = ("partial", parent, tokens)
-        self._lru[page] = None
+        self._cached.add(page)
+        block = self.blocks[page]
+        block.parent, block.partial = parent, tokens
+        self.blocks.touch(page)
         return True
 
     # -- eviction -----------------------------------------------------------------------------
 
     def _idle(self, page: int) -> bool:
-        return self.allocator.ref_count(page) == 1 and page not in self._pins
+        return self.allocator.ref_count(page) == 1 and not self.blocks[page].pins
 
     def num_idle(self, pages: Sequence[int]) -> int:
         return sum(1 for p in pages if self._idle(p))
 
     @property
     def num_evictable(self) -> int:
-        return sum(1 for p in self._key if self._idle(p))
+        return sum(1 for p in self._cached if self._idle(p))
 
     @property
     def num_cached(self) -> int:
-        return len(self._key)
+        return len(self._cached)
 
     def evict(self, n: int) -> int:
-        """Drops up to `n` idle pages, least recently used first; returns how many."""
-        victims = [p for p in self._lru if self._idle(p)][:n]
-        for page in victims:
-            self._forget(page)
-            self.allocator.free([page])
+        """Drops up to `n` idle pages, in the policy's order; returns how many."""
+        if n <= 0:
+            return 0
+        idle = [self.blocks[p] for p in self._cached if self._idle(p)]
+        victims = self.policy.victims(idle, n)
+        for block in victims:
+            self._drop(block.page)
         return len(victims)
 
     def clear(self) -> int:
         """Forgets every unpinned name; returns the pages dropped."""
-        pages = [p for p in self._key if p not in self._pins]
+        pages = [p for p in self._cached if not self.blocks[p].pins]
         for page in pages:
-            self._forget(page)
-            self.allocator.free([page])
+            self._drop(page)
         return len(pages)
 
-    def _forget(self, page: int) -> None:
-        key = self._key.pop(page)
-        del self._lru[page]
-        if key[0] == "full":
-            del self._full[key[1]]
-            del self._up[page]
+    def _drop(self, page: int) -> None:
+        """Forgets a page's name and gives back the cache's reference."""
+        block = self.blocks[page]
+        self._cached.discard(page)
+        if block.partial is None:
+            del self._full[block.name]
         else:
-            entries = self._partial[key[1]]
-            del entries[key[2]]
+            entries = self._partial[block.parent]
+            del entries[block.partial]
             if not entries:
-                del self._partial[key[1]]
+                del self._partial[block.parent]
+        block.forget()
+        self.allocator.free([page])
 
     # -- pins ---------------------------------------------------------------------------------
 
     @property
     def num_pinned(self) -> int:
-        return len(self._pins)
+        return sum(1 for p in self._cached if self.blocks[p].pins)
 
     def pin(self, names: Sequence[bytes]) -> int:
         """Pins the cached pages named `names` (a prefix's chain); stops at the first name not
@@ -173,11 +194,12 @@ class PrefixCache:
             page = self._full.get(name)
             if page is None:
                 break
-            if page not in self._pins:
-                if len(self._pins) >= self.max_pinned_pages:
+            block = self.blocks[page]
+            if not block.pins:
+                if self.num_pinned >= self.max_pinned_pages:
                     break
                 self.allocator.share([page])
-            self._pins[page] = self._pins.get(page, 0) + 1
+            block.pins += 1
             done += 1
         return done
 
@@ -186,11 +208,10 @@ class PrefixCache:
         done = 0
         for name in names:
             page = self._full.get(name)
-            if page is None or page not in self._pins:
+            if page is None or not self.blocks[page].pins:
                 continue
-            self._pins[page] -= 1
-            if self._pins[page] == 0:
-                del self._pins[page]
+            self.blocks[page].pins -= 1
+            if not self.blocks[page].pins:
                 self.allocator.free([page])
             done += 1
         return done

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from aither_jax import eval as aj_eval
+from aither_jax.quant.scoring import quality_metrics
 
 
 def test_capacity_json_rows(capsys):
@@ -129,7 +130,7 @@ def test_quality_metrics_against_hand_computed_values():
     ref = np.log(np.array([[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]]))
     q = np.log(np.array([[0.5, 0.5], [0.6, 0.4], [0.3, 0.7]]))
     ids = [0, 1, 0]
-    m = aj_eval.quality_metrics(q, ref, ids)
+    m = quality_metrics(q, ref, ids)
     # Targets: position 0 -> id 1, position 1 -> id 0.
     assert m["perplexity"] == pytest.approx(np.exp(-(np.log(0.5) + np.log(0.6)) / 2))
     assert m["perplexity_bf16"] == pytest.approx(np.exp(-(np.log(0.5) + np.log(0.9)) / 2))

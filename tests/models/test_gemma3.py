@@ -90,7 +90,7 @@ def test_config_reads_the_gemma3_layout(gemma):
     assert cfg.sliding_window == 512 and cfg.vocab_size == 262144
     assert [i for i in range(18) if cfg.window(i) is None] == [5, 11, 17]
     assert (cfg.layer_rope_base(0), cfg.layer_rope_base(5)) == (10000.0, 1000000.0)
-    assert not gemma.engine.shared_prefix_attention
+    assert not gemma.engine.runner.shared_prefix_attention
 
 
 TOKENIZER_TEXTS = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aither_jax.core.engine import top_logprobs
+from aither_jax.core.output import top_logprobs
 from models.gguf_file import GGUFFile
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer

@@ -97,10 +97,10 @@ def test_shared_prefix_outputs_match_without_caching_and_second_pass_hits(cached
 def share_small_prefixes(monkeypatch):
     """Shared-prefix attention from 2 common pages in steps of 2 (normally 32 and 16), so the
     ~85-token prefix (5 full pages) is read once per decode step as 4 shared pages."""
-    import aither_jax.core.engine as engine_module
+    import aither_jax.core.runner as runner_module
 
-    monkeypatch.setattr(engine_module, "MIN_SHARED_PAGES", 2)
-    monkeypatch.setattr(engine_module, "SHARED_PAGE_STEP", 2)
+    monkeypatch.setattr(runner_module, "MIN_SHARED_PAGES", 2)
+    monkeypatch.setattr(runner_module, "SHARED_PAGE_STEP", 2)
 
 
 def test_shared_prefix_attention_gives_the_uncached_outputs(cached, plain, share_small_prefixes):
@@ -111,14 +111,14 @@ def test_shared_prefix_attention_gives_the_uncached_outputs(cached, plain, share
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     eng = cached.engine
     for on in (True, False):
-        eng.shared_prefix_attention = on
-        before = eng.num_shared_prefix_steps
+        eng.runner.shared_prefix_attention = on
+        before = eng.runner.num_shared_prefix_steps
         try:
             seqs = generate(cached, prompts, GREEDY)
         finally:
-            eng.shared_prefix_attention = True
+            eng.runner.shared_prefix_attention = True
         assert [s.output_ids for s in seqs] == expected
-        steps = eng.num_shared_prefix_steps - before
+        steps = eng.runner.num_shared_prefix_steps - before
         assert steps >= GREEDY.max_tokens - 1 if on else steps == 0
 
 
@@ -129,9 +129,9 @@ def test_shared_prefix_attention_on_the_default_quantized_format(share_small_pre
     prompts = token_ids(llm, SHARED[:4])
     outs = []
     for on in (True, False):
-        llm.engine.shared_prefix_attention = on
+        llm.engine.runner.shared_prefix_attention = on
         outs.append([s.output_ids for s in generate(llm, prompts, GREEDY)])
-    assert llm.engine.num_shared_prefix_steps >= GREEDY.max_tokens - 1
+    assert llm.engine.runner.num_shared_prefix_steps >= GREEDY.max_tokens - 1
     assert outs[0] == outs[1]
 
 
@@ -143,8 +143,8 @@ def test_follow_up_adopts_the_finished_partial_page_by_copy(cached, plain, monke
     assert first.output_ids == plain.generate([prompt], params)[0].token_ids
     follow_up = prompt + first.output_ids[:-1] + cached.tokenizer.encode(" One morning, a stranger")
     copies = []
-    copy_pages = cached.engine._copy_pages
-    monkeypatch.setattr(cached.engine, "_copy_pages", lambda c: (copies.append(list(c)), copy_pages(c)))
+    copy_pages = cached.engine.store.copy
+    monkeypatch.setattr(cached.engine.store, "copy", lambda c: (copies.append(list(c)), copy_pages(c)))
     (second,) = generate(cached, [follow_up], GREEDY)
     assert second.num_cached_prompt == len(prompt) + num_out - 1
     assert len(copies) == 1 and len(copies[0]) == 1  # the partial page, copied once
@@ -204,14 +204,14 @@ def test_sink_formats_refill_their_sinks_on_cached_pages(share_small_prefixes, m
     eng = cached.engine
     outs = []
     for on in (True, False):
-        eng.shared_prefix_attention = on
-        refills, shared = eng.num_sink_refills, eng.num_shared_prefix_steps
+        eng.runner.shared_prefix_attention = on
+        refills, shared = eng.runner.num_sink_refills, eng.runner.num_shared_prefix_steps
         outs.append([s.output_ids for s in generate(cached, prompts, GREEDY)])
-        assert eng.num_sink_refills - refills >= len(prompts) - 1
+        assert eng.runner.num_sink_refills - refills >= len(prompts) - 1
         assert (
-            eng.num_shared_prefix_steps - shared >= GREEDY.max_tokens - 1
+            eng.runner.num_shared_prefix_steps - shared >= GREEDY.max_tokens - 1
             if on
-            else eng.num_shared_prefix_steps == shared
+            else eng.runner.num_shared_prefix_steps == shared
         )
         np.testing.assert_allclose(sinks(cached), expected, rtol=1e-2, atol=1e-2)
     assert outs[0] == outs[1]

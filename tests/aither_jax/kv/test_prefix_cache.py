@@ -18,6 +18,7 @@ from aither_jax.core.plan import StepPlan
 from aither_jax.core.scheduler import Scheduler
 from aither_jax.core.sequence import Sequence
 from aither_jax.device.sampling import SamplingParams
+from aither_jax.eviction.policy import LRUPolicy
 from aither_jax.kv.allocator import PageAllocator
 from aither_jax.kv.prefix_cache import PrefixCache, hash_chain, page_hash, tenant_salt
 from models.kv_cache import NULL_PAGE
@@ -77,7 +78,7 @@ def test_chain_continues_from_a_parent():
 
 
 def make_cache(num_pages: int = 9, max_pinned_pages: int = 2) -> PrefixCache:
-    return PrefixCache(PageAllocator(num_pages), PAGE, max_pinned_pages=max_pinned_pages)
+    return PrefixCache(PageAllocator(num_pages), PAGE, max_pinned_pages=max_pinned_pages, policy=LRUPolicy())
 
 
 def computed_pages(cache: PrefixCache, tokens: list[int], salt: bytes = SALT_A) -> tuple[list[bytes], list[int]]:

@@ -15,7 +15,7 @@ import pytest
 from aither_jax.compile import code_maps
 from aither_jax.compile.code_maps import CodeMapBudget
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LINUX = os.path.exists(code_maps.MAPS_PATH) and os.path.exists(code_maps.LIMIT_PATH)
 
 # A fresh interpreter, since dropping compiled code clears every jit cache of the process:

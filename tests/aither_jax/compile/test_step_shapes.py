@@ -120,7 +120,7 @@ def test_precompile_skips_shapes_this_engine_cannot_run(llm_f32, caplog):
         ({"kind": "copy", "pages": 1 << 19}, "more page copies than pages"),
     ]
     before, known = CompileCounter.count(), engine.step_shapes()
-    with caplog.at_level(logging.WARNING, logger="aither_jax.engine"):
+    with caplog.at_level(logging.WARNING, logger="aither_jax.core.warmup"):
         assert engine.precompile([r for r, _ in unfit], workers=1) == 0
     assert CompileCounter.count() == before and engine.step_shapes() == known
     warnings = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]

@@ -15,7 +15,7 @@ import pytest
 
 from aither_jax.compile import cache as compile_cache
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # A fresh interpreter: enables the cache, compiles one small function (written to the cache
 # whatever its compile time) and reports the cache directory, the persistent-cache hits it

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
+from aither_jax.compile.buckets import bucket, page_bucket
 from aither_jax.compile.counter import CompileCounter
-from aither_jax.core.engine import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS, bucket, page_bucket
+from aither_jax.core.runner import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS
 from aither_jax.device.steps import decode_steps
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -71,7 +72,7 @@ def test_first_prefill_chunk_reads_no_pages_and_later_chunks_do(llm_f32):
     next chunks read the pages the first ones wrote. (That the outputs stay right is the HF
     parity tests' job: they score prompts through the same chunked path.)"""
     engine = llm_f32.engine
-    engine._shapes.clear()
+    engine.shapes.clear()
     llm_f32.generate([PROMPTS[-1]], GREEDY)  # spans several 64-token chunks
     prefill = [r for r in engine.step_shapes() if r["kind"] == "forward" and r["tokens"] > 1]
     pages = {r["pages"] for r in prefill}
@@ -204,7 +205,7 @@ def test_warmup_compiles_decode_shapes_and_later_new_shapes_warn(caplog):
     llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, num_pages=40, progress=False)
     assert llm.warmup(max_len=128, sampling=False) == 2  # rows {1, 2} x pages {8}
     params = aj.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    with caplog.at_level("WARNING", logger="aither_jax.engine"):
+    with caplog.at_level("WARNING", logger="aither_jax.compile.shapes"):
         llm.generate(["A short prompt", "Another one"], params)  # compiles the prefill shape only
         assert not caplog.records
         before = llm.engine.num_compiles
@@ -225,7 +226,7 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
     assert llm.warmup(max_len=128, sampling=False) == 6
     prompts = [f"Count to {i}: 1, 2," for i in range(3, 11)]
     params = aj.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with caplog.at_level("WARNING", logger="aither_jax.engine"):
+    with caplog.at_level("WARNING", logger="aither_jax.compile.shapes"):
         outs = llm.generate(prompts, params)
     assert not caplog.records  # every decode step had a warm shape
     for p, out in zip(prompts[:2], outs, strict=False):  # 4 pages read at 8 rows, 8 alone: same tokens
@@ -243,21 +244,21 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
     ids=["turboquant", "ngram-verify", "decode-steps", "dflash"],
 )
 def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch, request, extra):
-    """Warm-up compiles its step calls on 2 threads first (`Engine.precompile`: decode steps,
+    """Warm-up compiles its step calls on 2 threads first (`Compiler.precompile`: decode steps,
     cache writes, verify passes, drafting calls and draft context writes); its own calls of
     the same shapes must then find every
     executable compiled. (num_pages is unique to this test, so no earlier test compiled
     these shapes.)"""
     llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, progress=False, **extra)
-    engine, counts = llm.engine, {}
-    precompile = engine.precompile
+    compiler, counts = llm.engine.compiler, {}
+    precompile = compiler.precompile
 
     def counted(*args, **kwargs):
         counts["before"] = CompileCounter.count()
         precompile(*args, **kwargs)
         counts["after"] = CompileCounter.count()
 
-    monkeypatch.setattr(engine, "precompile", counted)
+    monkeypatch.setattr(compiler, "precompile", counted)
     assert llm.warmup(max_len=120, sampling=True, workers=2) == 4  # rows {1, 2} x {greedy, sampled}, 8 pages
     # Per shape a decode step (and with ngram 2 verify buckets, 4 and 8 tokens), one write per
     # distinct update shape; fused decode steps (`decode_steps`) write inside the call.
@@ -322,8 +323,8 @@ def test_fused_decode_steps_update_the_pool_in_place(llm_f32):
     forward pass reads the pool; in the other order XLA copied each whole pool every step
     (two `copy` ops per pool in the optimized HLO)."""
     engine = llm_f32.engine
-    tokens, batch, params = engine._padding_rows(2, True)
-    args, static = engine._steps_args(tokens, batch, params, np.zeros(2, np.int32), 8, True)
+    tokens, batch, params = engine.runner.padding_rows(2, True)
+    args, static = engine.runner.steps_args(tokens, batch, params, np.zeros(2, np.int32), 8, True)
     hlo = decode_steps.lower(*args, **{**static, "num_steps": 4}).compile().as_text()
     pool = "f32[" + ",".join(map(str, engine.cache.k[0].shape)) + "]"
     assert any(pool in line and "scatter" in line for line in hlo.splitlines())  # the in-place write

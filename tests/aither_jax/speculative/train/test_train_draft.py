@@ -13,13 +13,16 @@ import orbax.checkpoint as ocp
 import pytest
 
 import aither_jax as aj
-from aither_jax import chat_prompts as chat_prompts_module
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.device.steps import top_log_probs
 from aither_jax.speculative.train.data import Dataset, generated_arrays, tap_arrays, teacher_labels, write_shard
 from aither_jax.speculative.train.loss import loss_fn, position_weights
 from aither_jax.speculative.train.prompts import (
     build_prompts,
+    chat_prompts,
+    chat_requests,
+    chat_topics,
+    check_disjoint,
     document_conversations,
     held_out,
     keep_self_prompt,
@@ -214,31 +217,31 @@ def test_prompt_splits_are_disjoint():
 
 
 def _eval_prompts():
-    path = pathlib.Path(__file__).parents[2] / "scripts" / "data" / "chat_eval.jsonl"
+    path = pathlib.Path(__file__).parents[4] / "scripts" / "data" / "chat_eval.jsonl"
     return [json.loads(line)["messages"][-1]["content"] for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_chat_prompts_stay_apart_from_the_evaluation_set():
     evals = _eval_prompts()
     assert len(evals) == 40
-    chat_prompts_module.check_disjoint(evals)  # raises on a shared topic or request
-    requests = chat_prompts_module.all_requests()
+    check_disjoint(evals)  # raises on a shared topic or request
+    requests = chat_requests()
     assert len(set(requests)) == len(requests) >= 768
-    convs = chat_prompts_module.chat_prompts(768, seed=0)
-    assert convs == chat_prompts_module.chat_prompts(768, seed=0)  # reproducible
+    convs = chat_prompts(768, seed=0)
+    assert convs == chat_prompts(768, seed=0)  # reproducible
     assert len({c[0]["content"] for c in convs}) == 768
     assert not {c[0]["content"] for c in convs} & set(evals)
 
 
 def test_chat_prompt_overlap_is_caught():
-    topic = chat_prompts_module.topics()[5]
+    topic = chat_topics()[5]
     with pytest.raises(ValueError, match="occurs in the evaluation prompt"):
-        chat_prompts_module.check_disjoint([f"Tell me everything about {topic.upper()}, please."])
-    request = chat_prompts_module.all_requests()[0]
+        check_disjoint([f"Tell me everything about {topic.upper()}, please."])
+    request = chat_requests()[0]
     with pytest.raises(ValueError):
-        chat_prompts_module.check_disjoint([request])
+        check_disjoint([request])
     with pytest.raises(ValueError, match="distinct chat requests"):
-        chat_prompts_module.chat_prompts(len(chat_prompts_module.all_requests()) + 1, seed=0)
+        chat_prompts(len(chat_requests()) + 1, seed=0)
     with pytest.raises(SystemExit):
         parse_args(["--num-chat-prompts", "100000"])
 
@@ -492,7 +495,7 @@ def test_generation_records_what_a_second_pass_computes(llm_f32, tmp_path):
     data = Dataset([tmp_path / "s.npz"], max_len=320, block_size=16)
     batch = data.batch(np.random.default_rng(0), 16, 8, 0.0)
     assert np.isfinite(batch["top_log_probs"]).all()
-    assert llm_f32.engine._recording is None  # generated_arrays leaves the engine as it found it
+    assert llm_f32.engine.recorder is None  # generated_arrays leaves the engine as it found it
 
 
 def test_recording_survives_preemption_and_keeps_log_probabilities():
@@ -550,7 +553,7 @@ def test_recording_refuses_what_it_cannot_record(llm_f32, monkeypatch):
     cfg = types.SimpleNamespace(target_layers=(1,))
     with pytest.raises(ValueError, match="maximum context length"):
         generated_arrays(llm_f32, cfg, [[1, 2, 3], [1] * 700], SamplingParams(max_tokens=4), 2, "answers")
-    assert not engine.has_unfinished() and engine._recording is None and not engine._records
+    assert not engine.has_unfinished() and engine.recorder is None
     monkeypatch.setattr(engine, "num_scheduler_steps", 2)
     with pytest.raises(ValueError, match="plain decoding"):
         engine.record((1,))
@@ -558,7 +561,7 @@ def test_recording_refuses_what_it_cannot_record(llm_f32, monkeypatch):
     monkeypatch.setattr(engine.scheduler, "prefix_cache", object())
     with pytest.raises(ValueError, match="enable_prefix_caching=False"):
         engine.record((1,))
-    assert engine._recording is None
+    assert engine.recorder is None
 
 
 def test_draft_layers_copied_from_the_target_start_as_its_blocks(llm_f32):

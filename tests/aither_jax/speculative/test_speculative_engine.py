@@ -79,9 +79,13 @@ def test_greedy_speculative_equals_plain_greedy(baselines, method, kv, batch, bl
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
     _check_greedy(llm, outs, baselines(kv, batch), kv)
     e = llm.engine
-    assert e.num_drafts > 0 and 0 <= e.num_accepted_tokens <= e.num_draft_tokens
-    assert e.accepted_per_pos.sum() == e.num_accepted_tokens
-    assert list(e.accepted_per_pos) == sorted(e.accepted_per_pos, reverse=True)  # position j needs j-1 first
+    assert (
+        e.spec_counters.num_drafts > 0 and 0 <= e.spec_counters.num_accepted_tokens <= e.spec_counters.num_draft_tokens
+    )
+    assert e.spec_counters.accepted_per_pos.sum() == e.spec_counters.num_accepted_tokens
+    assert list(e.spec_counters.accepted_per_pos) == sorted(
+        e.spec_counters.accepted_per_pos, reverse=True
+    )  # position j needs j-1 first
 
 
 def _check_greedy(llm, outs, plain, kv):
@@ -136,7 +140,10 @@ def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
             # is not the draft's first choice there.
             off_chain += any(np.flatnonzero(parents[i, 1:] == parents[i, c])[0] + 1 < c for c in nodes)
     assert off_chain > 0
-    assert e.num_accepted_tokens > 0 and e.accepted_per_pos.sum() == e.num_accepted_tokens
+    assert (
+        e.spec_counters.num_accepted_tokens > 0
+        and e.spec_counters.accepted_per_pos.sum() == e.spec_counters.num_accepted_tokens
+    )
 
 
 def test_adaptive_draft_length_keeps_the_output(baselines):
@@ -148,7 +155,7 @@ def test_adaptive_draft_length_keeps_the_output(baselines):
     assert [o.token_ids for o in outs] == baselines("bf16", 8)
     chooser = llm.engine.draft_length
     assert chooser.options == [0, 1, 3, 7, 15] and all(chooser.chosen[k] > 0 for k in chooser.options)
-    assert llm.engine.num_accepted_tokens > 0
+    assert llm.engine.spec_counters.num_accepted_tokens > 0
 
 
 CHAIN = {"method": "dflash", "tree": 0}  # a chain of 15 drafts on every backend (CPU's default is a tree)
@@ -297,7 +304,7 @@ def test_sampled_speculative_equals_plain_sampling_with_the_same_seed(method):
     got = [o.token_ids for o in llm.chat(convs, params)]
     assert got == expected
     assert got[0] == got[-1]
-    assert llm.engine.num_accepted_tokens > 0  # some emitted tokens came through accepted drafts
+    assert llm.engine.spec_counters.num_accepted_tokens > 0  # some emitted tokens came through accepted drafts
 
 
 def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
@@ -307,7 +314,7 @@ def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
     the target's, computed exactly from its logits."""
     p_value, counts, engine = _two_token_chisquare(monkeypatch)
     assert p_value > 1e-3, (p_value, counts)
-    assert engine.num_accepted_tokens > 800 // 4  # the drafts were really verified, not just dropped
+    assert engine.spec_counters.num_accepted_tokens > 800 // 4  # the drafts were really verified, not just dropped
 
 
 def test_a_broken_verifier_fails_the_same_distribution_test(monkeypatch):
@@ -401,7 +408,7 @@ def test_warmup_covers_drafting_and_verify_shapes(spec, caplog):
     llm.chat(convs, aj.SamplingParams(max_tokens=1, temperature=0.0))  # compiles the prefill shapes
     assert llm.warmup(max_len=120, sampling=False) == 2  # rows {1, 2} x pages {8}
     before = llm.engine.num_compiles
-    with caplog.at_level("WARNING", logger="aither_jax.engine"):
+    with caplog.at_level("WARNING", logger="aither_jax.compile.shapes"):
         llm.chat(convs, aj.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert llm.engine.num_compiles == before  # drafting, verify and context writes were all warm

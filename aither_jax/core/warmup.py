@@ -1,0 +1,285 @@
+"""Compiling step shapes before requests need them: the warm-up over every decode shape up to a
+length, and precompiling a list of shape records (an earlier run's, `compile/shape_file.py`)
+on several threads."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from aither_jax.compile.buckets import bucket
+from aither_jax.compile.code_maps import CodeMapBudget
+from aither_jax.compile.shapes import checked_shape, shape_record
+from aither_jax.compile.step_jit import compile_workers
+from aither_jax.core.runner import ModelRunner
+from aither_jax.core.speculate import chain_parents
+from aither_jax.device.sampling import SamplingBatch
+from aither_jax.device.steps import decode_steps, forward_step, refill_sinks, verify_step, write_step
+from models.kv_spec import MAX_SINK_TOKENS
+from models.llama import StepBatch
+
+log = logging.getLogger(__name__)
+
+
+class Compiler:
+    """Compiles an engine's step shapes ahead of use, within the process's mapping budget."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        code_budget: CodeMapBudget,
+        max_model_len: int,
+        num_speculative_tokens: int,
+        num_lookahead_tokens: int,
+    ):
+        self.runner = runner
+        self.code_budget = code_budget
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+
+    def warmup(self, max_len: int | None = None, *, sampling=True, progress=False, workers: int | None = None) -> int:
+        """Compiles every decode shape for sequences up to `max_len` tokens.
+
+        Covers each batch bucket (1, 2, 4, .. max_num_seqs) times each of its page buckets up
+        to `max_len` (default max_model_len), greedy and, with `sampling`, sampled. With
+        speculative decoding each such shape also compiles the verify pass over the draft block,
+        the draft context write and (DFlash) the drafting call. The calls run on padding rows
+        only, which write to the null page and change nothing. Afterwards a decode step with a
+        shape outside this set logs a warning. Code compiled before the warm-up that already nears
+        the process's memory-mapping limit is dropped first; the warm-up stops early, with a
+        warning, once its own shapes near it (aither_jax/compile/code_maps.py). Returns the
+        number of shapes compiled.
+
+        The target's step calls compile on `workers` threads first (default
+        `step_jit.compile_workers()`, 1 compiles each call when it first runs).
+        """
+        r = self.runner
+        max_len = self.max_model_len if max_len is None else max_len
+        if not 1 <= max_len <= self.max_model_len:
+            raise ValueError(f"max_len must be in [1, {self.max_model_len}], got {max_len}")
+        workers = compile_workers() if workers is None else workers
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        rows = sorted({bucket(n, 1, r.max_num_seqs) for n in range(1, r.max_num_seqs + 1)})
+        max_pages = r.scheduler.pages_needed(max_len + self.num_lookahead_tokens)  # page_bucket() caps it
+        pages = {n: sorted({r.pages_to_read(p, n) for p in range(1, max_pages + 1)}) for n in rows}
+        shapes = [(n, p, g) for n in rows for p in pages[n] for g in ((True, False) if sampling else (True,))]
+        # Code compiled for earlier shapes (another configuration's, say) that already holds the
+        # budget is dropped first, so the warm-up stops only when its own shapes fill it
+        # (`precompile` makes that check itself).
+        if workers > 1:
+            self._precompile_decode(shapes, workers, progress)
+        else:
+            self.code_budget.release_if_over()
+        done, tokens = 0, None
+        for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
+            if self.code_budget.over():
+                log.warning(
+                    "warm-up stopped after %d of %d shapes: their code nears the memory-mapping limit "
+                    "(vm.max_map_count = %s); the rest compile on first use",
+                    done,
+                    len(shapes),
+                    self.code_budget.limit,
+                )
+                break
+            tokens, batch, params = r.padding_rows(num_rows, greedy_only)
+            if r.num_scheduler_steps > 1:
+                tokens = r.steps(tokens, batch, params, np.zeros(num_rows, np.int32), num_pages, greedy_only)
+            else:
+                tokens, _, hidden = r.dispatch(tokens, batch, params, num_pages, "none", greedy_only, taps=r.taps)
+                r.write_draft_context(hidden, batch)
+            if self.num_speculative_tokens:
+                self._warm_speculative(batch, params, num_pages, greedy_only)
+            done += 1
+        if tokens is not None:
+            tokens.block_until_ready()
+        r.shapes.warmed_up = True
+        return done
+
+    def _verify_shapes(self, num_rows: int) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """The verify passes a decode shape of `num_rows` rows may need: (tokens, tree parents or
+        None) for every token bucket, since drafts may come short (a request near max_tokens,
+        prompt lookup). Empty without speculative decoding."""
+        if not self.num_speculative_tokens:
+            return []
+        buckets = {bucket(n, 2, self.runner.max_prefill_chunk) for n in range(2, self.num_speculative_tokens + 2)}
+        tree = self.runner.drafter is not None and self.runner.drafter.tree
+        return [
+            (np.zeros((num_rows, t), np.int32), chain_parents(num_rows, t) if tree else None) for t in sorted(buckets)
+        ]
+
+    def _precompile_decode(self, shapes: list[tuple[int, int, bool]], workers: int, progress: bool) -> None:
+        """Compiles the calls of the warm-up `shapes` (rows, pages, greedy only) on `workers`
+        threads: each shape's decode step (`decode_steps` with num_scheduler_steps > 1), its
+        cache writes and, with speculative decoding, its verify passes and (DFlash) the
+        drafting call and the draft's context writes."""
+        r = self.runner
+        records = []
+        for num_rows, num_pages, greedy_only in shapes:
+            common = dict(rows=num_rows, pages=num_pages, greedy=greedy_only)
+            if r.num_scheduler_steps > 1:
+                records.append(shape_record("steps", **common))
+                continue
+            records.append(shape_record("forward", **common, tokens=1, logits="none", taps=r.taps, shared_pages=0))
+            if r.drafter is not None and greedy_only:  # drafting does not depend on sampling
+                records.append(shape_record("draft", rows=num_rows, pages=num_pages))
+            for tokens, _ in self._verify_shapes(num_rows):
+                records.append(shape_record("verify", **common, tokens=tokens.shape[1], logits=False))
+        self.precompile(records, workers=workers, progress=progress)
+
+    def precompile(self, shapes: Iterable[dict[str, Any]], *, workers: int | None = None, progress=False) -> int:
+        """Compiles step shapes before any request needs them, on `workers` threads (default
+        `step_jit.compile_workers()`): records as `step_shapes` gives them, typically an
+        earlier run's (`aither_jax.compile.shape_file`; `serve --compile-shapes`).
+
+        Each record's call is lowered on this thread, on padding inputs of its shape, and
+        compiled in a thread pool (XLA's backend compilation releases the GIL; on the H200's
+        host a step shape takes ~13 s, almost all of it there). The executables land in JAX's
+        in-memory cache under the keys that the real calls of the same shapes then find.
+        Forward and verify records compile their cache writes too. A record this engine cannot
+        run (more rows than max_num_seqs, more pages than a sequence holds, fused steps when
+        num_scheduler_steps is 1, ...) is skipped with a warning. Raises ValueError for a
+        malformed record. Returns the number of records compiled.
+        """
+        r = self.runner
+        workers = compile_workers() if workers is None else workers
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        records = [checked_shape(i, rec) for i, rec in enumerate(shapes)]
+        usable = []
+        for record in records:
+            why = self.unfit(record)
+            if why:
+                log.warning("step shape %s skipped: %s", record, why)
+            else:
+                usable.append(record)
+        writes: set[str] = set()
+        done = 0
+        self.code_budget.release_if_over()  # earlier shapes' code does not stop this one
+        bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
+        with ThreadPoolExecutor(workers, thread_name_prefix="aither-compile") as pool:
+            futures = []
+
+            def submit(lowered) -> None:
+                bar.total += 1
+                bar.refresh()
+                futures.append(pool.submit(lowered.compile))
+                futures[-1].add_done_callback(lambda _: bar.update())
+
+            for record in usable:
+                if self.code_budget.over():
+                    log.warning(
+                        "precompile stopped after %d of %d shapes: their code nears the memory-mapping limit "
+                        "(vm.max_map_count = %s); the rest compile on first use",
+                        done,
+                        len(usable),
+                        self.code_budget.limit,
+                    )
+                    break
+                lowered, update, hidden = self._lower(record)
+                submit(lowered)
+                if update is not None:
+                    key = str(jax.tree.map(lambda a: (a.shape, a.dtype), update))
+                    if key not in writes:
+                        writes.add(key)
+                        submit(write_step.lower(r.cache, update))
+                if hidden is not None and r.drafter is not None:  # the draft context write
+                    key = f"draft {hidden.shape}"
+                    if key not in writes:
+                        writes.add(key)
+                        submit(r.drafter.lower_write(hidden, r.cache.block_tables, record["rows"]))
+                r.shapes.add(record)
+                done += 1
+            for future in futures:
+                future.result()
+        bar.close()
+        return done
+
+    def unfit(self, record: dict[str, Any]) -> str | None:
+        """Why this engine cannot run a (well-formed) shape record, or None if it can."""
+        r = self.runner
+        kind = record["kind"]
+        rows = record.get("rows", 1)
+        if rows != bucket(rows, 1, r.max_num_seqs):
+            return f"rows must be a power of two (or max_num_seqs) up to max_num_seqs {r.max_num_seqs}"
+        longest = MAX_SINK_TOKENS if kind == "sinks" else r.max_prefill_chunk
+        if record.get("tokens", 1) > longest:
+            return f"more than {longest} tokens per row"
+        pages = record.get("pages", 0)
+        if kind != "copy" and pages + record.get("shared_pages", 0) > r.max_pages_per_seq:
+            return f"more pages than a sequence holds ({r.max_pages_per_seq})"
+        if kind == "copy" and pages > r.scheduler.num_usable_pages + 1:
+            return f"more page copies than pages ({r.scheduler.num_usable_pages})"
+        if kind == "steps" and r.num_scheduler_steps == 1:
+            return "fused decode steps need num_scheduler_steps > 1"
+        if kind == "verify" and not self.num_speculative_tokens:
+            return "verify passes need speculative decoding"
+        if kind == "draft" and r.drafter is None:
+            return "drafting calls need a DFlash draft"
+        if kind == "sinks" and not r.cache.num_sinks:
+            return "the KV cache format keeps no sink tokens"
+        if kind == "forward" and any(i >= r.cfg.num_layers for i in record["taps"]):
+            return f"taps {record['taps']} are not layers of this model (0 to {r.cfg.num_layers - 1})"
+        if kind == "forward" and record["shared_pages"] and not r.shared_prefix_attention:
+            return "shared-prefix attention is off"
+        return None
+
+    def _lower(self, record: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """A shape record's call lowered on padding inputs (rows on out-of-range slots, so
+        nothing is written): (the lowered call, the cache update it returns for `write_step`
+        or None, the tapped hidden states it returns for the draft's context write or None)."""
+        r = self.runner
+        kind = record["kind"]
+        if kind == "copy":
+            return r.store.lower_copy(record["pages"]), None, None
+        if kind == "draft":
+            return r.drafter.lower_propose(record["rows"], record["pages"]), None, None
+        num_rows = record["rows"]
+        tokens, batch, params = r.padding_rows(num_rows, record.get("greedy", True), record.get("tokens", 1))
+        if kind == "sinks":
+            lowered = refill_sinks.lower(
+                r.weights, r.cache, tokens, batch, cfg=r.cfg, num_pages=0, attention=r.attention
+            )
+            return lowered, None, None
+        if kind == "steps":
+            limits = np.zeros(num_rows, np.int32)
+            args, static = r.steps_args(tokens, batch, params, limits, record["pages"], record["greedy"])
+            return decode_steps.lower(*args, **static), None, None
+        if kind == "verify":
+            parents = chain_parents(*tokens.shape) if r.drafter is not None and r.drafter.tree else None
+            args, static = r.verify_args(
+                tokens, batch, params, record["pages"], record["greedy"], record["logits"], parents
+            )
+            lowered = verify_step.lower(*args, **static)
+            return lowered, lowered.out_info[3], lowered.out_info[4]
+        args, static = r.forward_args(
+            tokens, batch, params, record["pages"], record["logits"], record["greedy"],
+            taps=tuple(record["taps"]), shared_pages=record["shared_pages"],
+        )  # fmt: skip
+        lowered = forward_step.lower(*args, **static)
+        # Only a call with the draft's own taps writes the draft's context (`forward` with other
+        # taps, for scoring or for a draft's training data, returns them and writes nothing).
+        drafting = bool(r.taps) and tuple(record["taps"]) == tuple(r.taps)
+        return lowered, lowered.out_info[2], lowered.out_info[3] if drafting else None
+
+    def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
+        """Compiles the drafting call and the verify pass of one decode shape on padding rows."""
+        r = self.runner
+        num_rows = batch.slots.shape[0]
+        if r.drafter is not None and greedy_only:  # drafting does not depend on sampling
+            zeros = np.zeros(num_rows, np.int32)
+            table = np.zeros((num_rows, num_pages), np.int32)
+            if r.drafter.tree:
+                r.drafter.propose_tree(table, zeros, zeros, [0] * num_rows)
+            else:
+                r.drafter.propose(table, zeros, zeros)
+        for tokens, parents in self._verify_shapes(num_rows):
+            r.verify(tokens, batch, params, num_pages, greedy_only, return_logits=False, parents=parents)

@@ -1,0 +1,75 @@
+"""The block table: one record per KV page, holding everything the host knows about it.
+
+A page (a "block" of `page_size` token positions, stored contiguously across layers) is owned
+by reference counts (the sequences that hold it, the prefix cache, pins); the prefix cache
+names it; the eviction policy ranks it by its access history. All of that lives in the page's
+`Block`, so a policy, a metric or a tier mover reads one record instead of seven containers.
+The fields after `hits` are for the eviction advisor and the context pipeline, which fill them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Tier(enum.IntEnum):
+    """Where a page's bytes are: the device pool (hot), host memory (warm), disk (cold)."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
+@dataclasses.dataclass(eq=False)
+class Block:
+    """What the host knows about one KV page."""
+
+    page: int  # the page id in its tier's pool
+    tier: Tier = Tier.DEVICE
+    refs: int = 0  # references: sequences holding it, the prefix cache's own, pins
+    name: bytes | None = None  # a cached full page's chain name (prefix_cache.page_hash)
+    parent: bytes | None = None  # the previous page's name (None for a chain's first page)
+    partial: tuple[int, ...] | None = None  # a cached partial page's tokens (named by `parent`)
+    pins: int = 0
+    last_access: int = 0  # the block table's clock at the latest lookup or insert
+    hits: int = 0  # prefix-cache lookups that found it
+    # Filled by the context pipeline and the eviction advisor (0 / None until then).
+    source_tag: str | None = None  # the prompt section or message role whose tokens fill it
+    importance: float | None = None  # 0-1
+    tenant: bytes | None = None
+    token_range: tuple[int, int] | None = None  # [start, stop) positions in its first sequence
+    attention_mass: float = 0.0
+
+    @property
+    def cached(self) -> bool:
+        """Whether the prefix cache names this page (full or partial)."""
+        return self.name is not None or self.partial is not None
+
+    def forget(self) -> None:
+        """Clears what the prefix cache and the policies knew (the page is free again)."""
+        self.name = self.parent = self.partial = None
+        self.pins = self.hits = 0
+        self.source_tag = self.importance = self.tenant = self.token_range = None
+        self.attention_mass = 0.0
+
+
+class BlockTable:
+    """One `Block` per page of a tier's pool (page 0 is the null page), and a logical clock that
+    orders accesses."""
+
+    def __init__(self, num_pages: int, tier: Tier = Tier.DEVICE):
+        self.tier = tier
+        self.blocks = [Block(p, tier) for p in range(num_pages)]
+        self._clock = 0
+
+    def __getitem__(self, page: int) -> Block:
+        return self.blocks[page]
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def touch(self, page: int) -> None:
+        """Marks `page` as the most recently accessed."""
+        self._clock += 1
+        self.blocks[page].last_access = self._clock
