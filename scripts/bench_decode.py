@@ -107,7 +107,7 @@ from aither_jax.llm import LLM, default_num_pages, resolve_dtype, resolve_kv_cac
 from models.config import ModelConfig  # noqa: E402
 from models.gguf_file import GGUFFile  # noqa: E402
 from models.kv_spec import parse_kv_spec  # noqa: E402
-from models.registry import DEFAULT_MODEL, MODELS, resolve_model  # noqa: E402
+from models.registry import DEFAULT_MODEL, MODELS, ModelHandle, resolve_model  # noqa: E402
 from models.weights import DTYPES, LayerWeights, ModelWeights  # noqa: E402
 
 CHECK_TOKENS = 16  # greedy tokens compared between ours and HF at batch 1
@@ -329,20 +329,19 @@ def random_weights_llm(
 ) -> LLM:
     """An `LLM` over random weights: `LLM.__init__` minus the GGUF (same engine, same generate path)."""
     llm = LLM.__new__(LLM)
-    llm.model_path, llm.model_name, llm.dtype = None, cfg.name, dtype
-    llm.config, llm.tokenizer, llm.progress = cfg, _StubTokenizer(), False
     t0 = time.perf_counter()
     weights = ours_weights_from_hf_state(state, cfg, dtype)
     jax.block_until_ready(weights)
-    llm.load_seconds = time.perf_counter() - t0
+    llm.model = ModelHandle(cfg.name, cfg, weights, _StubTokenizer(), dtype, load_seconds=time.perf_counter() - t0)
+    llm.model_path, llm.model_name, llm.dtype = None, cfg.name, dtype
+    llm.config, llm.tokenizer, llm.progress = cfg, llm.model.tokenizer, False
+    llm.load_seconds = llm.model.load_seconds
     page_size = 16
     num_pages = default_num_pages(
         parse_kv_spec(kv_cache_dtype), cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
     )
     llm.engine = Engine(
-        weights,
-        cfg,
-        llm.tokenizer,
+        llm.model,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         num_pages=num_pages,

@@ -105,15 +105,15 @@ def draft_ranks(args) -> dict:
     from aither_jax.device.sampling import SamplingParams
     from aither_jax.eval import prompt_ids, read_prompts
     from aither_jax.llm import LLM
-    from aither_jax.speculative.config import SHIPPED_DRAFTS
     from aither_jax.speculative.ngram import ngram_propose
     from aither_jax.speculative.train.data import tap_arrays
     from models.draft import MASK, block_forward, context_features, context_kv
     from models.draft_io import load_draft
     from models.llama import vocab_logits
+    from models.registry import shipped_draft
     from pallas_kernels.draft_attention import draft_attention_dense
 
-    path = args.draft or SHIPPED_DRAFTS.get(args.model)
+    path = args.draft or shipped_draft(args.model)
     if path is None:
         sys.exit(f"no draft ships for {args.model}; pass --draft")
     cfg, params, meta, vocab = load_draft(path)

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from aither_jax.compile import cache as compile_cache
 from aither_jax.compile.code_maps import CodeMapBudget
 from aither_jax.compile.counter import CompileCounter
+from aither_jax.compile.services import services
 from aither_jax.compile.shapes import ShapeRegistry
 from aither_jax.core.output import OutputProcessor
 from aither_jax.core.recorder import TapRecorder
@@ -40,8 +40,7 @@ from models.kv_cache import init_cache
 from models.kv_spec import parse_kv_spec
 from models.kv_transform import load_key_transforms
 from models.llama import ATTENTION_IMPLS
-from models.tokenizer import Tokenizer
-from models.weights import ModelWeights
+from models.registry import ModelHandle
 
 Rows = list[tuple[Sequence, list[int]]]
 
@@ -51,9 +50,7 @@ class Engine:
 
     def __init__(
         self,
-        weights: ModelWeights,
-        cfg: ModelConfig,
-        tokenizer: Tokenizer,
+        model: ModelHandle,
         *,
         max_num_seqs: int,
         max_model_len: int,
@@ -68,26 +65,27 @@ class Engine:
         cache_fill_value: float = 0.0,
         seed: int = 0,
         speculative: SpeculativeConfig | str | dict | None = None,
-        model_name: str = "",
         shared_prefix_attention: bool = True,
         num_scheduler_steps: int = 1,
     ):
         max_num_batched_tokens = (
             max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
         )
-        compile_cache.enable()
+        self.compile_services = services()  # the persistent cache and the code budget, one per process
         _check_settings(
-            cfg, attention, max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_pages=num_pages,
+            model.config, attention, max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_pages=num_pages,
             page_size=page_size, max_prefill_chunk=max_prefill_chunk, max_num_batched_tokens=max_num_batched_tokens,
             num_scheduler_steps=num_scheduler_steps,
         )  # fmt: skip
-        self.weights, self.cfg, self.tokenizer = weights, cfg, tokenizer
+        self.model = model
+        weights, cfg = model.weights, model.config
+        self.weights, self.cfg, self.tokenizer = weights, cfg, model.tokenizer
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_prefill_chunk = max_prefill_chunk
         self.max_pages_per_seq = -(-max_model_len // page_size)
         key_transform = None
         if parse_kv_spec(kv_cache_dtype).precondition:
-            key_transform = load_key_transforms(model_name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+            key_transform = load_key_transforms(model.key_transform or model.name, *_kv_shape(cfg))
         cache = init_cache(
             cfg, num_pages=num_pages, max_seqs=max_num_seqs, max_pages_per_seq=self.max_pages_per_seq,
             page_size=page_size, kv_cache_dtype=kv_cache_dtype, fill_value=cache_fill_value,
@@ -101,9 +99,7 @@ class Engine:
             max_pinned_fraction=max_pinned_fraction, sink_tokens=cache.num_sinks, min_token_bucket=MIN_TOKEN_BUCKET,
         )  # fmt: skip
         self.speculative = SpeculativeConfig.parse(speculative)
-        drafter = _drafter(
-            self.speculative, weights, cfg, model_name=model_name, num_pages=num_pages, page_size=page_size
-        )
+        drafter = _drafter(self.speculative, model, num_pages=num_pages, page_size=page_size)
         if drafter is not None:
             self.num_speculative_tokens = drafter.num_speculative_tokens
         elif self.speculative is not None:
@@ -127,7 +123,7 @@ class Engine:
             shared_prefix_attention=shared_prefix_attention, num_scheduler_steps=num_scheduler_steps,
             taps=drafter.taps if drafter else (),
         )  # fmt: skip
-        self.output = OutputProcessor(tokenizer)
+        self.output = OutputProcessor(model.tokenizer)
         self.spec_counters = SpecCounters(self.num_speculative_tokens)
         self.speculator = None
         if self.speculative is not None:
@@ -135,16 +131,23 @@ class Engine:
             self.speculator = SpeculativeStep(
                 self.speculative, *parts, num_speculative_tokens=self.num_speculative_tokens
             )
-        # Compiled code is dropped when it nears the process's mapping limit (code_maps.py).
-        self.code_budget = CodeMapBudget()
         self.compiler = Compiler(
-            self.runner, code_budget=self.code_budget, max_model_len=max_model_len,
+            self.runner, self.compile_services, max_model_len=max_model_len,
             num_speculative_tokens=self.num_speculative_tokens, num_lookahead_tokens=self.num_lookahead_tokens,
         )  # fmt: skip
         self.recorder: TapRecorder | None = None  # set by `record`
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self.num_steps = 0
+
+    @property
+    def code_budget(self) -> CodeMapBudget:
+        """The process's code-mapping budget (compile/code_maps.py), shared with every engine."""
+        return self.compile_services.budget
+
+    @code_budget.setter
+    def code_budget(self, budget: CodeMapBudget) -> None:
+        self.compile_services.budget = budget
 
     @property
     def cache(self):
@@ -380,11 +383,20 @@ class Engine:
         return forward_ids(self.runner, ids, self.max_model_len, taps=taps, logits=logits, top_k=top_k)
 
 
-def _drafter(spec: SpeculativeConfig | None, weights: ModelWeights, cfg: ModelConfig, **pool) -> DFlashProposer | None:
+def _drafter(spec: SpeculativeConfig | None, model: ModelHandle, **pool) -> DFlashProposer | None:
     """The DFlash draft of a dflash config (its context pools share the target's page ids)."""
     if spec is None or spec.method != "dflash":
         return None
-    return DFlashProposer(spec, cfg, embed=weights.embed, lm_head=weights.lm_head, kernels=spec.draft_kernels, **pool)
+    weights = model.weights
+    draft = spec.model or model.draft
+    return DFlashProposer(
+        spec, model.config, draft=draft, model_name=model.name, embed=weights.embed, lm_head=weights.lm_head,
+        kernels=spec.draft_kernels, **pool,
+    )  # fmt: skip
+
+
+def _kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
 
 
 def _check_settings(

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from aither_jax.compile.buckets import bucket
 from aither_jax.compile.code_maps import CodeMapBudget
+from aither_jax.compile.services import CompileServices
 from aither_jax.compile.shapes import checked_shape, shape_record
 from aither_jax.compile.step_jit import compile_workers
 from aither_jax.core.runner import ModelRunner
@@ -31,19 +32,18 @@ class Compiler:
     """Compiles an engine's step shapes ahead of use, within the process's mapping budget."""
 
     def __init__(
-        self,
-        runner: ModelRunner,
-        *,
-        code_budget: CodeMapBudget,
-        max_model_len: int,
-        num_speculative_tokens: int,
+        self, runner: ModelRunner, services: CompileServices, *, max_model_len: int, num_speculative_tokens: int,
         num_lookahead_tokens: int,
-    ):
+    ):  # fmt: skip
         self.runner = runner
-        self.code_budget = code_budget
+        self.services = services
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
+
+    @property
+    def code_budget(self) -> CodeMapBudget:
+        return self.services.budget  # read at each use: the process's budget may be replaced
 
     def warmup(self, max_len: int | None = None, *, sampling=True, progress=False, workers: int | None = None) -> int:
         """Compiles every decode shape for sequences up to `max_len` tokens.

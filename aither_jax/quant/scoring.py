@@ -65,15 +65,12 @@ class FormatScorer:
         from aither_jax.core.engine import Engine
 
         engine = Engine(
-            self.llm.engine.weights,
-            self.llm.config,
-            self.llm.tokenizer,
+            self.llm.model,
             max_num_seqs=1,
             max_model_len=self.max_tokens + 1,
             num_pages=-(-len(self.ids) // 16) + 1,
             max_prefill_chunk=self.chunk,
             kv_cache_dtype=kv,
-            model_name=self.model,
             attention=self.attention,
         )
         t0 = time.perf_counter()

@@ -1,17 +1,14 @@
-"""How to speculate: `SpeculativeConfig`, in vLLM's `--speculative-config` vocabulary, and the
-drafts shipped with the package."""
+"""How to speculate: `SpeculativeConfig`, in vLLM's `--speculative-config` vocabulary (the drafts
+shipped with the package are in models/assets/drafts, `models.registry.shipped_draft`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 
 import jax
 
 METHODS = ("dflash", "ngram")
-DRAFTS_DIR = pathlib.Path(__file__).parents[1] / "drafts"
-SHIPPED_DRAFTS = {"smollm2-135m": DRAFTS_DIR / "smollm2-135m-dflash.npz"}
 CPU_TREE = 3  # drafted nodes of a default dflash config on CPU (SpeculativeConfig.tree)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from aither_jax.compile.step_jit import step_jit
 from aither_jax.device.sampling import greedy_tokens
-from aither_jax.speculative.config import SHIPPED_DRAFTS, SpeculativeConfig
+from aither_jax.speculative.config import SpeculativeConfig
 from models.config import ModelConfig
 from models.draft import MASK, DraftConfig, DraftParams, block_forward, cast_params, context_features, context_kv
 from models.draft_io import load_draft
@@ -177,6 +177,7 @@ class DFlashProposer:
         spec: SpeculativeConfig,
         target: ModelConfig,
         *,
+        draft: str | pathlib.Path | None,
         model_name: str,
         embed: jax.Array,
         lm_head: jax.Array,  # [V, D] the target's
@@ -184,15 +185,14 @@ class DFlashProposer:
         page_size: int,
         kernels: bool,
     ):
-        path = spec.model or SHIPPED_DRAFTS.get(model_name)
-        if path is None:
+        if draft is None:
             raise ValueError(
                 f"no DFlash draft ships for {model_name!r}; train one (python -m aither_jax.train_draft) "
                 "and pass its file as the speculative config's model"
             )
-        if not pathlib.Path(path).is_file():
-            raise ValueError(f"DFlash draft file not found: {path}")
-        self.cfg, params, self.meta, vocab = load_draft(path)
+        if not pathlib.Path(draft).is_file():
+            raise ValueError(f"DFlash draft file not found: {draft}")
+        self.cfg, params, self.meta, vocab = load_draft(draft)
         self.cfg.check_target(target)
         k = spec.num_speculative_tokens or self.cfg.block_size - 1
         if k > self.cfg.block_size - 1:

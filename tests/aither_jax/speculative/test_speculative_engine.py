@@ -18,8 +18,8 @@ import pytest
 import aither_jax as aj
 from aither_jax.device import steps
 from aither_jax.device.verify import verify
-from aither_jax.speculative.config import SHIPPED_DRAFTS
 from aither_jax.speculative.ngram import ngram_propose
+from models.registry import shipped_draft
 
 PROMPTS = [
     "Write a haiku about the sea.",
@@ -52,7 +52,7 @@ def baselines():
 
 
 def test_shipped_draft_is_present_and_small():
-    path = SHIPPED_DRAFTS["smollm2-135m"]
+    path = shipped_draft("smollm2-135m")
     assert path.is_file(), f"{path} is missing"
     assert path.stat().st_size <= 16 * 2**20
 

@@ -1,0 +1,39 @@
+"""Process-wide compile services, shared by every engine in the process.
+
+Compiled code and its caches belong to the process, not to one engine: JAX's in-memory
+executable cache, the persistent compilation cache on disk, and the memory mappings that
+compiled CPU code holds. So there is one of each service per process (`services()`): the
+persistent cache is turned on once, and one `CodeMapBudget` watches the mappings of every
+engine's code. Two engines in one process (two models) therefore count their code against
+one limit instead of each judging the process by itself. When the budget must drop compiled
+code it drops all of it (`jax.clear_caches` is the only way JAX unmaps code); every engine's
+shapes then compile again on their next use, or load from the persistent cache.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from aither_jax.compile import cache
+from aither_jax.compile.code_maps import CodeMapBudget
+
+
+class CompileServices:
+    """The persistent cache directory (None when off) and the code-mapping budget."""
+
+    def __init__(self, budget: CodeMapBudget | None = None):
+        self.cache_dir = cache.enable()
+        self.budget = CodeMapBudget() if budget is None else budget
+
+
+_lock = threading.Lock()
+_services: CompileServices | None = None
+
+
+def services() -> CompileServices:
+    """This process's compile services, made on first use."""
+    global _services
+    with _lock:
+        if _services is None:
+            _services = CompileServices()
+        return _services
