@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: install
-	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000
+	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000 --compile-first-requests
 
 # Three pytest processes: the model-heavy groups each load many engines, and one process for
 # the whole suite held more memory than a 24 GiB machine has beside the test servers.

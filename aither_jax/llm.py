@@ -77,7 +77,7 @@ class LLM:
             elsewhere), "bfloat16" or "float32".
         kv_cache_dtype: KV cache format: "auto" (the default: the model's measured TurboQuant
             format, see models/registry.py; bf16 for unregistered GGUF files), "bf16", "fp32",
-            or a TurboQuant format such as "tq4" or "tq-k6v4" (README: KV cache formats).
+            or a TurboQuant format such as "tq4" or "tq-k6v4" (docs/USAGE.md: KV cache formats).
         max_model_len: longest prompt + completion (default: the model's context length).
         max_num_seqs: sequences decoded together.
         num_pages: KV pages in the pool (default: as many as fit in 1 GiB, at most enough for

@@ -14,6 +14,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 import uvicorn
 
@@ -107,12 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", action="store_true", help="compile every decode shape before serving")
     p.add_argument(
+        "--compile-first-requests",
+        action="store_true",
+        help="before serving, compile (or load from the persistent cache) the step shapes of a first chat request "
+        "of up to 64 prompt tokens and of its follow-up, greedy and sampled, so the first requests answer promptly",
+    )
+    p.add_argument(
         "--compile-shapes",
         type=pathlib.Path,
         default=None,
         metavar="FILE",
         help="step-shapes file (JSON): its shapes are compiled on several threads before serving when it exists, "
-        "and every new shape the server runs is added to it (aither_jax/shape_file.py)",
+        "and every new shape the server runs is added to it (aither_jax/compile/shape_file.py)",
     )
     p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0, help="seeds requests that bring none")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
@@ -193,6 +200,12 @@ def build_server(args: argparse.Namespace):
         raise ValueError(str(e)) from None
     if args.compile_shapes is not None:
         _use_shape_file(llm, args)
+    if args.compile_first_requests:
+        start = time.perf_counter()
+        n = llm.engine.precompile(llm.engine.compiler.first_request_shapes(), progress=True)
+        log.info(
+            "compiled the %d step shapes of a first request and its follow-up in %.1f s", n, time.perf_counter() - start
+        )
     if args.warmup:
         llm.warmup()
     name = args.served_model_name or args.model
@@ -233,7 +246,6 @@ def _use_shape_file(llm, args: argparse.Namespace) -> None:
     """`--compile-shapes FILE`: compiles the file's step shapes now (when it exists) and adds
     each new shape the engine runs to it. Raises ValueError for a file that is not a
     step-shapes file or holds a malformed record."""
-    import time
 
     from aither_jax.compile import shape_file
 

@@ -18,7 +18,7 @@ from aither_jax.compile.code_maps import CodeMapBudget
 from aither_jax.compile.services import CompileServices
 from aither_jax.compile.shapes import checked_shape, shape_record
 from aither_jax.compile.step_jit import compile_workers
-from aither_jax.core.runner import ModelRunner
+from aither_jax.core.runner import MIN_TOKEN_BUCKET, ModelRunner
 from aither_jax.core.speculate import chain_parents
 from aither_jax.device.sampling import SamplingBatch
 from aither_jax.device.steps import decode_steps, forward_step, refill_sinks, verify_step, write_step
@@ -134,6 +134,42 @@ class Compiler:
             for tokens, _ in self._verify_shapes(num_rows):
                 records.append(shape_record("verify", **common, tokens=tokens.shape[1], logits=False))
         self.precompile(records, workers=workers, progress=progress)
+
+    def first_request_shapes(self, prompt_tokens: int = 64) -> list[dict[str, Any]]:
+        """The step shapes of a first request of up to `prompt_tokens` prompt tokens and of a
+        follow-up on its cached pages, greedy and sampled: the prefill of a fresh prompt at each
+        token bucket, decode steps while it stays within its first page bucket, and with prefix
+        caching the follow-up's prefill over cached pages (its sink refill and partial-page copy
+        too). With speculative decoding, the decode steps' verify passes and drafting call."""
+        r = self.runner
+        if not 1 <= prompt_tokens <= r.max_prefill_chunk:
+            raise ValueError(f"prompt_tokens must be in [1, {r.max_prefill_chunk}], got {prompt_tokens}")
+        tokens = sorted({bucket(n, MIN_TOKEN_BUCKET, r.max_prefill_chunk) for n in range(1, prompt_tokens + 1)})
+        pages = r.pages_to_read(r.scheduler.pages_needed(2 * prompt_tokens + self.num_lookahead_tokens), 1)
+        cached = r.scheduler.prefix_cache is not None
+        records = []
+        for greedy in (True, False):
+            common = dict(rows=1, logits="none", greedy=greedy, taps=r.taps, shared_pages=0)
+            records += [shape_record("forward", tokens=t, pages=0, **common) for t in tokens]
+            if cached:
+                records += [shape_record("forward", tokens=t, pages=pages, **common) for t in tokens]
+            if r.num_scheduler_steps > 1:
+                records.append(shape_record("steps", rows=1, pages=pages, greedy=greedy))
+            else:
+                records.append(shape_record("forward", tokens=1, pages=pages, **common))
+            for verify, _ in self._verify_shapes(1):
+                records.append(
+                    shape_record("verify", rows=1, tokens=verify.shape[1], pages=pages, logits=False, greedy=greedy)
+                )
+        if r.drafter is not None:
+            records.append(shape_record("draft", rows=1, pages=pages))
+        if cached and r.cache.num_sinks:
+            records.append(
+                shape_record("sinks", rows=1, tokens=bucket(r.cache.num_sinks, MIN_TOKEN_BUCKET, MAX_SINK_TOKENS))
+            )
+        if cached:
+            records.append(shape_record("copy", pages=4))  # one partial page, padded to the copy bucket
+        return records
 
     def precompile(self, shapes: Iterable[dict[str, Any]], *, workers: int | None = None, progress=False) -> int:
         """Compiles step shapes before any request needs them, on `workers` threads (default

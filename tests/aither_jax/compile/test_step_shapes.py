@@ -167,3 +167,24 @@ def test_shape_file_round_trip_and_errors(tmp_path):
     fails(None, "cannot read")
     path.unlink()
     fails(None, "cannot read")
+
+
+def test_the_first_request_shapes_cover_a_first_chat_request_and_its_follow_up():
+    """`serve --compile-first-requests` compiles these records before it listens: a short chat
+    request (sampled, as the API's default) and a follow-up on its cached pages (greedy) must
+    run no other shape."""
+    llm = aj.LLM(
+        "smollm2-135m", dtype="float32", kv_cache_dtype="tq4-s2", max_model_len=256, max_num_seqs=2, num_pages=53,
+        enable_prefix_caching=None, progress=False,
+    )  # fmt: skip
+    records = llm.engine.compiler.first_request_shapes()
+    assert len(records) == len({json.dumps(r, sort_keys=True) for r in records})
+    first = [{"role": "user", "content": "Name three colors."}]
+    out = llm.chat([first], aj.SamplingParams(max_tokens=8, seed=1))[0]
+    follow_up = [*first, {"role": "assistant", "content": out.text}, {"role": "user", "content": "And three more?"}]
+    llm.chat([follow_up], aj.SamplingParams(max_tokens=8, temperature=0.0))
+    ran = llm.engine.step_shapes()
+    assert {r["kind"] for r in ran} >= {"forward", "sinks"}  # the follow-up hit the cache
+    assert [r for r in ran if r not in records] == []
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        llm.engine.compiler.first_request_shapes(prompt_tokens=0)
