@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers (DFlash block drafts, prompt lookup) and lossless verification.
+"""Lossless verification of speculative drafts (the proposers are in aither_jax/speculative/).
 
 A decoding step runs the target once over [last token, d_1 .. d_k] for every row and keeps
 the longest accepted prefix of the drafts plus one token of the target's own (the bonus
