@@ -134,18 +134,20 @@ class LLM:
         num_scheduler_steps: int = 1,
         progress: bool = True,
         _cache_fill_value: float = 0.0,
+        _num_layers: int | None = None,
     ):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = resolve_dtype(dtype)
-        self.model = load_model(model, dtype, progress=progress)
+        # `_num_layers` (tests): the first blocks only (`load_model`).
+        self.model = load_model(model, dtype, progress=progress, num_layers=_num_layers)
         self.model_path, self.model_name, self.dtype = self.model.path, model, dtype
         self.config, self.tokenizer = self.model.config, self.model.tokenizer
         self.load_seconds = self.model.load_seconds
         max_model_len = self.config.max_context if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model)
+        kv_cache_dtype = self.model.kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
         self.kv_spec = parse_kv_spec(kv_cache_dtype)
         if num_pages is None:
             num_pages = default_num_pages(

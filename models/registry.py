@@ -15,7 +15,7 @@ from models.config import ModelConfig
 from models.gguf_file import GGUFFile
 from models.kv_transform import TRANSFORM_DIR
 from models.tokenizer import Tokenizer
-from models.weights import ModelWeights, load_weights
+from models.weights import ModelWeights, load_weights, random_weights
 
 DRAFTS_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "drafts"
 
@@ -142,19 +142,36 @@ class ModelHandle:
     load_seconds: float = 0.0
 
 
-def load_model(model: str | os.PathLike, dtype: str, *, progress: bool = False) -> ModelHandle:
+def load_model(
+    model: str | os.PathLike, dtype: str, *, progress: bool = False, num_layers: int | None = None
+) -> ModelHandle:
     """Loads a registered model or a `.gguf` file in `dtype` ("float32" or "bfloat16").
 
+    `num_layers` makes a small stand-in instead: that many blocks of the model's width with
+    random weights (`random_weights`), the model's vocabulary and tokenizer, for tests whose
+    point is the engine rather than the model's output (it compiles and runs in a fraction of
+    the time, and its greedy output depends on every token of the context). Its name says so,
+    and no asset fitted to the real model (key transform, draft) comes with it.
+
     Raises:
-        ValueError: as `resolve_model`, or a GGUF file this package cannot run.
+        ValueError: as `resolve_model`, a GGUF file this package cannot run, or a bad num_layers.
     """
     path = resolve_model(model)
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf(gguf)
+    name = os.fspath(model)
+    if num_layers is not None:
+        if not 1 <= num_layers <= config.num_layers:
+            raise ValueError(f"num_layers must be in [1, {config.num_layers}], got {num_layers!r}")
+        windowed = tuple(i for i in config.window_layers if i < num_layers)
+        config = dataclasses.replace(config, num_layers=num_layers, window_layers=windowed)
+        name = f"{name}[random {num_layers} layers]"
     tokenizer = Tokenizer.from_gguf(gguf)
     start = time.perf_counter()
-    weights = load_weights(gguf, config, dtype, progress=progress)
-    name = os.fspath(model)
+    if num_layers is None:
+        weights = load_weights(gguf, config, dtype, progress=progress)
+    else:
+        weights = random_weights(config, dtype)
     return ModelHandle(
         name, config, weights, tokenizer, dtype, path=path, kv_cache_dtype=default_kv_cache_dtype(name),
         key_transform=shipped_key_transform(name), draft=shipped_draft(name),

@@ -156,3 +156,34 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
     lm_head = embed if cfg.tie_embeddings else dev(get("output.weight"), jdtype)
     bar.close()
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+
+
+def random_weights(cfg: ModelConfig, dtype: str = "float32", seed: int = 0) -> ModelWeights:
+    """Weights drawn at random (projections scaled by 1/sqrt(fan-in), unit norms) in `cfg`'s
+    shapes: a model whose outputs mean nothing but depend on every token of the context, for
+    tests of the engine rather than of the model (llama architecture)."""
+    if cfg.arch != "llama":
+        raise ValueError(f"random weights are made for the llama architecture, got {cfg.arch!r}")
+    rng = np.random.default_rng(seed)
+    jdtype = DTYPES[dtype]
+    d, f, dh = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
+
+    def mat(out: int, fan_in: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal((out, fan_in), np.float32) / np.sqrt(fan_in), jdtype)
+
+    ones = jnp.ones(d, jnp.float32)
+    layers = tuple(
+        LayerWeights(
+            attn_norm=ones,
+            # Queries and keys 4x larger: sharp attention, so every context token can matter.
+            wqkv=jnp.concatenate([4 * mat((cfg.num_heads + cfg.num_kv_heads) * dh, d), mat(cfg.num_kv_heads * dh, d)]),
+            wo=mat(d, cfg.num_heads * dh),
+            mlp_norm=ones,
+            w_gate_up=mat(2 * f, d),
+            w_down=mat(d, f),
+        )
+        for _ in range(cfg.num_layers)
+    )
+    embed = jnp.asarray(rng.standard_normal((cfg.vocab_size, d), np.float32), jdtype)
+    # Its own head, even for a tied config: a tied one would make each token predict itself.
+    return ModelWeights(embed=embed, layers=layers, final_norm=ones, lm_head=mat(cfg.vocab_size, d))

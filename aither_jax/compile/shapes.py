@@ -10,7 +10,7 @@ which programs it needed (`Engine.step_shapes`), a later run can compile them fi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,3 @@ class ShapeRegistry:
 
     def clear(self) -> None:
         self._records.clear()
-
-    def __iter__(self) -> Iterable[dict[str, Any]]:
-        return iter(self.records())

@@ -219,12 +219,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def preemption_victim(self) -> Sequence:
+        """The running sequence to preempt when pages run out: the newest, which has the least
+        computed work to lose and, admitted last, would have waited longest had it not fit."""
+        return self.running[-1]
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` pages for `num_tokens` cached tokens, preempting newer sequences if it
         must; False if `seq` itself was preempted."""
         need = self.pages_needed(num_tokens) - len(seq.pages)
         while need > self.num_free_pages:
-            victim = self.running[-1]
+            victim = self.preemption_victim()
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -11,6 +11,7 @@ import pytest
 import aither_jax as aj
 from aither_jax.compile import shape_file
 from aither_jax.compile.counter import CompileCounter
+from tests.conftest import TINY
 
 PROMPTS = [
     "Tell me about the sea and the wind that moves across it at night. " * 6,
@@ -33,13 +34,13 @@ def _workload(llm: aj.LLM) -> list[list[int]]:
 @pytest.mark.parametrize(
     "extra, kinds, pages",
     [
-        ({"kv_cache_dtype": "tq4-s2", "enable_prefix_caching": True}, {"forward", "sinks", "copy"}, 67),
+        ({"kv_cache_dtype": "tq4-s2", "enable_prefix_caching": True, **TINY}, {"forward", "sinks", "copy"}, 67),
         (
             {"kv_cache_dtype": "fp32", "speculative": {"method": "dflash", "num_speculative_tokens": 7}},
             {"forward", "verify", "draft"},
             71,
         ),
-        ({"kv_cache_dtype": "fp32", "num_scheduler_steps": 4}, {"forward", "steps"}, 75),
+        ({"kv_cache_dtype": "fp32", "num_scheduler_steps": 4, **TINY}, {"forward", "steps"}, 75),
     ],
     ids=["turboquant-sinks-copies", "dflash", "fused-steps"],
 )
@@ -175,7 +176,7 @@ def test_the_first_request_shapes_cover_a_first_chat_request_and_its_follow_up()
     run no other shape."""
     llm = aj.LLM(
         "smollm2-135m", dtype="float32", kv_cache_dtype="tq4-s2", max_model_len=256, max_num_seqs=2, num_pages=53,
-        enable_prefix_caching=None, progress=False,
+        enable_prefix_caching=None, progress=False, **TINY,
     )  # fmt: skip
     records = llm.engine.compiler.first_request_shapes()
     assert len(records) == len({json.dumps(r, sort_keys=True) for r in records})

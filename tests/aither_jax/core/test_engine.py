@@ -10,6 +10,7 @@ from aither_jax.compile.buckets import bucket, page_bucket
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.core.runner import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS
 from aither_jax.device.steps import decode_steps
+from tests.conftest import TINY
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -202,7 +203,9 @@ def test_default_dtype_is_float32_on_cpu_bfloat16_elsewhere():
 
 
 def test_warmup_compiles_decode_shapes_and_later_new_shapes_warn(caplog):
-    llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, num_pages=40, progress=False)
+    llm = aj.LLM(
+        "smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, num_pages=40, progress=False, **TINY
+    )
     assert llm.warmup(max_len=128, sampling=False) == 2  # rows {1, 2} x pages {8}
     params = aj.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     with caplog.at_level("WARNING", logger="aither_jax.compile.shapes"):
@@ -222,7 +225,9 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
     ones from MIN_PAGE_BUCKET: warm-up to 8 pages compiles pages {8} for rows 1, 2 and 4 and
     pages {4, 6, 8} for rows 8."""
     assert MIN_WIDE_PAGE_BUCKET < MIN_PAGE_BUCKET and WIDE_STEP_ROWS == 8
-    llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=8, num_pages=40, progress=False)
+    llm = aj.LLM(
+        "smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=8, num_pages=40, progress=False, **TINY
+    )
     assert llm.warmup(max_len=128, sampling=False) == 6
     prompts = [f"Count to {i}: 1, 2," for i in range(3, 11)]
     params = aj.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -236,9 +241,14 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"kv_cache_dtype": "auto", "num_pages": 36},
-        {"kv_cache_dtype": "bf16", "num_pages": 34, "speculative": {"method": "ngram", "num_speculative_tokens": 5}},
-        {"kv_cache_dtype": "fp32", "num_pages": 38, "num_scheduler_steps": 4},
+        {"kv_cache_dtype": "tq4-s2", "num_pages": 36, **TINY},
+        {
+            "kv_cache_dtype": "bf16",
+            "num_pages": 34,
+            "speculative": {"method": "ngram", "num_speculative_tokens": 5},
+            **TINY,
+        },
+        {"kv_cache_dtype": "fp32", "num_pages": 38, "num_scheduler_steps": 4, **TINY},
         {"kv_cache_dtype": "fp32", "num_pages": 39, "speculative": {"method": "dflash", "num_speculative_tokens": 3}},
     ],
     ids=["turboquant", "ngram-verify", "decode-steps", "dflash"],
@@ -270,7 +280,7 @@ def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch,
         llm.warmup(max_len=128, workers=0)
 
 
-def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(llm_f32):
+def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(tiny_f32):
     """`num_scheduler_steps=4`: rows feed back their own tokens inside one call. Against the
     single-step fixture: greedy and seeded sampled rows, stop strings and stop ids mid-call,
     max_tokens that are not multiples of 4, more requests than slots (rows join between
@@ -279,7 +289,7 @@ def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(llm_f32):
     llm = aj.LLM(
         "smollm2-135m", dtype="float32", kv_cache_dtype="fp32", max_model_len=640, max_num_seqs=4,
         num_pages=120, max_prefill_chunk=64, progress=False, _cache_fill_value=float("nan"),
-        num_scheduler_steps=4, enable_prefix_caching=True,
+        num_scheduler_steps=4, enable_prefix_caching=True, **TINY,
     )  # fmt: skip
     greedy = [aj.SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     sampled = [
@@ -288,7 +298,7 @@ def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(llm_f32):
     ]
     stopping = [aj.SamplingParams(max_tokens=40, temperature=0.0, stop=[" the", "\n"], stop_token_ids=[11])] * 3
     for prompts, params in ((PROMPTS, greedy), (PROMPTS, sampled), (PROMPTS[:3], stopping)):
-        want = llm_f32.generate(prompts, params, use_tqdm=False)
+        want = tiny_f32.generate(prompts, params, use_tqdm=False)
         got = llm.generate(prompts, params, use_tqdm=False)
         for w, g in zip(want, got, strict=True):
             assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
@@ -301,7 +311,7 @@ def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(llm_f32):
         return [s.output_ids for s in seqs], [[lp[0] for lp in s.logprobs] for s in seqs]
 
     fused = llm.engine.num_multi_steps
-    (got_ids, got_lp), (want_ids, want_lp) = with_logprobs(llm), with_logprobs(llm_f32)
+    (got_ids, got_lp), (want_ids, want_lp) = with_logprobs(llm), with_logprobs(tiny_f32)
     assert got_ids == want_ids and len(got_lp[0]) == len(want_ids[0])
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
     assert llm.engine.num_multi_steps == fused
@@ -309,7 +319,7 @@ def test_several_decode_steps_per_call_give_the_tokens_of_single_steps(llm_f32):
     first = llm.chat(conversation, greedy[-1], use_tqdm=False)[0]
     follow_up = [*conversation, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
     hits = llm.engine.scheduler.num_prefix_hits
-    got, want = (x.chat(follow_up, greedy[-1], use_tqdm=False)[0] for x in (llm, llm_f32))
+    got, want = (x.chat(follow_up, greedy[-1], use_tqdm=False)[0] for x in (llm, tiny_f32))
     assert llm.engine.scheduler.num_prefix_hits > hits
     assert got.token_ids == want.token_ids
     with pytest.raises(ValueError, match="speculative"):

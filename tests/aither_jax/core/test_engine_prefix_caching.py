@@ -10,6 +10,7 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.core.sequence import Sequence
+from tests.conftest import TINY
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +25,7 @@ EXACT = dict(
     max_prefill_chunk=64,
     progress=False,
     _cache_fill_value=float("nan"),
+    **TINY,
 )
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SAMPLED = aj.SamplingParams(max_tokens=12, temperature=0.8, seed=1234, ignore_eos=True)
@@ -125,7 +127,8 @@ def test_shared_prefix_attention_gives_the_uncached_outputs(cached, plain, share
 def test_shared_prefix_attention_on_the_default_quantized_format(share_small_prefixes):
     """The same with the default TurboQuant format, whose layers take the rotated-domain path
     (shared pages read as one row holding every row's queries): on and off agree."""
-    llm = aj.LLM(MODEL, **{**EXACT, "kv_cache_dtype": "auto"}, num_pages=64, enable_prefix_caching=True)
+    whole = {k: v for k, v in EXACT.items() if k not in TINY}  # the default format is fitted to every layer
+    llm = aj.LLM(MODEL, **{**whole, "kv_cache_dtype": "auto"}, num_pages=64, enable_prefix_caching=True)
     prompts = token_ids(llm, SHARED[:4])
     outs = []
     for on in (True, False):
@@ -218,6 +221,6 @@ def test_sink_formats_refill_their_sinks_on_cached_pages(share_small_prefixes, m
     assert aj.LLM(MODEL, enable_prefix_caching=None, **kw).engine.scheduler.prefix_cache is not None
 
     unfilled = aj.LLM(MODEL, enable_prefix_caching=True, **kw)
-    monkeypatch.setattr(unfilled.engine, "_refill_sinks", lambda rows: None)
+    monkeypatch.setattr(unfilled.engine.runner, "refill_sinks", lambda rows: None)
     assert [s.output_ids for s in generate(unfilled, prompts, GREEDY)] != outs[0]
     assert not np.isfinite(sinks(unfilled)).all()

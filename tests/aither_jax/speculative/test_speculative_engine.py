@@ -376,7 +376,7 @@ def _two_token_chisquare(monkeypatch, n: int = 800):
             out.append([greedy_next[ctx[-1]]] if ok else [])
         return out, None
 
-    monkeypatch.setattr(llm.engine, "_propose", propose)
+    monkeypatch.setattr(llm.engine.speculator, "propose", propose)
     params = [aj.SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([ids] * n, params, use_tqdm=False)
     counts = {}
