@@ -24,15 +24,13 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000 --compile-first-requests
 
-# Three pytest groups, each on two worker processes (one per core; a file's tests stay on one
-# worker, so its module fixtures are built once): the model-heavy groups each load many
-# engines, and one process for the whole suite held more memory than a 24 GiB machine has
-# beside the test servers.
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+# Three pytest processes: the model-heavy groups each load many engines, and one process for
+# the whole suite held more memory than a 24 GiB machine has beside the test servers (two
+# worker processes side by side, pytest-xdist, ran out of it the same way).
 test: install
-	$(PYTEST) --ignore=tests/serving --ignore=tests/aither_jax/speculative
-	$(PYTEST) tests/serving
-	$(PYTEST) tests/aither_jax/speculative
+	$(PY) -m pytest -q --ignore=tests/serving --ignore=tests/aither_jax/speculative
+	$(PY) -m pytest -q tests/serving
+	$(PY) -m pytest -q tests/aither_jax/speculative
 
 # The inner loop: tests that load no model weights beyond a tokenizer, on one process.
 FAST_TESTS := tests/test_imports.py tests/aither_jax/kv tests/aither_jax/context tests/aither_jax/device \
