@@ -120,7 +120,7 @@ def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
         **COMMON,
     )  # fmt: skip
     e = llm.engine
-    paths, verify = [], e._verify
+    paths, verify = [], e.runner.verify
 
     def spy(*args, **kwargs):
         out = verify(*args, **kwargs)
@@ -128,7 +128,7 @@ def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
             paths.append((np.asarray(kwargs["parents"]), np.asarray(out[0]), np.asarray(out[3])))
         return out
 
-    e._verify = spy
+    e.runner.verify = spy
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
     _check_greedy(llm, outs, baselines(kv, batch), kv)
     off_chain = 0
@@ -169,7 +169,7 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
     llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
     e = llm.engine
     model_calls, steps = [], []
-    draft_model, propose = e.drafter.propose, e._propose
+    draft_model, propose = e.drafter.propose, e.speculator.propose
 
     def spy_model(*args):
         model_calls.append(draft_model(*args))
@@ -184,7 +184,7 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
         steps.append((contexts, limits, model_calls[-1] if len(model_calls) > calls else None, out))
         return out, parents
 
-    e.drafter.propose, e._propose = spy_model, spy
+    e.drafter.propose, e.speculator.propose = spy_model, spy
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
     assert [o.token_ids for o in outs] == baselines("bf16", 8)
     mixed = skipped = matched = 0
