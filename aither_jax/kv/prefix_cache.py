@@ -189,16 +189,17 @@ class PrefixCache:
         """Pins the cached pages named `names` (a prefix's chain); stops at the first name not
         cached or when the pinned share is full. Returns the number of pages pinned by this
         call (pages already pinned count as pinned without taking more of the share)."""
-        done = 0
+        done, pinned = 0, self.num_pinned
         for name in names:
             page = self._full.get(name)
             if page is None:
                 break
             block = self.blocks[page]
             if not block.pins:
-                if self.num_pinned >= self.max_pinned_pages:
+                if pinned >= self.max_pinned_pages:
                     break
                 self.allocator.share([page])
+                pinned += 1
             block.pins += 1
             done += 1
         return done
