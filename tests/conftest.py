@@ -28,43 +28,32 @@ def model_path() -> str:
     return resolve_model(MODEL)
 
 
-@pytest.fixture(scope="session")
-def llm_f32() -> aj.LLM:
-    """float32 model whose unused KV pages hold NaN, so a stray read poisons the output."""
-    return aj.LLM(
-        MODEL,
-        dtype="float32",
-        kv_cache_dtype="fp32",
-        max_model_len=640,
-        max_num_seqs=8,
-        num_pages=200,
-        max_prefill_chunk=64,
-        progress=False,
-        _cache_fill_value=float("nan"),
-    )
-
-
-# A shallower model of the same width, vocabulary and tokenizer (the default model's first two
-# blocks), for tests whose point is the engine rather than the model's output: it compiles and
-# runs about ten times faster.
+# float32 weights and KV; unused KV pages hold NaN, so a stray read poisons the output.
+F32 = dict(
+    dtype="float32",
+    kv_cache_dtype="fp32",
+    max_model_len=640,
+    max_num_seqs=8,
+    num_pages=200,
+    max_prefill_chunk=64,
+    progress=False,
+    _cache_fill_value=float("nan"),
+)
+# A stand-in of the default model for tests whose point is the engine rather than the model's
+# output: two blocks of its width with random weights, its vocabulary and tokenizer
+# (models.registry.load_model); it compiles and runs in a fraction of the time.
 TINY = {"_num_layers": 2}
 
 
 @pytest.fixture(scope="session")
+def llm_f32() -> aj.LLM:
+    return aj.LLM(MODEL, **F32)
+
+
+@pytest.fixture(scope="session")
 def tiny_f32() -> aj.LLM:
-    """`llm_f32`'s settings on the two-block model."""
-    return aj.LLM(
-        MODEL,
-        dtype="float32",
-        kv_cache_dtype="fp32",
-        max_model_len=640,
-        max_num_seqs=8,
-        num_pages=200,
-        max_prefill_chunk=64,
-        progress=False,
-        _cache_fill_value=float("nan"),
-        **TINY,
-    )
+    """`llm_f32`'s settings on the two-block stand-in."""
+    return aj.LLM(MODEL, **F32, **TINY)
 
 
 @pytest.fixture(scope="session")
