@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,7 @@ from tqdm.auto import tqdm
 from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.core.engine import Engine
 from aither_jax.device.sampling import SamplingParams
+from aither_jax.kv.tiers import TierConfig
 from models.config import ModelConfig
 from models.kv_spec import KVSpec, parse_kv_spec
 from models.registry import DEFAULT_MODEL, default_kv_cache_dtype, load_model
@@ -91,6 +93,13 @@ class LLM:
             prompts from the longest cached prefix (off by default here; None: on, which the
             server uses).
         max_pinned_fraction: most of the page pool that pinned prefixes may hold.
+        kv_offloading_size: GiB of host memory for KV pages evicted from the device pool (the
+            warm tier; vLLM's --kv-offloading-size): a later prompt that starts with them gets
+            them back instead of recomputing them. 0 (the default) drops evicted pages.
+        kv_cache_dir: a directory for the disk tier: pages leaving the host tier (or the device
+            pool, without one) are written there, checksummed, and found again after a restart.
+        kv_disk_size: GiB the disk tier may hold (default 4 with kv_cache_dir). The tiers need
+            prefix caching (enable_prefix_caching True or None).
         attention: "auto" (Pallas kernels on GPU, their rotated-domain algorithm in jnp on
             CPU), "pallas", "xla" or "reference"; the reference decodes quantized pages into a
             buffer.
@@ -127,6 +136,9 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool | None = False,
         max_pinned_fraction: float = 0.5,
+        kv_offloading_size: float = 0.0,
+        kv_cache_dir: str | os.PathLike | None = None,
+        kv_disk_size: float | None = None,
         attention: str = "auto",
         seed: int = 0,
         speculative: str | dict | None = None,
@@ -154,6 +166,13 @@ class LLM:
                 self.kv_spec, self.config, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
             )
         self.progress = progress
+        tiers = TierConfig(
+            host_gib=kv_offloading_size,
+            disk_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
+            disk_gib=kv_disk_size,
+        )
+        if tiers.enabled and enable_prefix_caching is False:
+            raise ValueError("kv_offloading_size and kv_cache_dir need prefix caching: enable_prefix_caching=True")
         self.engine = Engine(
             self.model,
             max_num_seqs=max_num_seqs,
@@ -171,6 +190,7 @@ class LLM:
             speculative=speculative,
             shared_prefix_attention=shared_prefix_attention,
             num_scheduler_steps=num_scheduler_steps,
+            tiers=tiers,
         )
 
     def generate(

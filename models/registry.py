@@ -5,6 +5,8 @@ shipped for the model (a fitted key transform, a DFlash draft) in models/assets/
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -140,6 +142,17 @@ class ModelHandle:
     key_transform: pathlib.Path | None = None  # shipped assets
     draft: pathlib.Path | None = None
     load_seconds: float = 0.0
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Names what this handle computes with: its name, dtype and the SHA-256 of its file
+        (KV bytes computed under another fingerprint are not this model's)."""
+        h = hashlib.sha256(f"{self.name}|{self.dtype}".encode())
+        if self.path is not None:
+            with open(self.path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    h.update(chunk)
+        return h.hexdigest()
 
 
 def load_model(

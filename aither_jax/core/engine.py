@@ -1,7 +1,8 @@
 """The engine loop: schedule -> execute -> postprocess, one step at a time.
 
-Each `step()` asks the scheduler (core/scheduler.py) for a plan, has the page store apply the
-page copies it asks for, then runs at most one decode call (every sequence that is generating)
+Each `step()` asks the scheduler (core/scheduler.py) for a plan (pages promoted from or
+demoted to the host and disk tiers, kv/tiers.py, move while it plans), has the page store
+apply the page copies it asks for, then runs at most one decode call (every sequence that is generating)
 and one prefill call (a chunk of every sequence still reading its prompt), samples, and hands
 the results back. The pieces it drives, one file each:
 - `ModelRunner` (runner.py): the device state; packs rows into padded step calls;
@@ -33,6 +34,7 @@ from aither_jax.core.speculate import SpecCounters, SpeculativeStep
 from aither_jax.core.warmup import Compiler
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.kv.store import PageStore
+from aither_jax.kv.tiers import KVTiers, TierConfig
 from aither_jax.speculative.config import SpeculativeConfig
 from aither_jax.speculative.dflash import DFlashProposer
 from models.config import ModelConfig
@@ -67,6 +69,7 @@ class Engine:
         speculative: SpeculativeConfig | str | dict | None = None,
         shared_prefix_attention: bool = True,
         num_scheduler_steps: int = 1,
+        tiers: TierConfig | None = None,
     ):
         max_num_batched_tokens = (
             max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
@@ -118,6 +121,11 @@ class Engine:
         self.store = PageStore(
             cache, drafter=drafter, shapes=self.shapes, num_usable_pages=self.scheduler.num_usable_pages
         )
+        tiers = tiers or TierConfig()
+        if tiers.enabled:
+            if self.scheduler.prefix_cache is None:
+                raise ValueError("KV tiers below the device (host or disk) need prefix caching")
+            self.scheduler.prefix_cache.tiers = tiers.build(self.store, model.fingerprint)
         self.runner = ModelRunner(
             weights, cfg, self.store, self.scheduler, self.shapes, attention=attention,
             shared_prefix_attention=shared_prefix_attention, num_scheduler_steps=num_scheduler_steps,
@@ -157,6 +165,15 @@ class Engine:
     @property
     def drafter(self) -> DFlashProposer | None:
         return self.store.drafter
+
+    @property
+    def tiers(self) -> KVTiers | None:
+        """The host and disk tiers below the device pool, if configured."""
+        return self.scheduler.prefix_cache.tiers if self.scheduler.prefix_cache else None
+
+    def persist(self) -> int:
+        """Writes the host tier's pages to the disk tier (before a clean exit); returns how many."""
+        return self.tiers.flush() if self.tiers else 0
 
     @property
     def draft_length(self):
@@ -255,7 +272,6 @@ class Engine:
         if plan.copies:
             self.store.copy(plan.copies)
             self.scheduler.copies_done(plan.copies)
-        self.store.move(plan.moves)
         if plan.sink_refills:
             self.runner.refill_sinks(plan.sink_refills)
         if plan.decode and self.speculator is not None:

@@ -161,11 +161,12 @@ class Scheduler:
         deferred = []
         while self.waiting and self._free_slots:
             seq = self.waiting.popleft()
-            cached, names, partial = self._lookup(seq)
-            if names and len(cached) < len(names) and names[len(cached)] in self._computing:
+            cached, lower, names, partial = self._lookup(seq)
+            hit = len(cached) + len(lower)
+            if names and hit < len(names) and names[hit] in self._computing:
                 deferred.append(seq)  # a running prefill is filling its next page right now
                 continue
-            num_cached = len(cached) * self.page_size + (partial[1] if partial else 0)
+            num_cached = hit * self.page_size + (partial[1] if partial else 0)
             # Cached pages that were idle stop counting as free once this sequence holds them.
             need = self.pages_needed(seq.num_tokens) - len(cached)
             if self.prefix_cache is not None:  # idle pages it will hold (shared, or a copy source)
@@ -176,6 +177,10 @@ class Scheduler:
             budget -= need
             if self.prefix_cache is not None:
                 self.allocator.share(cached)
+                if partial:
+                    self.allocator.share([partial[0]])  # held until the copy is made (copies_done)
+                if lower:  # pages held on host or disk come back instead of being recomputed
+                    cached, num_cached, partial = self._promote(cached, lower, names, num_cached, partial)
                 if seq.num_preemptions == 0:
                     self.num_prefix_queries += len(seq.prompt_ids)
                     self.num_prefix_hits += num_cached
@@ -184,7 +189,6 @@ class Scheduler:
             seq.names = names[: len(cached)]
             seq.num_cached = num_cached
             if partial:
-                self.allocator.share([partial[0]])  # held until the copy is made (copies_done)
                 (page,) = self._allocate(1)
                 copies.append((partial[0], page))
                 seq.pages = [*cached, page]
@@ -197,19 +201,36 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return copies, refills
 
-    def _lookup(self, seq: Sequence) -> tuple[list[int], list[bytes], tuple[int, int] | None]:
-        """(cached full pages, names of the full pages of everything but the last token, a
-        cached partial page (page, tokens) to copy after them or None)."""
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[bytes], list[bytes], tuple[int, int] | None]:
+        """(cached full pages on the device, names of the full pages after them held in a
+        lower tier, names of the full pages of everything but the last token, a cached partial
+        page (page, tokens) to copy after them all or None)."""
         if self.prefix_cache is None:
-            return [], [], None
+            return [], [], [], None
         # The last token is never taken from the cache: its logits are needed to sample.
         tokens = seq.token_slice(0, seq.num_tokens - 1)
         names = hash_chain(seq.salt, tokens, self.page_size)
         cached = self.prefix_cache.match(names)
-        start = len(cached) * self.page_size
-        parent = names[len(cached) - 1] if cached else seq.salt
-        partial = self.prefix_cache.match_partial(parent, seq.token_slice(start, seq.num_tokens))
-        return cached, names, partial
+        lower = self.prefix_cache.match_lower(names[len(cached) :])
+        hit = len(cached) + len(lower)
+        parent = names[hit - 1] if hit else seq.salt
+        partial = self.prefix_cache.match_partial(parent, seq.token_slice(hit * self.page_size, seq.num_tokens))
+        return cached, lower, names, partial
+
+    def _promote(self, cached: list[int], lower: list[bytes], names: list[bytes], num_cached: int, partial):
+        """Device pages for the lower-tier run `lower` after the device-cached `cached`, filled
+        from host or disk; returns (the sequence's cached pages, its cached tokens, the partial
+        page to copy after them). A page that cannot be read back ends the run there, and the
+        partial page after the run is not used."""
+        pages = self._allocate(len(lower))
+        parent = names[len(cached) - 1] if cached else None
+        n = self.prefix_cache.promote(lower, pages, parent)
+        if n < len(lower):
+            self.allocator.free(pages[n:])
+            if partial:
+                self.allocator.free([partial[0]])
+            return cached + pages[:n], (len(cached) + n) * self.page_size, None
+        return cached + pages, num_cached, partial
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -11,6 +11,8 @@ reuses compiled executables.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -236,3 +238,23 @@ def model_step(
     `write_step`. Returns (next_tokens, logits, cache, tapped hidden states or None)."""
     next_tokens, logits, update, hidden = forward_step(weights, cache, tokens, batch, sampling, **static)
     return next_tokens, logits, write_step(cache, update), hidden
+
+
+@step_jit(static_argnames=("axis",))
+def read_pages(pools: Any, pages: jax.Array, *, axis: int = 0) -> list[jax.Array]:
+    """The stored bytes of `pages` ([N] int32) from every leaf of `pools`, whose page axis is
+    `axis`: one [N, ...] array per leaf, page-major (the tier mover's device -> host half)."""
+    return [jnp.moveaxis(jnp.take(leaf, pages, axis=axis), axis, 0) for leaf in jax.tree.leaves(pools)]
+
+
+@step_jit(static_argnames=("axis",), donate_argnames=("pools",))
+def write_pages(pools: Any, pages: jax.Array, rows: list[jax.Array], *, axis: int = 0) -> Any:
+    """Stores `rows` (one [N, ...] array per leaf, as `read_pages` returns them) into `pages`
+    of every leaf of `pools` (the host -> device half)."""
+    leaves, tree = jax.tree.flatten(pools)
+
+    def put(leaf: jax.Array, row: jax.Array) -> jax.Array:
+        index = (slice(None),) * axis + (pages,)
+        return leaf.at[index].set(jnp.moveaxis(row, 0, axis))
+
+    return jax.tree.unflatten(tree, [put(leaf, row) for leaf, row in zip(leaves, rows, strict=True)])

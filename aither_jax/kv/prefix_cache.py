@@ -8,6 +8,8 @@ may be evicted, in the order the eviction policy ranks them (least recently used
 default, aither_jax/eviction/policy.py). A pin is one more reference: pinned pages are never
 idle. A sequence's last, partially filled page can be kept too (named by its parent and its
 tokens); it is never written by anyone else, so whoever adopts it gets a copy (copy on write).
+With lower tiers (kv/tiers.py), an evicted full page is demoted to host or disk instead of
+dropped, and a lookup continues past the device's pages into them (`match_lower`, `promote`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class PrefixCache:
         self._full: dict[bytes, int] = {}  # name -> page
         self._partial: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent name -> tokens -> page
         self._cached: set[int] = set()  # pages named here (full or partial): the blocks to scan
+        self.tiers = None  # KVTiers below the device, if any (set by the engine)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -95,6 +98,29 @@ class PrefixCache:
 
     def contains(self, name: bytes) -> bool:
         return name in self._full
+
+    def match_lower(self, names: Sequence[bytes]) -> list[bytes]:
+        """The leading run of `names` held in a lower tier (host or disk), not on the device."""
+        if self.tiers is None:
+            return []
+        run = []
+        for name in names:
+            if name in self._full or not self.tiers.holds(name):
+                break
+            run.append(name)
+        self.tiers.touch(run)  # the most recently used below the device: kept while promoted
+        return run
+
+    def promote(self, names: Sequence[bytes], pages: Sequence[int], parent: bytes | None) -> int:
+        """Fills fresh device `pages` (allocated by the caller) with the lower-tier pages
+        `names` (`match_lower`'s run, following `parent`), and names them here. Returns how
+        many were filled; the caller frees the rest (a disk file that failed its checksum)."""
+        n = self.tiers.promote(names, pages)
+        for name, page in zip(names[:n], pages[:n], strict=True):
+            self.insert(name, page, parent)
+            self.blocks[page].hits += 1
+            parent = name
+        return n
 
     # -- registration -------------------------------------------------------------------------
 
@@ -154,6 +180,8 @@ class PrefixCache:
             return 0
         idle = [self.blocks[p] for p in self._cached if self._idle(p)]
         victims = self.policy.victims(idle, n)
+        if self.tiers is not None:
+            self.tiers.demote([(b.name, b.parent, b.page) for b in victims if b.partial is None])
         for block in victims:
             self._drop(block.page)
         return len(victims)

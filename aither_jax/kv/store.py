@@ -1,33 +1,25 @@
 """The device-side page store: every pool that shares page ids, changed together.
 
 The target's paged KV cache and, with a DFlash draft, the draft's context pools are indexed by
-the same page ids but laid out differently. A page copy (prefix caching's copy on write) or a
-move between tiers applies to all of them in one call, so no caller repeats a page operation
-per pool. Only the device tier exists so far: a plan that moves pages to or from another tier
-is refused.
+the same page ids but laid out differently. A page copy (prefix caching's copy on write), or a
+page's bytes read out to a lower tier or written back from one (kv/tiers.py), applies to all
+of them in one padded call each, so no caller repeats a page operation per pool.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 
+import jax
 import numpy as np
 
 from aither_jax.compile.buckets import bucket
 from aither_jax.compile.shapes import ShapeRegistry
-from aither_jax.device.steps import copy_pages
-from aither_jax.kv.blocks import Tier
+from aither_jax.device.steps import copy_pages, read_pages, write_pages
 from models.kv_cache import PagedKVCache
 
-
-@dataclasses.dataclass(frozen=True)
-class PageMove:
-    """A page's bytes going from one tier to another (its id in each tier's pool)."""
-
-    src_tier: Tier
-    src_page: int
-    dst_tier: Tier
-    dst_page: int
+# Bumped whenever the meaning of stored page bytes changes (part of `fingerprint`).
+PAGE_FORMAT_VERSION = 1
 
 
 class PageStore:
@@ -39,7 +31,6 @@ class PageStore:
         self.drafter = drafter
         self.shapes = shapes
         self.num_usable_pages = num_usable_pages
-        self.tiers = (Tier.DEVICE,)
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """Copies (source page, destination page) pairs in every pool, in one padded call each."""
@@ -54,15 +45,67 @@ class PageStore:
         if self.drafter is not None:
             self.drafter.copy_pages(src, dst)
 
-    def move(self, moves: list[PageMove]) -> None:
-        """Moves pages between tiers; refuses a tier this store does not hold (with the device
-        tier alone, every move), and a move within one tier (that is a copy)."""
-        for m in moves:
-            if m.src_tier == m.dst_tier:
-                raise ValueError(f"page move {m}: source and destination are both {m.src_tier.name.lower()}")
-            missing = [t.name.lower() for t in (m.src_tier, m.dst_tier) if t not in self.tiers]
-            if missing:
-                raise ValueError(f"page move {m}: this store holds no {' or '.join(missing)} tier")
+    # -- page bytes for the lower tiers -----------------------------------------------------------
+
+    def _pools(self) -> list[tuple[object, int]]:
+        """Every pool tree sharing page ids and its page axis: the target's keys and values
+        (page-major), the draft's context (layer-major)."""
+        pools = [((self.cache.k, self.cache.v), 0)]
+        if self.drafter is not None:
+            pools.append((self.drafter.pools, 1))
+        return pools
+
+    def page_layout(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """(shape, dtype) of one page's slice of every stored leaf, in `read`'s order."""
+        layout = []
+        for pools, axis in self._pools():
+            for leaf in jax.tree.leaves(pools):
+                shape = leaf.shape[:axis] + leaf.shape[axis + 1 :]
+                layout.append((tuple(shape), np.dtype(leaf.dtype)))
+        return layout
+
+    @property
+    def page_bytes(self) -> int:
+        """Stored bytes per page over every pool."""
+        return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in self.page_layout())
+
+    def fingerprint(self, model_id: str) -> str:
+        """SHA-256 of everything that makes stored page bytes meaningful: the model
+        (`model_id`), the KV format and its codecs (`PagedKVCache.fingerprint`), the page
+        layout of every pool (the draft's included) and the page format version."""
+        h = hashlib.sha256(f"{PAGE_FORMAT_VERSION}|{model_id}|{self.cache.fingerprint}".encode())
+        for shape, dtype in self.page_layout():
+            h.update(f"|{shape}:{dtype.str}".encode())
+        if self.drafter is not None:
+            h.update(f"|draft:{self.drafter.fingerprint}".encode())
+        return h.hexdigest()
+
+    def _padded(self, pages: list[int]) -> np.ndarray:
+        """`pages` padded to a bucket by repeating the first (the same bytes written twice)."""
+        n = bucket(len(pages), 4, max(4, self.num_usable_pages + 1))
+        out = np.full(n, pages[0], np.int32)
+        out[: len(pages)] = pages
+        return out
+
+    def read(self, pages: list[int]) -> list[np.ndarray]:
+        """The stored bytes of device `pages`: one [len(pages), ...] host array per leaf of
+        every pool (`page_layout`'s order)."""
+        index = self._padded(pages)
+        rows = []
+        for pools, axis in self._pools():
+            rows += [np.asarray(r)[: len(pages)] for r in read_pages(pools, index, axis=axis)]
+        return rows
+
+    def write(self, pages: list[int], rows: list[np.ndarray]) -> None:
+        """Stores `rows` (as `read` returns them) into device `pages` of every pool."""
+        index = self._padded(pages)
+        pad = len(index) - len(pages)
+        rows = [np.concatenate([r, np.repeat(r[:1], pad, axis=0)]) if pad else r for r in rows]
+        n = len(jax.tree.leaves((self.cache.k, self.cache.v)))
+        k, v = write_pages((self.cache.k, self.cache.v), index, rows[:n], axis=0)
+        self.cache = self.cache.replace(k=k, v=v)
+        if self.drafter is not None:
+            self.drafter.pools = write_pages(self.drafter.pools, index, rows[n:], axis=1)
 
     def lower_copy(self, num_pages: int):
         """The copy call of `num_pages` pages lowered on padding inputs (for precompiling)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import heapq
 import pathlib
 from typing import Any
@@ -193,6 +194,8 @@ class DFlashProposer:
         if not pathlib.Path(draft).is_file():
             raise ValueError(f"DFlash draft file not found: {draft}")
         self.cfg, params, self.meta, vocab = load_draft(draft)
+        # Names the draft's context bytes in the lower KV tiers (kv/store.py).
+        self.fingerprint = hashlib.sha256(pathlib.Path(draft).read_bytes()).hexdigest()
         self.cfg.check_target(target)
         k = spec.num_speculative_tokens or self.cfg.block_size - 1
         if k > self.cfg.block_size - 1:

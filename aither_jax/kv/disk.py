@@ -1,0 +1,207 @@
+"""The disk tier: KV pages as files that survive a crash and a restart.
+
+One file per page, named by the page's chain name (prefix_cache.page_hash, already salted per
+tenant), holding the page's stored bytes exactly as the device pools keep them (TurboQuant
+codes and norms included). A file is written to a temporary name, flushed, fsynced and renamed
+into place, so a reader sees either the whole file or none. Each file carries:
+
+    MAGIC (8 bytes) | header length (4 bytes, little endian) | header (JSON) | payload
+
+The header holds the store's fingerprint (everything that makes the bytes meaningful: model
+file, tokenizer, KV format and codec, page size, code version; see `PageStore.fingerprint`),
+the page's name and parent, the payload's length and its SHA-256. Opening a directory indexes
+the files whose header matches; one written under another configuration, torn (short) or
+unreadable is skipped and counted, never loaded. A payload whose checksum fails when read is
+deleted and counted as corrupt, and the lookup is a miss: the page is recomputed.
+
+This module needs only numpy and the standard library, so a separate writer process can use it
+without loading JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import struct
+import tempfile
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"AJKVPG1\n"
+SUFFIX = ".kvpage"
+_LEN = struct.Struct("<I")
+MAX_HEADER = 1 << 16
+
+
+class DiskStoreError(ValueError):
+    """A disk tier that cannot be used as configured (a directory that is not writable, ...)."""
+
+
+@dataclasses.dataclass
+class DiskCounters:
+    """What the disk tier did (pages unless named otherwise)."""
+
+    num_written: int = 0
+    num_read: int = 0
+    num_dropped: int = 0  # evicted to stay within the size limit
+    num_skipped: int = 0  # files at open that were torn, unreadable or of another configuration
+    num_corrupt: int = 0  # payloads whose checksum failed when read
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class DiskStore:
+    """Pages on disk under `directory/pages/`, at most `capacity` of them (least recently used
+    dropped first). `fingerprint` names the configuration the bytes belong to; `page_bytes` is
+    every page's payload length."""
+
+    def __init__(self, directory: str | os.PathLike, *, fingerprint: str, page_bytes: int, capacity: int):
+        if capacity < 1:
+            raise DiskStoreError(f"the disk tier must hold at least one page ({page_bytes} bytes), got {capacity}")
+        self.root = pathlib.Path(directory)
+        self.dir = self.root / "pages"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DiskStoreError(f"KV cache directory {str(self.root)!r} cannot be created: {e.strerror}") from None
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            raise DiskStoreError(f"KV cache directory {str(self.root)!r} is not writable")
+        self.fingerprint = fingerprint
+        self.page_bytes = page_bytes
+        self.capacity = capacity
+        self.counters = DiskCounters()
+        # name -> parent name (None for a chain's first page), least recently used first.
+        self._index: collections.OrderedDict[bytes, bytes | None] = collections.OrderedDict()
+        self._open()
+
+    # -- index --------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Indexes the intact files of this configuration, oldest first; clears stray temp files."""
+        found = []
+        for path in self.dir.iterdir():
+            if path.name.startswith(".tmp"):
+                path.unlink(missing_ok=True)  # a write that never reached its rename
+                continue
+            if path.suffix != SUFFIX:
+                continue
+            header = self._read_header(path)
+            if header is None:
+                self.counters.num_skipped += 1
+                continue
+            found.append((path.stat().st_mtime_ns, header))
+        for _, header in sorted(found, key=lambda f: f[0]):
+            parent = header["parent"]
+            self._index[bytes.fromhex(header["name"])] = None if parent is None else bytes.fromhex(parent)
+        if self.counters.num_skipped:
+            log.warning(
+                "KV disk tier %s: skipped %d unreadable or foreign page files", self.dir, self.counters.num_skipped
+            )
+        self._fit(self.capacity)
+
+    def _read_header(self, path: pathlib.Path) -> dict | None:
+        """The header of an intact file of this configuration, else None."""
+        try:
+            with open(path, "rb") as f:
+                if f.read(len(MAGIC)) != MAGIC:
+                    return None
+                (n,) = _LEN.unpack(f.read(_LEN.size))
+                if n > MAX_HEADER:
+                    return None
+                header = json.loads(f.read(n))
+                size = os.fstat(f.fileno()).st_size
+        except (OSError, ValueError, struct.error):
+            return None
+        if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
+            return None
+        if header.get("payload") != self.page_bytes or size != len(MAGIC) + _LEN.size + n + self.page_bytes:
+            return None  # torn, or a page of another layout
+        if path.name != header.get("name", "") + SUFFIX:
+            return None
+        return header
+
+    def _path(self, name: bytes) -> pathlib.Path:
+        return self.dir / (name.hex() + SUFFIX)
+
+    def __contains__(self, name: bytes) -> bool:
+        return name in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def parent(self, name: bytes) -> bytes | None:
+        return self._index[name]
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def write(self, name: bytes, parent: bytes | None, payload: bytes | memoryview) -> None:
+        """Stores a page atomically (it is the most recently used afterwards)."""
+        if len(payload) != self.page_bytes:
+            raise ValueError(f"a page payload is {self.page_bytes} bytes, got {len(payload)}")
+        if name in self._index:
+            self._index.move_to_end(name)
+            return
+        self._fit(self.capacity - 1)
+        header = json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "name": name.hex(),
+                "parent": None if parent is None else parent.hex(),
+                "payload": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest(),
+            }
+        ).encode()
+        fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=self.dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + _LEN.pack(len(header)) + header)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(name))
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+        self._index[name] = parent
+        self.counters.num_written += 1
+        self.counters.bytes_written += len(payload)
+
+    def read(self, name: bytes) -> bytes | None:
+        """A page's payload, or None when its file is gone or fails its checksum (it is then
+        dropped and counted as corrupt)."""
+        if name not in self._index:
+            return None
+        path = self._path(name)
+        try:
+            with open(path, "rb") as f:
+                f.seek(len(MAGIC))
+                (n,) = _LEN.unpack(f.read(_LEN.size))
+                header = json.loads(f.read(n))
+                payload = f.read()
+        except (OSError, ValueError, struct.error):
+            header, payload = None, b""
+        if header is None or len(payload) != self.page_bytes or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            self.counters.num_corrupt += 1
+            log.warning("KV disk tier: %s failed its checksum; dropped (the page will be recomputed)", path.name)
+            self.drop(name)
+            return None
+        self._index.move_to_end(name)
+        self.counters.num_read += 1
+        self.counters.bytes_read += len(payload)
+        return payload
+
+    def drop(self, name: bytes) -> None:
+        self._index.pop(name, None)
+        self._path(name).unlink(missing_ok=True)
+
+    def _fit(self, limit: int) -> None:
+        """Drops the least recently used pages until at most `limit` remain."""
+        while len(self._index) > max(limit, 0):
+            name = next(iter(self._index))
+            self.drop(name)
+            self.counters.num_dropped += 1

@@ -1,0 +1,256 @@
+"""The KV memory hierarchy below the device: a host pool (warm) and a disk store (cold).
+
+A named full page that the prefix cache evicts from the device is demoted instead of dropped:
+its stored bytes (every pool's, the draft's context included, exactly as kept on the device:
+TurboQuant codes and norms, not bf16) go to the host pool; when the host pool is full its
+least recently used page spills to disk (with `--kv-cache-dir`), and when the disk is full its
+least recently used page is dropped, to be recomputed if it is ever needed again. A lookup
+that runs past the device's cached pages continues here: pages found on host or disk are
+promoted, written back into fresh device pages, instead of recomputed.
+
+Pages keep their chain names (already salted per tenant), so a tier never serves one tenant's
+page to another. The host keeps its copy of a promoted page (its bytes never change), so
+demoting it again costs nothing. Moves are made while the scheduler plans a step, before the
+step runs, in batches (one device read for all the pages one eviction demotes, one write for
+all the pages one admission promotes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from aither_jax.kv.disk import DiskStore
+from aither_jax.kv.store import PageStore
+
+
+@dataclasses.dataclass
+class TierCounters:
+    """What moved between tiers (pages unless named otherwise), read by the metrics."""
+
+    num_demoted: int = 0  # device -> host (or straight to disk without a host pool)
+    num_spilled: int = 0  # host -> disk
+    num_host_dropped: int = 0  # left the host with nowhere to go
+    num_host_hits: int = 0  # pages promoted from host
+    num_disk_hits: int = 0  # pages promoted from disk
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    promote_seconds: float = 0.0  # time spent promoting, over all promotions
+
+
+class HostPool:
+    """Pages in host memory: one array per stored leaf, [capacity, *page shape], and a free
+    list. (On CPU this is a separate allocation with the device pool's layout.)"""
+
+    def __init__(self, layout: Sequence[tuple[tuple[int, ...], np.dtype]], capacity: int):
+        self.layout = list(layout)
+        self.capacity = capacity
+        self.arrays = [np.zeros((capacity, *shape), dtype) for shape, dtype in self.layout]
+        self._free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def write(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        for array, row in zip(self.arrays, rows, strict=True):
+            array[list(slots)] = row
+
+    def read(self, slots: Sequence[int]) -> list[np.ndarray]:
+        return [array[list(slots)] for array in self.arrays]
+
+    def payload(self, slot: int) -> bytes:
+        """One page's bytes, every leaf in order (what the disk store keeps)."""
+        return b"".join(array[slot].tobytes() for array in self.arrays)
+
+    def unpack(self, payloads: Sequence[bytes]) -> list[np.ndarray]:
+        """`payload`'s inverse for several pages: one [n, ...] array per leaf."""
+        rows, offset = [], 0
+        for shape, dtype in self.layout:
+            count = int(np.prod(shape))
+            pages = [np.frombuffer(p, dtype, count=count, offset=offset) for p in payloads]
+            rows.append(np.stack(pages).reshape(len(payloads), *shape))
+            offset += count * dtype.itemsize
+        return rows
+
+
+class KVTiers:
+    """The host pool and the disk store under one device page store.
+
+    Holds, per page name, where its bytes are below the device; the prefix cache asks it
+    whether a name is held (`holds`), hands it the pages it evicts (`demote`), and has it fill
+    fresh device pages from below (`promote`).
+    """
+
+    def __init__(self, store: PageStore, *, host_pages: int, disk: DiskStore | None = None):
+        if host_pages < 0:
+            raise ValueError(f"host_pages must be >= 0, got {host_pages}")
+        if host_pages == 0 and disk is None:
+            raise ValueError("a KV tier needs a host pool or a disk store")
+        self.store = store
+        self.host = HostPool(store.page_layout(), host_pages)
+        self.disk = disk
+        self.page_bytes = store.page_bytes
+        # name -> (host slot, parent name), least recently used first.
+        self._host: collections.OrderedDict[bytes, tuple[int, bytes | None]] = collections.OrderedDict()
+        self.counters = TierCounters()
+
+    @property
+    def num_host_pages(self) -> int:
+        return len(self._host)
+
+    @property
+    def num_disk_pages(self) -> int:
+        return len(self.disk) if self.disk is not None else 0
+
+    def holds(self, name: bytes) -> bool:
+        return name in self._host or (self.disk is not None and name in self.disk)
+
+    def touch(self, names: Sequence[bytes]) -> None:
+        """Makes `names` the most recently used host pages (last first), so that demotions
+        made while they are promoted do not spill them."""
+        for name in reversed(names):
+            if name in self._host:
+                self._host.move_to_end(name)
+
+    # -- down ---------------------------------------------------------------------------------
+
+    def demote(self, pages: Sequence[tuple[bytes, bytes | None, int]]) -> None:
+        """Keeps the bytes of device pages about to be dropped: (name, parent, page) each."""
+        todo = []
+        for name, parent, page in pages:
+            if name in self._host:
+                self._host.move_to_end(name)
+            elif self.host.capacity == 0 and self.disk is not None and name in self.disk:
+                continue
+            else:
+                todo.append((name, parent, page))
+        if not todo:
+            return
+        rows = self.store.read([page for _, _, page in todo])
+        self.counters.num_demoted += len(todo)
+        self.counters.bytes_to_host += len(todo) * self.page_bytes
+        if self.host.capacity == 0:  # no host pool: straight to disk
+            for i, (name, parent, _) in enumerate(todo):
+                self.disk.write(name, parent, b"".join(r[i].tobytes() for r in rows))
+            return
+        todo, rows = todo[-self.host.capacity :], [r[-self.host.capacity :] for r in rows]
+        slots = []
+        for name, parent, _ in todo:
+            if not self.host.num_free:
+                self._spill()
+            slot = self.host.allocate()
+            self._host[name] = (slot, parent)
+            slots.append(slot)
+        self.host.write(slots, rows)
+
+    def _spill(self) -> None:
+        """Frees the least recently used host page, writing it to disk if there is one."""
+        name, (slot, parent) = self._host.popitem(last=False)
+        if self.disk is not None:
+            self.disk.write(name, parent, self.host.payload(slot))
+            self.counters.num_spilled += 1
+        else:
+            self.counters.num_host_dropped += 1
+        self.host.free(slot)
+
+    def flush(self) -> int:
+        """Writes every host page to disk (a clean shutdown); returns the pages written."""
+        if self.disk is None:
+            return 0
+        for name, (slot, parent) in self._host.items():
+            self.disk.write(name, parent, self.host.payload(slot))
+        return len(self._host)
+
+    # -- up -----------------------------------------------------------------------------------
+
+    def promote(self, names: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Fills device `pages` with the bytes of `names` (a run of one chain, each held below
+        the device); stops at the first whose bytes cannot be read back (a corrupt disk file)
+        and returns how many pages were filled."""
+        start = time.perf_counter()
+        from_host, payloads = [], []
+        for name in names:
+            if name in self._host:
+                self._host.move_to_end(name)
+                from_host.append(self._host[name][0])
+                continue
+            payload = self.disk.read(name) if self.disk is not None else None
+            if payload is None:
+                break
+            payloads.append((len(from_host) + len(payloads), payload))
+        n = len(from_host) + len(payloads)
+        if n == 0:
+            return 0
+        # Host and disk pages interleave along a chain: assemble the rows in chain order.
+        rows = [np.empty((n, *shape), dtype) for shape, dtype in self.host.layout]
+        on_disk = {i for i, _ in payloads}
+        host_index = [i for i in range(n) if i not in on_disk]
+        if from_host:
+            for row, part in zip(rows, self.host.read(from_host), strict=True):
+                row[host_index] = part
+        if payloads:
+            for row, part in zip(rows, self.host.unpack([p for _, p in payloads]), strict=True):
+                row[sorted(on_disk)] = part
+        self.store.write(list(pages[:n]), rows)
+        self.counters.num_host_hits += len(from_host)
+        self.counters.num_disk_hits += len(payloads)
+        self.counters.bytes_to_device += n * self.page_bytes
+        self.counters.promote_seconds += time.perf_counter() - start
+        return n
+
+
+GIB = 1 << 30
+DEFAULT_DISK_GIB = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """The lower tiers' sizes: `host_gib` of host memory (vLLM's --kv-offloading-size), and a
+    disk store of `disk_gib` in `disk_dir` that survives restarts (--kv-cache-dir)."""
+
+    host_gib: float = 0.0
+    disk_dir: str | None = None
+    disk_gib: float | None = None  # default DEFAULT_DISK_GIB with a directory
+
+    def __post_init__(self):
+        for name in ("host_gib", "disk_gib"):
+            value = getattr(self, name)
+            if value is None and name == "disk_gib":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{name} must be a size in GiB >= 0, got {value!r}")
+        if self.disk_gib is not None and self.disk_dir is None:
+            raise ValueError("a disk tier size needs a directory (kv_cache_dir)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_gib > 0 or self.disk_dir is not None
+
+    def build(self, store: PageStore, model_id: str) -> KVTiers:
+        """The tiers under `store`, sized in its pages. Raises ValueError for a size that holds
+        less than one page, DiskStoreError for a directory that cannot be used."""
+        page_bytes = store.page_bytes
+        host_pages = int(self.host_gib * GIB) // page_bytes
+        if self.host_gib > 0 and host_pages < 1:
+            raise ValueError(f"kv_offloading_size {self.host_gib} GiB holds less than one KV page ({page_bytes} bytes)")
+        disk = None
+        if self.disk_dir is not None:
+            gib = DEFAULT_DISK_GIB if self.disk_gib is None else self.disk_gib
+            disk_pages = int(gib * GIB) // page_bytes
+            if disk_pages < 1:
+                raise ValueError(f"kv_disk_size {gib} GiB holds less than one KV page ({page_bytes} bytes)")
+            disk = DiskStore(
+                self.disk_dir, fingerprint=store.fingerprint(model_id), page_bytes=page_bytes, capacity=disk_pages
+            )
+        return KVTiers(store, host_pages=host_pages, disk=disk)
