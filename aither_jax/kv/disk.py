@@ -49,7 +49,8 @@ class DiskCounters:
     num_written: int = 0
     num_read: int = 0
     num_dropped: int = 0  # evicted to stay within the size limit
-    num_skipped: int = 0  # files at open that were torn, unreadable or of another configuration
+    num_torn: int = 0  # temporary files at open: writes cut off before their rename
+    num_skipped: int = 0  # files at open that were unreadable, short or of another configuration
     num_corrupt: int = 0  # payloads whose checksum failed when read
     bytes_written: int = 0
     bytes_read: int = 0
@@ -87,6 +88,7 @@ class DiskStore:
         for path in self.dir.iterdir():
             if path.name.startswith(".tmp"):
                 path.unlink(missing_ok=True)  # a write that never reached its rename
+                self.counters.num_torn += 1
                 continue
             if path.suffix != SUFFIX:
                 continue

@@ -1,0 +1,90 @@
+"""The KV tiers under the engine: multi-turn conversations on a device pool too small to keep
+any of them, every follow-up's earlier rounds restored from host or disk, give the same greedy
+tokens as a pool that keeps everything (float32 cache, unused pages NaN), speculation on too;
+a restarted engine finds its pages on disk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aither_jax as aj
+from tests.conftest import TINY
+
+MODEL = "smollm2-135m"
+SETTINGS = dict(
+    dtype="float32",
+    kv_cache_dtype="fp32",
+    max_model_len=256,
+    max_num_seqs=2,
+    page_size=16,
+    max_prefill_chunk=64,
+    progress=False,
+    enable_prefix_caching=True,
+    _cache_fill_value=float("nan"),
+    **TINY,
+)
+# Each conversation's rounds outgrow a 12-page pool together: a round's earlier rounds were
+# evicted by the other conversations' rounds in between.
+SMALL_POOL = 12
+GREEDY = aj.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def conversations(llm: aj.LLM, rounds: int = 3) -> tuple[list[list[int]], list[list[int]]]:
+    """Four conversations, round-robin: every round sends all prior rounds (prompt and answer)
+    plus a new question. Returns (the prompts sent, the answers) in order."""
+    rng = np.random.default_rng(0)
+    history = [rng.integers(100, 5000, 40).tolist() for _ in range(4)]
+    prompts, answers = [], []
+    for _ in range(rounds):
+        for c in range(4):
+            prompt = history[c] + rng.integers(100, 5000, 10).tolist()
+            answer = llm.generate([prompt], GREEDY)[0].token_ids
+            prompts.append(prompt)
+            answers.append(answer)
+            history[c] = prompt + answer
+    return prompts, answers
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The answers of a pool that keeps every page of every round."""
+    return conversations(aj.LLM(MODEL, num_pages=120, **SETTINGS))[1]
+
+
+@pytest.mark.parametrize(
+    ("tiers", "speculative"),
+    [
+        (dict(kv_offloading_size=0.01), None),  # every follow-up restores from host
+        (dict(kv_offloading_size=0.01), "ngram"),
+        (dict(kv_cache_dir="DIR"), None),  # no host pool: straight to disk and back
+    ],
+)
+def test_follow_ups_restored_from_a_lower_tier_answer_as_a_pool_that_keeps_everything(
+    tiers, speculative, reference, tmp_path
+):
+    tiers = {k: str(tmp_path) if v == "DIR" else v for k, v in tiers.items()}
+    llm = aj.LLM(MODEL, num_pages=SMALL_POOL, speculative=speculative, **tiers, **SETTINGS)
+    _, answers = conversations(llm)
+    assert answers == reference
+    counters = llm.engine.tiers.counters
+    hits = counters.num_disk_hits if "kv_cache_dir" in tiers else counters.num_host_hits
+    # Rounds 2 and 3 of four conversations: each starts from its earlier rounds' full pages.
+    assert hits >= 8 * 2 and llm.engine.scheduler.num_prefix_hits >= hits * 16
+
+
+def test_a_restarted_engine_finds_its_pages_on_disk(reference, tmp_path):
+    first = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_offloading_size=0.001, kv_cache_dir=tmp_path, **SETTINGS)
+    prompts, answers = conversations(first)
+    assert first.engine.persist() == first.engine.tiers.num_host_pages > 0
+    del first
+    second = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_cache_dir=tmp_path, **SETTINGS)
+    restored = [o.token_ids for o in second.generate(prompts[-4:], GREEDY)]
+    assert restored == answers[-4:] == reference[-4:]
+    assert second.engine.tiers.counters.num_disk_hits >= 4 * 3  # each last round's first 48 tokens
+    assert second.engine.tiers.disk.counters.num_corrupt == 0
+
+
+def test_tiers_need_prefix_caching():
+    with pytest.raises(ValueError, match="need prefix caching"):
+        aj.LLM(MODEL, **{**SETTINGS, "enable_prefix_caching": False}, kv_offloading_size=1.0)

@@ -1,0 +1,117 @@
+"""The disk tier's files: atomic, checksummed, fingerprinted, bounded; and a writer killed
+with SIGKILL at random points never leaves a page that reads back wrong."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import aither_jax.kv.disk as disk_module
+from aither_jax.kv.disk import DiskStore, DiskStoreError
+
+PAGE_BYTES = 1 << 16
+
+
+def payload(name: bytes) -> bytes:
+    """A page's bytes, derived from its name so any reader can check a restore."""
+    return hashlib.shake_256(name).digest(PAGE_BYTES)
+
+
+def name(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def test_pages_survive_a_reopen_and_stay_within_the_capacity(tmp_path):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=3)
+    for i in range(4):
+        store.write(name(i), name(i - 1) if i else None, payload(name(i)))
+    assert name(0) not in store and len(store) == 3 and store.counters.num_dropped == 1
+    assert store.read(name(1)) == payload(name(1))  # now the most recently used
+    again = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=3)
+    assert len(again) == 3 and again.parent(name(2)) == name(1) and again.parent(name(3)) == name(2)
+    assert all(again.read(name(i)) == payload(name(i)) for i in (1, 2, 3))
+    with pytest.raises(ValueError, match="payload is 65536 bytes"):
+        again.write(name(9), None, b"short")
+
+
+def test_files_of_another_configuration_torn_or_corrupt_are_never_loaded(tmp_path):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=8)
+    for i in range(4):
+        store.write(name(i), None, payload(name(i)))
+    files = {i: store.dir / (name(i).hex() + ".kvpage") for i in range(4)}
+    raw = files[1].read_bytes()
+    files[1].write_bytes(raw[: len(raw) // 2])  # short
+    flipped = bytearray(files[2].read_bytes())
+    flipped[-7] ^= 1  # one payload bit
+    files[2].write_bytes(bytes(flipped))
+    (store.dir / ".tmpabc").write_bytes(b"cut off")
+    (store.dir / "junk.kvpage").write_bytes(b"\x00" * 40)
+    reopened = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=8)
+    assert reopened.counters.num_skipped == 2 and reopened.counters.num_torn == 1
+    assert name(1) not in reopened and name(2) in reopened
+    assert reopened.read(name(2)) is None and reopened.counters.num_corrupt == 1 and name(2) not in reopened
+    assert reopened.read(name(3)) == payload(name(3))
+    other = DiskStore(tmp_path, fingerprint="another model", page_bytes=PAGE_BYTES, capacity=8)
+    assert len(other) == 0 and other.counters.num_skipped == 4  # left alone: kept for their own configuration
+
+
+def test_bad_disk_settings_are_refused(tmp_path):
+    with pytest.raises(DiskStoreError, match="at least one page"):
+        DiskStore(tmp_path, fingerprint="f", page_bytes=8, capacity=0)
+    os.chmod(tmp_path, 0o500)
+    try:
+        if os.access(tmp_path, os.W_OK):
+            pytest.skip("running as a user who may write anywhere")
+        with pytest.raises(DiskStoreError, match="cannot be created"):
+            DiskStore(tmp_path / "sub", fingerprint="f", page_bytes=8, capacity=1)
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+WRITER = """
+import importlib.util, hashlib, sys
+spec = importlib.util.spec_from_file_location("disk", sys.argv[1])
+disk = sys.modules["disk"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(disk)
+store = disk.DiskStore(sys.argv[2], fingerprint="f", page_bytes={page_bytes}, capacity=24)
+start = int(sys.argv[3])
+print("ready", flush=True)
+for i in range(start, start + 10_000):
+    name = hashlib.sha256(str(i).encode()).digest()
+    store.write(name, None, hashlib.shake_256(name).digest({page_bytes}))
+"""
+
+
+def test_a_writer_killed_at_random_points_leaves_only_intact_pages(tmp_path):
+    """200 writers, each killed with SIGKILL after a random delay while writing pages: every
+    reopen indexes only pages whose bytes are exactly what was written."""
+    rng = np.random.default_rng(0)
+    code = WRITER.format(page_bytes=PAGE_BYTES)
+    source = pathlib.Path(disk_module.__file__)
+    wrong = restored = torn = 0
+    for run in range(200):
+        writer = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", code, str(source), str(tmp_path), str(run * 10_000)],
+            stdout=subprocess.PIPE,
+        )
+        assert writer.stdout.readline() == b"ready\n"
+        time.sleep(rng.uniform(0, 0.02))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        writer.stdout.close()
+        store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=24)
+        torn += store.counters.num_torn
+        for page in list(store._index):
+            data = store.read(page)
+            restored += data is not None
+            wrong += data is not None and data != payload(page)
+        assert store.counters.num_corrupt == 0 and store.counters.num_skipped == 0
+    assert wrong == 0 and restored > 200 and torn > 0

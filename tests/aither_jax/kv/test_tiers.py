@@ -1,0 +1,172 @@
+"""The host and disk tiers: pages leave the device and come back byte for byte, for every KV
+format and both models; the prefix cache demotes instead of dropping and promotes on lookup."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from aither_jax.compile.shapes import ShapeRegistry
+from aither_jax.eviction.policy import LRUPolicy
+from aither_jax.kv.allocator import PageAllocator
+from aither_jax.kv.disk import DiskStore, DiskStoreError
+from aither_jax.kv.prefix_cache import PrefixCache, hash_chain
+from aither_jax.kv.store import PageStore
+from aither_jax.kv.tiers import KVTiers, TierConfig
+from aither_jax.speculative.dflash import DraftPools
+from models.config import ModelConfig
+from models.gguf_file import GGUFFile
+from models.kv_cache import init_cache
+from models.kv_spec import parse_kv_spec
+from models.kv_transform import load_key_transforms
+from models.registry import resolve_model
+
+NUM_PAGES = 24
+PAGE = 4
+
+
+class FakeDraft:
+    """A draft's context pools ([L, P, ...], layer-major like DFlashProposer's)."""
+
+    fingerprint = "draft"
+
+    def __init__(self, rng, num_pages: int):
+        shape = (2, num_pages, PAGE, 1, 8)
+        self.pools = DraftPools(*(jax.numpy.asarray(rng.standard_normal(shape), jax.numpy.bfloat16) for _ in "kv"))
+
+
+def random_bytes(rng, tree):
+    """`tree` with every leaf's bytes random (any bit pattern must survive a roundtrip)."""
+
+    def fill(leaf):
+        raw = rng.integers(0, 256, leaf.size * leaf.dtype.itemsize, dtype=np.uint8)
+        return jax.numpy.asarray(raw.view(leaf.dtype).reshape(leaf.shape))
+
+    return jax.tree.map(fill, tree)
+
+
+def store_for(model: str, kv: str, rng, *, draft: bool = False) -> PageStore:
+    cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(model)))
+    transform = None
+    if parse_kv_spec(kv).precondition:
+        transform = load_key_transforms(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    cache = init_cache(
+        cfg, num_pages=NUM_PAGES, max_seqs=1, max_pages_per_seq=4, page_size=PAGE, kv_cache_dtype=kv,
+        key_transform=transform,
+    )  # fmt: skip
+    cache = cache.replace(k=random_bytes(rng, cache.k), v=random_bytes(rng, cache.v))
+    drafter = FakeDraft(rng, NUM_PAGES) if draft else None
+    return PageStore(cache, drafter=drafter, shapes=ShapeRegistry(), num_usable_pages=NUM_PAGES - 1)
+
+
+def page_bytes(store: PageStore, pages: list[int]) -> list[bytes]:
+    """Each page's stored bytes over every pool."""
+    rows = store.read(pages)
+    return [b"".join(row[i].tobytes() for row in rows) for i in range(len(pages))]
+
+
+FORMATS = [
+    ("smollm2-135m", "bf16", False),
+    ("smollm2-135m", "fp32", True),  # with a draft's context pools beside the target's
+    ("smollm2-135m", "tq-k6v4-s2", False),  # sinks
+    ("smollm2-135m", "tq4-pc", False),  # the fitted key transform
+    ("smollm2-135m", "tq3.5", False),  # split groups
+    ("smollm2-135m", "auto", False),  # the default: per-layer groups, key transform, sinks
+    ("gemma3-270m", "bf16", False),  # sliding-window layers
+    ("gemma3-270m", "auto", False),
+]
+
+
+@pytest.mark.parametrize(("model", "kv", "draft"), FORMATS)
+def test_pages_roundtrip_device_host_disk_device_byte_exact(model, kv, draft, tmp_path):
+    from models.registry import default_kv_cache_dtype
+
+    rng = np.random.default_rng(0)
+    kv = default_kv_cache_dtype(model) if kv == "auto" else kv
+    store = store_for(model, kv, rng, draft=draft)
+    disk = DiskStore(tmp_path, fingerprint=store.fingerprint(model), page_bytes=store.page_bytes, capacity=40)
+    tiers = KVTiers(store, host_pages=6, disk=disk)  # a small host pool: most sets spill to disk
+    expected: dict[bytes, bytes] = {}
+    for i in range(1000):
+        pages = rng.choice(np.arange(1, NUM_PAGES), size=rng.integers(1, 5), replace=False).tolist()
+        names = [bytes([i % 256, i // 256, j]) * 11 for j in range(len(pages))]
+        expected.update(zip(names, page_bytes(store, pages), strict=True))
+        tiers.demote([(name, None, page) for name, page in zip(names, pages, strict=True)])
+        # Bring back a random run of what is held, into random device pages.
+        held = [n for n in expected if tiers.holds(n)]
+        back = [held[j] for j in rng.choice(len(held), size=min(len(held), rng.integers(1, 5)), replace=False)]
+        dst = rng.choice(np.arange(1, NUM_PAGES), size=len(back), replace=False).tolist()
+        assert tiers.promote(back, dst) == len(back)
+        assert page_bytes(store, dst) == [expected[name] for name in back]
+    assert tiers.counters.num_host_hits and tiers.counters.num_disk_hits and tiers.counters.num_spilled
+    assert disk.counters.num_dropped  # the disk tier stayed within its 40 pages
+    assert disk.counters.num_corrupt == 0
+
+
+def chain_cache(tiers_store=None, *, host_pages=2, disk=None, num_pages=6):
+    allocator = PageAllocator(num_pages)
+    cache = PrefixCache(allocator, PAGE, max_pinned_pages=2, policy=LRUPolicy())
+    if tiers_store is not None:
+        cache.tiers = KVTiers(tiers_store, host_pages=host_pages, disk=disk)
+    return cache
+
+
+def test_the_prefix_cache_demotes_evicted_pages_and_finds_them_below_the_device():
+    store = store_for("smollm2-135m", "tq4", np.random.default_rng(1))
+    cache = chain_cache(store, host_pages=3)
+    names = hash_chain(b"salt", list(range(12)), PAGE)
+    pages = cache.allocator.allocate(3)
+    for i, (name, page) in enumerate(zip(names, pages, strict=True)):
+        cache.insert(name, page, names[i - 1] if i else None)
+    before = page_bytes(store, pages)
+    cache.allocator.free(pages)
+    assert cache.evict(3) == 3 and cache.match(names) == []
+    assert cache.match_lower(names) == names and cache.tiers.num_host_pages == 3
+    # Another tenant's chain over the same tokens has other names: nothing below serves it.
+    assert cache.match_lower(hash_chain(b"other", list(range(12)), PAGE)) == []
+    fresh = cache.allocator.allocate(3)
+    assert cache.promote(names, fresh, None) == 3
+    assert page_bytes(store, fresh) == before
+    cache.allocator.free(fresh)  # the sequence's references; the cache keeps its own
+    assert cache.match(names) == fresh and cache.match_lower(names) == []
+    assert [cache.blocks[p].parent for p in fresh] == [None, *names[:2]]
+
+
+def test_a_chain_comes_back_up_to_a_page_that_fails_its_checksum(tmp_path):
+    store = store_for("smollm2-135m", "bf16", np.random.default_rng(2))
+    disk = DiskStore(tmp_path, fingerprint="f", page_bytes=store.page_bytes, capacity=8)
+    tiers = KVTiers(store, host_pages=0, disk=disk)  # straight to disk
+    names = [b"a" * 32, b"b" * 32, b"c" * 32]
+    tiers.demote([(n, None, p) for n, p in zip(names, [1, 2, 3], strict=True)])
+    path = disk.dir / (names[1].hex() + ".kvpage")
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert tiers.promote(names, [4, 5, 6]) == 1
+    assert disk.counters.num_corrupt == 1 and names[1] not in disk and not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(host_gib=-1), "host_gib must be a size in GiB >= 0"),
+        (dict(host_gib="1"), "host_gib must be a size"),
+        (dict(disk_gib=1.0), "needs a directory"),
+        (dict(host_gib=1e-9), "holds less than one KV page"),
+        (dict(disk_dir="DIR", disk_gib=1e-9), "holds less than one KV page"),
+    ],
+)
+def test_tier_settings_are_checked(config, message, tmp_path):
+    store = store_for("smollm2-135m", "bf16", np.random.default_rng(3))
+    if config.get("disk_dir") == "DIR":
+        config["disk_dir"] = str(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        TierConfig(**config).build(store, "model")
+
+
+def test_a_disk_tier_in_a_directory_that_cannot_be_written_is_refused(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with pytest.raises(DiskStoreError, match="cannot be created"):
+        DiskStore(blocked / "sub", fingerprint="f", page_bytes=8, capacity=1)
