@@ -88,6 +88,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="text file whose tokens are prefilled at start-up and pinned in the prefix cache, for requests without "
         "X-Tenant-Id (under each API key)",
     )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float_in("--kv-offloading-size", 0.0, 1 << 20),
+        default=0.0,
+        metavar="GIB",
+        help="host memory (GiB) for KV pages evicted from the device pool; a later prompt that starts with them "
+        "gets them back instead of recomputing them (default 0: dropped)",
+    )
+    p.add_argument(
+        "--kv-cache-dir",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="disk tier: pages leaving host memory are written here (checksummed, atomically) and found again "
+        "after a restart; the tenant secret is kept here too, so tenants stay isolated across restarts",
+    )
+    p.add_argument(
+        "--kv-disk-size",
+        type=float_in("--kv-disk-size", 0.0, 1 << 30, low_open=True),
+        default=None,
+        metavar="GIB",
+        help="GiB the disk tier may hold (default 4; needs --kv-cache-dir)",
+    )
     p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
     p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)
@@ -145,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--api-key: a key must be printable and have no surrounding spaces")
     if args.pin_prompt_file is not None and not args.pin_prompt_file.is_file():
         parser.error(f"--pin-prompt-file: no such file: {args.pin_prompt_file}")
+    if args.kv_disk_size is not None and args.kv_cache_dir is None:
+        parser.error("--kv-disk-size needs --kv-cache-dir")
+    if (args.kv_offloading_size or args.kv_cache_dir) and args.enable_prefix_caching is False:
+        parser.error("--kv-offloading-size and --kv-cache-dir need prefix caching (drop --no-enable-prefix-caching)")
+    if args.kv_cache_dir is not None:
+        try:
+            args.kv_cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--kv-cache-dir: {args.kv_cache_dir} cannot be created: {e.strerror}")
+        if not os.access(args.kv_cache_dir, os.W_OK | os.X_OK):
+            parser.error(f"--kv-cache-dir: {args.kv_cache_dir} is not writable")
     if args.compile_shapes is not None and not args.compile_shapes.absolute().parent.is_dir():
         parser.error(f"--compile-shapes: no such directory: {args.compile_shapes.absolute().parent}")
     if args.compile_shapes is not None and args.compile_shapes.is_dir():
@@ -168,6 +202,7 @@ def build_server(args: argparse.Namespace):
     import secrets
 
     from aither_jax.context.prompt import text_prompt
+    from aither_jax.kv.disk import tenant_secret
     from aither_jax.llm import LLM, resolve_dtype
     from models.gguf_file import GGUFError
     from models.tokenizer import ChatTemplateError
@@ -192,6 +227,9 @@ def build_server(args: argparse.Namespace):
             speculative=args.speculative_config,
             shared_prefix_attention=args.shared_prefix_attention,
             num_scheduler_steps=args.num_scheduler_steps,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_cache_dir=args.kv_cache_dir,
+            kv_disk_size=args.kv_disk_size,
             progress=True,
         )
         if args.chat_template is not None:
@@ -213,7 +251,9 @@ def build_server(args: argparse.Namespace):
     max_queue = 4 * args.max_num_seqs if args.max_queue is None else args.max_queue
     engine = AsyncEngine(llm.engine, metrics, max_waiting=max_queue)
     keys = tuple(dict.fromkeys(args.api_key or ()))
-    config = ServerConfig(name, llm.engine.max_model_len, keys, args.max_body_bytes, secrets.token_bytes(32))
+    # Tenants' chain names must stay the same across restarts for the disk tier to serve them.
+    secret = tenant_secret(args.kv_cache_dir) if args.kv_cache_dir else secrets.token_bytes(32)
+    config = ServerConfig(name, llm.engine.max_model_len, keys, args.max_body_bytes, secret)
     app = build_app(engine, llm.tokenizer, config)
     pin_text = args.pin_prompt_file.read_text(encoding="utf-8") if args.pin_prompt_file else None
 
@@ -228,6 +268,8 @@ def build_server(args: argparse.Namespace):
                 log.info("pinned %d pages (%d tokens) of %s", pinned, len(ids), args.pin_prompt_file)
         yield
         engine.stop()
+        if llm.engine.tiers is not None and llm.engine.tiers.disk is not None:
+            log.info("wrote %d cached KV pages to %s", llm.engine.persist(), args.kv_cache_dir)
 
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(

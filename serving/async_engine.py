@@ -366,6 +366,8 @@ class AsyncEngine:
                 ({"position": str(i)}, float(n)) for i, n in enumerate(eng.spec_counters.accepted_per_pos.tolist())
             ],
         )
+        if eng.tiers is not None:
+            self._tier_metrics(eng.tiers)
         m.counter("vllm:prompt_tokens_total", "Prompt tokens of finished requests.")
         m.counter("vllm:generation_tokens_total", "Generated tokens.")
         m.counter("vllm:request_success_total", "Finished requests by finish reason.")
@@ -373,6 +375,39 @@ class AsyncEngine:
         m.histogram("vllm:time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS)
         m.histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         m.histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS)
+
+    def _tier_metrics(self, tiers) -> None:
+        """Per-tier pages, hits and moves of the host and disk tiers (kv/tiers.py)."""
+        m, c = self.metrics, tiers.counters
+        disk = tiers.disk.counters if tiers.disk is not None else None
+        m.gauge("aither:kv_host_pages", "KV pages held in the host tier.", lambda: tiers.num_host_pages)
+        m.gauge("aither:kv_host_pages_capacity", "KV pages the host tier can hold.", lambda: tiers.host.capacity)
+        m.gauge("aither:kv_disk_pages", "KV pages held in the disk tier.", lambda: tiers.num_disk_pages)
+        m.counter_series(
+            "aither:kv_tier_hits_total",
+            "KV pages promoted to the device instead of recomputed, by the tier they came from.",
+            lambda: [({"tier": "host"}, c.num_host_hits), ({"tier": "disk"}, c.num_disk_hits)],
+        )
+        m.counter_series(
+            "aither:kv_tier_moved_pages_total",
+            "KV pages moved between tiers, by direction.",
+            lambda: [
+                ({"direction": "device_to_host"}, c.num_demoted),
+                ({"direction": "host_to_disk"}, c.num_spilled),
+                ({"direction": "to_device"}, c.num_host_hits + c.num_disk_hits),
+            ],
+        )
+        m.counter_series(
+            "aither:kv_tier_moved_bytes_total",
+            "KV bytes moved between the device and the tiers below it, by direction.",
+            lambda: [({"direction": "from_device"}, c.bytes_to_host), ({"direction": "to_device"}, c.bytes_to_device)],
+        )
+        m.counter("aither:kv_promote_seconds_total", "Seconds spent promoting pages.", lambda: c.promote_seconds)
+        m.counter(
+            "aither:kv_disk_pages_dropped_total",
+            "Disk pages dropped: evicted to stay within the size, or failing their checksum.",
+            lambda: (disk.num_dropped + disk.num_corrupt) if disk else 0,
+        )
 
 
 def _answer(done: asyncio.Future, *, result=None, error: BaseException | None = None) -> None:

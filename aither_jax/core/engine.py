@@ -172,8 +172,9 @@ class Engine:
         return self.scheduler.prefix_cache.tiers if self.scheduler.prefix_cache else None
 
     def persist(self) -> int:
-        """Writes the host tier's pages to the disk tier (before a clean exit); returns how many."""
-        return self.tiers.flush() if self.tiers else 0
+        """Writes every cached page (device and host) to the disk tier, before a clean exit;
+        returns how many."""
+        return self.scheduler.prefix_cache.persist() if self.tiers else 0
 
     @property
     def draft_length(self):

@@ -207,3 +207,34 @@ class DiskStore:
             name = next(iter(self._index))
             self.drop(name)
             self.counters.num_dropped += 1
+
+
+SECRET_FILE = "tenant_secret"
+
+
+def tenant_secret(directory: str | os.PathLike) -> bytes:
+    """The 32-byte secret that salts tenants' chain names, kept in `directory` (owner-only
+    permissions) so names, and so tenants' disk pages, stay the same across restarts. Made on
+    first use; raises DiskStoreError if the directory cannot hold it."""
+    root = pathlib.Path(directory)
+    path = root / SECRET_FILE
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=root)  # mkstemp files are owner-only
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(32))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # never replaces a secret another process made meanwhile
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        secret = path.read_bytes()
+    except OSError as e:
+        raise DiskStoreError(f"KV cache directory {str(root)!r} cannot hold the tenant secret: {e}") from None
+    if len(secret) != 32:
+        raise DiskStoreError(f"{path} is not a tenant secret (32 bytes); remove it to make a new one")
+    return secret

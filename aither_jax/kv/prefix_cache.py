@@ -158,6 +158,13 @@ class PrefixCache:
         self.blocks.touch(page)
         return True
 
+    def persist(self) -> int:
+        """Writes every named page, on the device or the host, to the disk tier (a clean
+        shutdown); returns the pages written."""
+        if self.tiers is None:
+            return 0
+        return self.tiers.flush([(self.blocks[p].name, self.blocks[p].parent, p) for p in self._full.values()])
+
     # -- eviction -----------------------------------------------------------------------------
 
     def _idle(self, page: int) -> bool:

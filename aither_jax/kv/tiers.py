@@ -164,13 +164,19 @@ class KVTiers:
             self.counters.num_host_dropped += 1
         self.host.free(slot)
 
-    def flush(self) -> int:
-        """Writes every host page to disk (a clean shutdown); returns the pages written."""
+    def flush(self, device: Sequence[tuple[bytes, bytes | None, int]] = ()) -> int:
+        """Writes every host page, and the named `device` pages ((name, parent, page) each),
+        to disk (a clean shutdown), so a restart finds them all; returns the pages written."""
         if self.disk is None:
             return 0
+        device = [d for d in device if d[0] not in self._host and d[0] not in self.disk]
+        if device:
+            rows = self.store.read([page for _, _, page in device])
+            for i, (name, parent, _) in enumerate(device):
+                self.disk.write(name, parent, b"".join(r[i].tobytes() for r in rows))
         for name, (slot, parent) in self._host.items():
             self.disk.write(name, parent, self.host.payload(slot))
-        return len(self._host)
+        return len(device) + len(self._host)
 
     # -- up -----------------------------------------------------------------------------------
 

@@ -99,6 +99,11 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--chat-template", "{% bad %}", "--kv-cache-dtype", "fp32"], "chat template does not compile"),
         (["--dtype", "float8"], "invalid choice: 'float8'"),
         (["--pin-prompt-file", "/nonexistent/system.txt"], "--pin-prompt-file: no such file"),
+        (["--kv-offloading-size", "-1"], "--kv-offloading-size must be in [0, "),
+        (["--kv-disk-size", "1"], "--kv-disk-size needs --kv-cache-dir"),
+        (["--kv-cache-dir", "/tmp", "--no-enable-prefix-caching"], "need prefix caching"),
+        (["--kv-offloading-size", "1e-9", "--kv-cache-dtype", "fp32"], "holds less than one KV page"),
+        (["--kv-cache-dir", "/proc/none"], "--kv-cache-dir: /proc/none cannot be created"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_the_problem(argv, message, capsys, monkeypatch):
@@ -198,6 +203,36 @@ def tokenizer_pages():
 
     tok = Tokenizer.from_gguf(GGUFFile(resolve_model(MODEL)))
     return lambda text: len(tok.encode(text)) // 16
+
+
+# -- the host and disk tiers across a restart ---------------------------------------------------
+
+
+def test_a_restarted_server_serves_each_tenant_its_own_pages_from_disk(tmp_path):
+    """The device pool keeps almost nothing; a clean stop writes the host tier to disk; after a
+    restart the same tenant's prompt starts from its pages on disk, another tenant's does not."""
+    flags = (*BASE_FLAGS, "--kv-cache-dtype", "fp32", "--max-num-seqs", "1", "--num-pages", "12")
+    tiers = ("--kv-offloading-size", "0.01", "--kv-cache-dir", str(tmp_path))
+    prompt = "A question about the tides and the moon, long enough to fill several pages of the cache. " * 4
+    first = Server(*flags, *tiers)
+    try:
+        key = "none"
+        before = complete(first, prompt, key, tenant="ann")
+        complete(first, "Something else entirely, to push the first prompt's pages out of the pool. " * 8, key)
+        assert first.metrics()["aither:kv_host_pages"] > 0
+    finally:
+        assert first.stop() == 0
+    assert (tmp_path / "tenant_secret").stat().st_mode & 0o777 == 0o600
+    second = Server(*flags, *tiers)
+    try:
+        again = complete(second, prompt, key, tenant="ann")
+        assert again["prompt_tokens_details"]["cached_tokens"] >= 16 * 3
+        assert again["completion_tokens"] == before["completion_tokens"]
+        assert complete(second, prompt, key, tenant="bob")["prompt_tokens_details"]["cached_tokens"] == 0
+        m = second.metrics()
+        assert m['aither:kv_tier_hits_total{tier="disk"}'] >= 3 and m["aither:kv_disk_pages"] > 0
+    finally:
+        second.stop()
 
 
 # -- /health once the engine loop has died ----------------------------------------------------

@@ -76,7 +76,7 @@ def test_follow_ups_restored_from_a_lower_tier_answer_as_a_pool_that_keeps_every
 def test_a_restarted_engine_finds_its_pages_on_disk(reference, tmp_path):
     first = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_offloading_size=0.001, kv_cache_dir=tmp_path, **SETTINGS)
     prompts, answers = conversations(first)
-    assert first.engine.persist() == first.engine.tiers.num_host_pages > 0
+    assert first.engine.persist() > 0
     del first
     second = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_cache_dir=tmp_path, **SETTINGS)
     restored = [o.token_ids for o in second.generate(prompts[-4:], GREEDY)]
