@@ -100,6 +100,8 @@ class LLM:
             pool, without one) are written there, checksummed, and found again after a restart.
         kv_disk_size: GiB the disk tier may hold (default 4 with kv_cache_dir). The tiers need
             prefix caching (enable_prefix_caching True or None).
+        kv_high_watermark: with the tiers, idle cached pages beyond this share of the device
+            pool are demoted between steps, ahead of need.
         attention: "auto" (Pallas kernels on GPU, their rotated-domain algorithm in jnp on
             CPU), "pallas", "xla" or "reference"; the reference decodes quantized pages into a
             buffer.
@@ -139,6 +141,7 @@ class LLM:
         kv_offloading_size: float = 0.0,
         kv_cache_dir: str | os.PathLike | None = None,
         kv_disk_size: float | None = None,
+        kv_high_watermark: float = 0.8,
         attention: str = "auto",
         seed: int = 0,
         speculative: str | dict | None = None,
@@ -170,6 +173,7 @@ class LLM:
             host_gib=kv_offloading_size,
             disk_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
             disk_gib=kv_disk_size,
+            high_watermark=kv_high_watermark,
         )
         if tiers.enabled and enable_prefix_caching is False:
             raise ValueError("kv_offloading_size and kv_cache_dir need prefix caching: enable_prefix_caching=True")

@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="GiB the disk tier may hold (default 4; needs --kv-cache-dir)",
     )
+    p.add_argument(
+        "--kv-high-watermark",
+        type=float_in("--kv-high-watermark", 0.0, 1.0, low_open=True),
+        default=0.8,
+        help="with the tiers, idle cached pages beyond this share of the device pool are demoted between steps, "
+        "ahead of need (default 0.8)",
+    )
     p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
     p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)
@@ -230,6 +237,7 @@ def build_server(args: argparse.Namespace):
             kv_offloading_size=args.kv_offloading_size,
             kv_cache_dir=args.kv_cache_dir,
             kv_disk_size=args.kv_disk_size,
+            kv_high_watermark=args.kv_high_watermark,
             progress=True,
         )
         if args.chat_template is not None:

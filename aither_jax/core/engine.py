@@ -15,6 +15,7 @@ the results back. The pieces it drives, one file each:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -284,9 +285,14 @@ class Engine:
         elif plan.decode:
             self._decode(plan.decode)
         if plan.prefill:
+            start = time.perf_counter()
             self._decode(plan.prefill)
+            if self.tiers is not None:  # the recompute side of the reload-or-recompute choice
+                self.tiers.cost.observe_prefill(sum(len(t) for _, t in plan.prefill), time.perf_counter() - start)
         self.num_steps += 1
-        return self.scheduler.finish()
+        finished = self.scheduler.finish()
+        self.scheduler.relieve_pressure()
+        return finished
 
     def _decode(self, rows: Rows) -> None:
         """One call over (sequence, new tokens) rows (decode or prefill chunks); samples the

@@ -162,6 +162,8 @@ class Scheduler:
         while self.waiting and self._free_slots:
             seq = self.waiting.popleft()
             cached, lower, names, partial = self._lookup(seq)
+            if lower and not self.prefix_cache.tiers.should_reload(lower, len(lower) * self.page_size):
+                lower, partial = [], None  # recomputing them is faster (kv/tiers.py, ReloadCost)
             hit = len(cached) + len(lower)
             if names and hit < len(names) and names[hit] in self._computing:
                 deferred.append(seq)  # a running prefill is filling its next page right now
@@ -328,6 +330,15 @@ class Scheduler:
             self.prefix_cache.insert(name, seq.pages[i], parent if i else None)
         if seq.pin_tokens and seq.num_pinned_pages is None and seq.num_cached >= seq.pin_tokens:
             seq.num_pinned_pages = self.prefix_cache.pin(seq.names[: seq.pin_tokens // self.page_size])
+
+    def relieve_pressure(self) -> int:
+        """Demotes idle cached pages while more of the device pool than the tiers' high
+        watermark is in use (between steps, ahead of need); returns the pages demoted."""
+        tiers = self.prefix_cache.tiers if self.prefix_cache is not None else None
+        if tiers is None:
+            return 0
+        over = self.allocator.num_used - int(tiers.high_watermark * self.num_usable_pages)
+        return self.prefix_cache.evict(over) if over > 0 else 0
 
     def finish(self) -> list[Sequence]:
         """Releases and returns the running sequences that have finished."""

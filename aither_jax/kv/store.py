@@ -80,10 +80,13 @@ class PageStore:
             h.update(f"|draft:{self.drafter.fingerprint}".encode())
         return h.hexdigest()
 
+    def padded_size(self, num_pages: int) -> int:
+        """The bucket `read` and `write` pad `num_pages` pages to (one compiled call each)."""
+        return bucket(num_pages, 4, max(4, self.num_usable_pages + 1))
+
     def _padded(self, pages: list[int]) -> np.ndarray:
         """`pages` padded to a bucket by repeating the first (the same bytes written twice)."""
-        n = bucket(len(pages), 4, max(4, self.num_usable_pages + 1))
-        out = np.full(n, pages[0], np.int32)
+        out = np.full(self.padded_size(len(pages)), pages[0], np.int32)
         out[: len(pages)] = pages
         return out
 

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from aither_jax.kv.disk import DiskStore
 from aither_jax.kv.store import PageStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -40,6 +44,70 @@ class TierCounters:
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     promote_seconds: float = 0.0  # time spent promoting, over all promotions
+
+
+class ReloadCost:
+    """Whether reloading a prompt's pages from the tiers beats recomputing them, from measured
+    speeds: bytes per second promoted from host and from disk, prompt tokens per second
+    prefilled (exponential moving averages). With no measurement yet of either side it
+    reloads (on the CPU and on PCIe a reload is normally far faster than recompute)."""
+
+    SMOOTHING = 0.3
+
+    def __init__(self):
+        self.host_bytes_per_s: float | None = None
+        self.disk_bytes_per_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+        self.num_reload = 0  # decisions
+        self.num_recompute = 0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.SMOOTHING) * old + self.SMOOTHING * new
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = self._ema(self.prefill_tokens_per_s, num_tokens / seconds)
+
+    def observe_reload(self, host_bytes: int, disk_bytes: int, seconds: float) -> None:
+        """One promotion's bytes by source; its time is split between them by byte count."""
+        total = host_bytes + disk_bytes
+        if total <= 0 or seconds <= 0:
+            return
+        rate = total / seconds
+        if host_bytes:
+            self.host_bytes_per_s = self._ema(self.host_bytes_per_s, rate)
+        if disk_bytes:
+            self.disk_bytes_per_s = self._ema(self.disk_bytes_per_s, rate)
+
+    def estimate(self, host_bytes: int, disk_bytes: int, num_tokens: int) -> tuple[float | None, float | None]:
+        """(seconds to reload, seconds to recompute), None where nothing is measured yet."""
+        reload = 0.0
+        for nbytes, rate in ((host_bytes, self.host_bytes_per_s), (disk_bytes, self.disk_bytes_per_s)):
+            if nbytes:
+                if rate is None:
+                    reload = None
+                    break
+                reload += nbytes / rate
+        recompute = None if self.prefill_tokens_per_s is None else num_tokens / self.prefill_tokens_per_s
+        return reload, recompute
+
+    def reload(self, host_bytes: int, disk_bytes: int, num_tokens: int) -> bool:
+        """Decides (and counts) whether to reload these bytes rather than recompute the tokens."""
+        reload_s, recompute_s = self.estimate(host_bytes, disk_bytes, num_tokens)
+        choice = reload_s is None or recompute_s is None or reload_s <= recompute_s
+        if choice:
+            self.num_reload += 1
+        else:
+            self.num_recompute += 1
+        log.debug(
+            "KV tiers: %s %d tokens (reload ~%s s, recompute ~%s s)",
+            "reloading" if choice else "recomputing", num_tokens, _secs(reload_s), _secs(recompute_s),
+        )  # fmt: skip
+        return choice
+
+
+def _secs(x: float | None) -> str:
+    return "?" if x is None else f"{x:.4f}"
 
 
 class HostPool:
@@ -92,7 +160,7 @@ class KVTiers:
     fresh device pages from below (`promote`).
     """
 
-    def __init__(self, store: PageStore, *, host_pages: int, disk: DiskStore | None = None):
+    def __init__(self, store: PageStore, *, host_pages: int, disk: DiskStore | None = None, high_watermark=1.0):
         if host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {host_pages}")
         if host_pages == 0 and disk is None:
@@ -101,9 +169,17 @@ class KVTiers:
         self.host = HostPool(store.page_layout(), host_pages)
         self.disk = disk
         self.page_bytes = store.page_bytes
+        self.high_watermark = high_watermark
         # name -> (host slot, parent name), least recently used first.
         self._host: collections.OrderedDict[bytes, tuple[int, bytes | None]] = collections.OrderedDict()
         self.counters = TierCounters()
+        self.cost = ReloadCost()
+        self._timed_sizes: set[int] = set()  # padded promotion sizes already compiled
+
+    def should_reload(self, names: Sequence[bytes], num_tokens: int) -> bool:
+        """The cost model's choice for a run of lower-tier pages holding `num_tokens` tokens."""
+        on_host = sum(1 for n in names if n in self._host)
+        return self.cost.reload(on_host * self.page_bytes, (len(names) - on_host) * self.page_bytes, num_tokens)
 
     @property
     def num_host_pages(self) -> int:
@@ -209,10 +285,16 @@ class KVTiers:
             for row, part in zip(rows, self.host.unpack([p for _, p in payloads]), strict=True):
                 row[sorted(on_disk)] = part
         self.store.write(list(pages[:n]), rows)
+        jax.block_until_ready(self.store.cache.k)  # the time below is the whole reload
+        seconds = time.perf_counter() - start
         self.counters.num_host_hits += len(from_host)
         self.counters.num_disk_hits += len(payloads)
         self.counters.bytes_to_device += n * self.page_bytes
-        self.counters.promote_seconds += time.perf_counter() - start
+        self.counters.promote_seconds += seconds
+        size = self.store.padded_size(n)
+        if size in self._timed_sizes:  # a first call of a size compiles: not a transfer speed
+            self.cost.observe_reload(len(from_host) * self.page_bytes, len(payloads) * self.page_bytes, seconds)
+        self._timed_sizes.add(size)
         return n
 
 
@@ -228,8 +310,15 @@ class TierConfig:
     host_gib: float = 0.0
     disk_dir: str | None = None
     disk_gib: float | None = None  # default DEFAULT_DISK_GIB with a directory
+    # Between steps, idle cached pages beyond this share of the device pool are demoted ahead
+    # of need, so that admitting a request rarely waits on a device -> host copy.
+    high_watermark: float = 0.8
 
     def __post_init__(self):
+        if isinstance(self.high_watermark, bool) or not isinstance(self.high_watermark, int | float):
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark!r}")
+        if not 0 < self.high_watermark <= 1:
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark!r}")
         for name in ("host_gib", "disk_gib"):
             value = getattr(self, name)
             if value is None and name == "disk_gib":
@@ -259,4 +348,4 @@ class TierConfig:
             disk = DiskStore(
                 self.disk_dir, fingerprint=store.fingerprint(model_id), page_bytes=page_bytes, capacity=disk_pages
             )
-        return KVTiers(store, host_pages=host_pages, disk=disk)
+        return KVTiers(store, host_pages=host_pages, disk=disk, high_watermark=self.high_watermark)

@@ -88,3 +88,21 @@ def test_a_restarted_engine_finds_its_pages_on_disk(reference, tmp_path):
 def test_tiers_need_prefix_caching():
     with pytest.raises(ValueError, match="need prefix caching"):
         aj.LLM(MODEL, **{**SETTINGS, "enable_prefix_caching": False}, kv_offloading_size=1.0)
+
+
+def test_follow_ups_recompute_when_the_cost_model_measures_reloading_slower(reference):
+    llm = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_offloading_size=0.01, **SETTINGS)
+    cost = llm.engine.tiers.cost
+    cost.observe_prefill(10**9, 1.0)  # recompute "measured" at a billion tokens per second
+    cost.observe_reload(1, 0, 1.0)  # and reloading at one byte per second
+    _, answers = conversations(llm)
+    assert answers == reference
+    assert llm.engine.tiers.counters.num_host_hits == 0 and cost.num_recompute >= 8 and cost.num_reload == 0
+
+
+def test_idle_pages_beyond_the_high_watermark_are_demoted_between_steps():
+    llm = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_offloading_size=0.01, kv_high_watermark=0.5, **SETTINGS)
+    conversations(llm, rounds=1)
+    sched = llm.engine.scheduler
+    assert sched.allocator.num_used <= 0.5 * sched.num_usable_pages
+    assert llm.engine.tiers.counters.num_demoted > 0

@@ -170,3 +170,17 @@ def test_a_disk_tier_in_a_directory_that_cannot_be_written_is_refused(tmp_path):
     blocked.write_text("not a directory")
     with pytest.raises(DiskStoreError, match="cannot be created"):
         DiskStore(blocked / "sub", fingerprint="f", page_bytes=8, capacity=1)
+
+
+def test_the_cost_model_reloads_unless_recomputing_is_measured_faster():
+    from aither_jax.kv.tiers import ReloadCost
+
+    cost = ReloadCost()
+    assert cost.reload(1 << 20, 0, 64)  # nothing measured: reload
+    cost.observe_prefill(1000, 1.0)  # 1,000 tokens/s
+    cost.observe_reload(1 << 20, 0, 0.01)  # 100 MiB/s from host
+    assert cost.estimate(1 << 20, 0, 64) == pytest.approx((0.01, 0.064))
+    assert cost.reload(1 << 20, 0, 64)
+    assert not cost.reload(100 << 20, 0, 64)  # 1 s to reload what recomputes in 0.064 s
+    assert cost.reload(0, 1 << 20, 64)  # disk speed not measured yet
+    assert (cost.num_reload, cost.num_recompute) == (3, 1)
