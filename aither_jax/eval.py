@@ -39,11 +39,20 @@ from models.registry import resolve_model
 
 
 def capacity_rows(
-    cfg: ModelConfig, specs: list[KVSpec], memory_bytes: int, *, context_length: int = 4096, num_seqs: int = 1
+    cfg: ModelConfig,
+    specs: list[KVSpec],
+    memory_bytes: int,
+    *,
+    context_length: int = 4096,
+    num_seqs: int = 1,
+    host_bytes: int = 0,
+    disk_bytes: int = 0,
 ) -> list[dict]:
     """One row per format: bytes per token (the issue's formula), compression against bf16 per
     token and at `context_length` tokens of one sequence (sink tokens are a fixed cost per
-    sequence), and the tokens that fit in the budget beside `num_seqs` sequences' fixed costs."""
+    sequence), the tokens that fit in the device budget beside `num_seqs` sequences' fixed
+    costs, and the tokens the host and disk tiers address (they keep pages in their stored
+    format, so a quantized format multiplies them too; sinks stay on the device)."""
     bf16 = parse_kv_spec("bf16").bytes_per_token(cfg)
     rows = []
     for spec in specs:
@@ -59,6 +68,8 @@ def capacity_rows(
                 "num_seqs": num_seqs,
                 "tokens_in_budget": max(0, memory_bytes - num_seqs * per_seq) // per_token,
                 "budget_bytes": memory_bytes,
+                "host_tokens": host_bytes // per_token,
+                "disk_tokens": disk_bytes // per_token,
             }
         )
     return rows
@@ -269,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="sequences whose fixed bytes (sink tokens) come out of the budget first",
     )
+    cap.add_argument(
+        "--host-gib", type=float_in("--host-gib", 0, 1 << 20), default=0.0, help="host tier (--kv-offloading-size)"
+    )
+    cap.add_argument(
+        "--disk-gib", type=float_in("--disk-gib", 0, 1 << 30), default=0.0, help="disk tier (--kv-disk-size)"
+    )
     cap.add_argument("--json", action="store_true", help="print one JSON object per format")
     return p
 
@@ -344,25 +361,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     specs = resolve_specs(args.kv_cache_dtype, args.model)
     budget = int(args.memory_gib * (1 << 30))
-    rows = capacity_rows(cfg, specs, budget, context_length=args.context_length, num_seqs=args.num_seqs)
+    rows = capacity_rows(
+        cfg, specs, budget, context_length=args.context_length, num_seqs=args.num_seqs,
+        host_bytes=int(args.host_gib * (1 << 30)), disk_bytes=int(args.disk_gib * (1 << 30)),
+    )  # fmt: skip
     if args.json:
         for row in rows:
             print(json.dumps({"model": args.model, **row}))
         return 0
     print(
         f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim}, "
-        f"budget {args.memory_gib:g} GiB for {args.num_seqs} sequence(s); "
+        f"budget {args.memory_gib:g} GiB for {args.num_seqs} sequence(s), host {args.host_gib:g} GiB, "
+        f"disk {args.disk_gib:g} GiB; "
         f"'at N': compression with the per-sequence bytes at {args.context_length:,} tokens"
     )
     w = max(16, *(len(r["kv_cache_dtype"]) for r in rows))
     print(
         f"{'kv_cache_dtype':<{w}} {'bytes/token':>12} {'vs bf16':>8} {'at N':>7} {'tokens in budget':>17} "
-        f"{'bytes/sequence':>15}"
+        f"{'bytes/sequence':>15} {'host tokens':>14} {'disk tokens':>15}"
     )
     for r in rows:
         print(
             f"{r['kv_cache_dtype']:<{w}} {r['bytes_per_token']:>12,} {r['compression_vs_bf16']:>7.2f}x "
-            f"{r['compression_at_context']:>6.2f}x {r['tokens_in_budget']:>17,} {r['bytes_per_sequence']:>15,}"
+            f"{r['compression_at_context']:>6.2f}x {r['tokens_in_budget']:>17,} {r['bytes_per_sequence']:>15,} "
+            f"{r['host_tokens']:>14,} {r['disk_tokens']:>15,}"
         )
     return 0
 

@@ -230,6 +230,14 @@ class KVTiers:
             slots.append(slot)
         self.host.write(slots, rows)
 
+    def spill(self, n: int | None = None) -> int:
+        """Moves the `n` least recently used host pages (all by default) to disk, or drops them
+        without one; returns how many left the host."""
+        n = len(self._host) if n is None else min(n, len(self._host))
+        for _ in range(n):
+            self._spill()
+        return n
+
     def _spill(self) -> None:
         """Frees the least recently used host page, writing it to disk if there is one."""
         name, (slot, parent) = self._host.popitem(last=False)

@@ -315,3 +315,12 @@ def test_divergence_gap_reads_the_target_logits_where_outputs_part():
     assert aj_eval.divergence_gap(target, Out([1, 2, 3]), Out([1, 4, 5])) == pytest.approx(0.25)
     assert target.seen == [7, 8, 1]  # the prompt and the shared prefix, nothing past it
     assert aj_eval.divergence_gap(target, Out([1, 2]), Out([1, 2, 3])) is None
+
+
+def test_capacity_counts_the_tokens_each_tier_addresses(capsys):
+    argv = ["capacity", "--kv-cache-dtype", "bf16", "tq4-s2", "--host-gib", "8", "--disk-gib", "64", "--json"]
+    assert aj_eval.main(argv) == 0
+    by = {r["kv_cache_dtype"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    # The tiers keep pages in their stored format, and no per-sequence sinks.
+    assert by["bf16"]["host_tokens"] == (8 << 30) // 23040 and by["tq4-s2"]["host_tokens"] == (8 << 30) // 6120
+    assert by["tq4-s2"]["disk_tokens"] == (64 << 30) // 6120
