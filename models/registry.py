@@ -12,6 +12,7 @@ import importlib.util
 import os
 import pathlib
 import time
+import weakref
 
 from models.config import ModelConfig
 from models.gguf_file import GGUFFile
@@ -166,10 +167,27 @@ def load_model(
     the time, and its greedy output depends on every token of the context). Its name says so,
     and no asset fitted to the real model (key transform, draft) comes with it.
 
+    A model already loaded with the same arguments and still in use is returned as it is
+    (one copy of the weights per process).
+
     Raises:
         ValueError: as `resolve_model`, a GGUF file this package cannot run, or a bad num_layers.
     """
     path = resolve_model(model)
+    key = (os.fspath(model), os.path.realpath(path), dtype, num_layers)
+    loaded = _LOADED.get(key)
+    if loaded is not None:
+        return loaded
+    handle = _load(model, path, dtype, progress=progress, num_layers=num_layers)
+    _LOADED[key] = handle
+    return handle
+
+
+# Handles alive somewhere in the process, so that engines of one model share its weights.
+_LOADED: weakref.WeakValueDictionary[tuple, ModelHandle] = weakref.WeakValueDictionary()
+
+
+def _load(model: str | os.PathLike, path: str, dtype: str, *, progress: bool, num_layers: int | None) -> ModelHandle:
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf(gguf)
     name = os.fspath(model)
