@@ -10,6 +10,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
+from aither_jax.context.sections import Context
 from aither_jax.core.engine import Engine
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.kv.tiers import TierConfig
@@ -204,13 +205,17 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Completes each prompt (text, or a list of token ids); outputs keep the input order."""
-        if isinstance(prompts, str):
+        """Completes each prompt (text, a list of token ids, or a `Prompt`, such as a `Context`
+        assembles); outputs keep the input order."""
+        if isinstance(prompts, str | Prompt):
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
         assembled = []
         for i, p in enumerate(prompts):
+            if isinstance(p, Prompt):
+                assembled.append(p)
+                continue
             try:
                 assembled.append(text_prompt(self.tokenizer, p))
             except ValueError:
@@ -228,6 +233,14 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # a single conversation
         return self._run([chat_prompt(self.tokenizer, c) for c in conversations], sampling_params, use_tqdm)
+
+    def context(self, *, context_budget: int | None = None, prefill_budget: int | None = None) -> Context:
+        """A context pipeline for this model (aither_jax/context/sections.py): assembles tagged
+        sections within `context_budget` prompt tokens (default: max_model_len less 256 for the
+        answer) and `prefill_budget` new tokens per request; `generate` takes what it assembles.
+        Its stable prefix is pinned once seen when prefix caching is on."""
+        budget = max(1, self.engine.max_model_len - 256) if context_budget is None else context_budget
+        return Context(self.tokenizer, context_budget=budget, prefill_budget=prefill_budget)
 
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, workers: int | None = None) -> int:
         """Compiles every decode shape up to `max_len` tokens (default: max_model_len) now,
@@ -249,7 +262,9 @@ class LLM:
         seqs = []
         try:
             for p, params in zip(prompts, sampling_params, strict=True):
-                seqs.append(self.engine.add_request(p.ids, params))
+                if p.unpin_ids and self.engine.scheduler.prefix_cache is not None:
+                    self.engine.unpin(p.unpin_ids)  # a context's previous stable prefix
+                seqs.append(self.engine.add_request(p.ids, params, pin_tokens=p.num_pinned, sections=p.sections))
             show = self.progress if use_tqdm is None else use_tqdm
             with tqdm(total=len(seqs), desc="generating", unit="req", disable=not show) as bar:
                 while self.engine.has_unfinished():

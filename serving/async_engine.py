@@ -20,7 +20,6 @@ from aither_jax.compile.counter import CompileCounter
 from aither_jax.core.engine import Engine
 from aither_jax.core.sequence import Sequence
 from aither_jax.device.sampling import SamplingParams
-from aither_jax.kv.prefix_cache import hash_chain
 from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
 
 log = logging.getLogger(__name__)
@@ -210,8 +209,7 @@ class AsyncEngine:
         self._calls.add(done)
 
         def unpin() -> None:
-            sched = self.engine.scheduler
-            _answer(done, result=sched.prefix_cache.unpin(hash_chain(salt, prompt_ids, sched.page_size)))
+            _answer(done, result=self.engine.unpin(prompt_ids, salt))
 
         self._inbox.put(unpin)
         try:

@@ -23,6 +23,16 @@ _CONTENT_MARK = "\x00request\x00"
 
 
 @dataclasses.dataclass(frozen=True)
+class SectionSpan:
+    """The tokens [start, stop) of a prompt that one tagged section fills (context/sections.py)."""
+
+    tag: str
+    importance: float
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Prompt:
     """Token ids for the engine, and how many of the leading ones to pin.
 
@@ -30,11 +40,17 @@ class Prompt:
         ids: the prompt's token ids [num_tokens].
         num_pinned: leading tokens whose cached pages stay pinned (0: none; at most len(ids)).
         text: the text the ids encode (a rendered conversation), or None for ids given as ids.
+        sections: the tagged sections' token spans, for the KV pages' block records.
+        unpin_ids: a previously pinned prefix whose pin this prompt replaces (release it).
+        report: what the context pipeline kept and cut (a `ContextReport`), or None.
     """
 
     ids: list[int]
     num_pinned: int = 0
     text: str | None = None
+    sections: tuple[SectionSpan, ...] = ()
+    unpin_ids: list[int] = dataclasses.field(default_factory=list)
+    report: object | None = None
 
     @property
     def pinned_ids(self) -> list[int]:

@@ -34,6 +34,7 @@ from aither_jax.core.sequence import Sequence
 from aither_jax.core.speculate import SpecCounters, SpeculativeStep
 from aither_jax.core.warmup import Compiler
 from aither_jax.device.sampling import SamplingParams
+from aither_jax.kv.prefix_cache import hash_chain
 from aither_jax.kv.store import PageStore
 from aither_jax.kv.tiers import KVTiers, TierConfig
 from aither_jax.speculative.config import SpeculativeConfig
@@ -214,12 +215,15 @@ class Engine:
         salt: bytes = b"",
         pin_tokens: int = 0,
         num_logprobs: int | None = None,
+        sections: tuple = (),
     ) -> Sequence:
         """Queues a tokenized prompt. Raises ValueError if it can never fit.
 
         Args:
             salt: root of the prefix-cache names (the tenant); only equal salts share pages.
             pin_tokens: pin the cached pages of this many leading prompt tokens once computed.
+            sections: `SectionSpan`s of the prompt (context/sections.py): the KV pages their
+                tokens fill take their tag and importance.
             num_logprobs: None for no log-probabilities, else how many top alternatives to
                 record beside each sampled token's.
         """
@@ -251,6 +255,7 @@ class Engine:
             salt=salt,
             pin_tokens=min(int(pin_tokens), len(prompt_ids)),
             num_logprobs=num_logprobs,
+            sections=tuple(sections),
         )
         self._next_id += 1
         self.scheduler.add(seq)
@@ -258,6 +263,15 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def unpin(self, prompt_ids: list[int], salt: bytes = b"") -> int:
+        """Drops one pin from each cached full page of `prompt_ids` under `salt` (what a request
+        with these tokens and `pin_tokens=len(prompt_ids)` pinned); returns the pages unpinned.
+        Raises ValueError when prefix caching is off (nothing is ever pinned)."""
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            raise ValueError("prefix caching is off: nothing is pinned")
+        return cache.unpin(hash_chain(salt, prompt_ids, self.page_size))
 
     def abort(self, seq: Sequence) -> None:
         """Stops a request and returns its slot and pages."""

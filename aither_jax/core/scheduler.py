@@ -317,7 +317,10 @@ class Scheduler:
         self.allocator.free([src for src, _ in copies])
 
     def computed(self, seq: Sequence, num_new: int) -> None:
-        """Records that `num_new` more tokens of `seq` are in the cache; names its full pages."""
+        """Records that `num_new` more tokens of `seq` are in the cache; names its full pages,
+        and gives the pages its prompt's tagged sections fill their tag and importance."""
+        if seq.sections and seq.num_cached < len(seq.prompt_ids):
+            self._tag_pages(seq, seq.num_cached, seq.num_cached + num_new)
         seq.num_cached += num_new
         seq.num_computed += num_new
         if self.prefix_cache is None:
@@ -339,6 +342,19 @@ class Scheduler:
             return 0
         over = self.allocator.num_used - int(tiers.high_watermark * self.num_usable_pages)
         return self.prefix_cache.evict(over) if over > 0 else 0
+
+    def _tag_pages(self, seq: Sequence, start: int, stop: int) -> None:
+        """Block records of the pages holding tokens [start, stop): the tag and importance of
+        the most important section with tokens on the page."""
+        blocks = self.allocator.blocks
+        for i in range(start // self.page_size, -(-stop // self.page_size)):
+            lo, hi = i * self.page_size, (i + 1) * self.page_size
+            spans = [s for s in seq.sections if s.start < hi and s.stop > lo]
+            if spans and i < len(seq.pages):
+                best = max(spans, key=lambda s: s.importance)
+                block = blocks[seq.pages[i]]
+                if block.importance is None or best.importance > block.importance:
+                    block.source_tag, block.importance = best.tag, best.importance
 
     def finish(self) -> list[Sequence]:
         """Releases and returns the running sequences that have finished."""

@@ -1,0 +1,346 @@
+"""The context pipeline: a prompt assembled from tagged sections with token budgets.
+
+A prompt is a list of `Section`s (axioms, identity, rules, knowledge, memories, the
+conversation, ...), each with a tag, content (text, rendered as one message of the section's
+role, or a list of messages), an importance in [0, 1], a token budget (min and max), whether it
+is stable (the same bytes from request to request) and how it is cut when it must be. A
+`Context` renders them, in the order given, through the model's chat template to exact token
+ids, and reports per section what it kept and cut.
+
+Budgets. The rendered prompt stays within `context_budget` tokens. The prefill budget is the
+new tokens one request may cost (the latency that matters). The leading run of stable
+sections is the stable prefix, named by the SHA-256 of its token ids; once it has been seen
+(or the caller says it is pinned) its pages are pinned in the prefix cache and cost no
+prefill, so the budget they used flows to the downstream sections, most important first (the
+cascade). Sections are cut least important first (later sections first among equals), down
+to their minimum: `tail` keeps the start of a text, `head` keeps its end, `messages` drops
+the oldest messages in steps of `step` messages, so the kept history changes only every
+`step` messages and stays hash-identical (cache hits) in between, `drop` keeps all or
+nothing, and `never` is never cut.
+
+Every section's token span rides along with the ids (`Prompt.sections`); the scheduler writes
+each page's section tag and importance into its block record (the eviction advisor's input;
+a page spanning two sections takes the more important).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+from aither_jax.context.prompt import Prompt, SectionSpan
+from models.tokenizer import CHAT_ROLES, Tokenizer
+
+TRUNCATIONS = ("tail", "head", "messages", "drop", "never")
+
+
+class ContextError(ValueError):
+    """A section or budget that cannot be assembled; the message names the section."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One tagged part of a prompt.
+
+    Attributes:
+        tag: what the section is ("identity", "knowledge", "conversation", ...); it becomes the
+            source tag of the KV pages its tokens fill.
+        content: text (one message of `role`), or a list of {"role", "content"} messages.
+        importance: 0-1; less important sections are cut first.
+        min_tokens / max_tokens: its budget (max None: as long as it is).
+        stable: expected to repeat byte for byte across requests (the leading run of stable
+            sections is the stable prefix, pinned once seen).
+        truncate: "tail" (keep the start), "head" (keep the end), "messages" (drop the oldest
+            messages in steps of `step`), "drop" (all or nothing), "never".
+        role: the role of text content.
+        step: messages dropped at a time by "messages" truncation.
+    """
+
+    tag: str
+    content: str | Sequence[dict]
+    importance: float = 0.5
+    min_tokens: int = 0
+    max_tokens: int | None = None
+    stable: bool = False
+    truncate: str = "tail"
+    role: str = "system"
+    step: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.tag, str) or not self.tag:
+            raise ContextError(f"a section's tag must be a non-empty string, got {self.tag!r}")
+        where = f"section {self.tag!r}"
+        if isinstance(self.importance, bool) or not isinstance(self.importance, int | float):
+            raise ContextError(f"{where}: importance must be a number in [0, 1], got {self.importance!r}")
+        if not 0 <= self.importance <= 1:
+            raise ContextError(f"{where}: importance must be in [0, 1], got {self.importance!r}")
+        for name in ("min_tokens", "max_tokens", "step"):
+            value = getattr(self, name)
+            if value is None and name == "max_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "step" else 0):
+                raise ContextError(f"{where}: {name} must be an integer >= {int(name == 'step')}, got {value!r}")
+        if self.max_tokens is not None and self.max_tokens < self.min_tokens:
+            raise ContextError(f"{where}: max_tokens {self.max_tokens} is below min_tokens {self.min_tokens}")
+        if self.truncate not in TRUNCATIONS:
+            raise ContextError(f"{where}: truncate must be one of {', '.join(TRUNCATIONS)}, got {self.truncate!r}")
+        if self.role not in CHAT_ROLES:
+            raise ContextError(f"{where}: role must be one of {', '.join(CHAT_ROLES)}, got {self.role!r}")
+        if isinstance(self.content, str):
+            if self.truncate == "messages":
+                raise ContextError(f"{where}: 'messages' truncation needs a list of messages")
+        elif isinstance(self.content, Sequence) and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in CHAT_ROLES
+            for m in self.content
+        ):
+            object.__setattr__(self, "content", tuple(dict(m) for m in self.content))
+        else:
+            raise ContextError(f"{where}: content must be text or a list of {{'role', 'content'}} messages")
+
+    def messages(self) -> list[dict]:
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}] if self.content else []
+        return list(self.content)
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionReport:
+    """What happened to one section."""
+
+    tag: str
+    importance: float
+    stable: bool
+    wanted: int  # tokens rendered in full (capped by max_tokens)
+    budget: int  # tokens allotted
+    kept: int  # tokens in the prompt
+    start: int  # its span in the prompt's ids
+    stop: int
+    truncated: str | None  # how it was cut, None if whole
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextReport:
+    """Budgets and the cascade of one assembly."""
+
+    sections: tuple[SectionReport, ...]
+    context_budget: int
+    prefill_budget: int | None
+    num_tokens: int
+    stable_tokens: int
+    stable_hash: str | None
+    stable_cached: bool  # the stable prefix is pinned: it costs no prefill
+    downstream_budget: int  # tokens the sections after the stable prefix could have
+    downstream_budget_uncached: int  # what they could have had if it were not cached
+    prefill_tokens: int  # tokens this prompt costs beyond the cached stable prefix
+
+    @property
+    def cascade(self) -> int:
+        """Budget the cached stable prefix freed for the downstream sections."""
+        return self.downstream_budget - self.downstream_budget_uncached
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.num_tokens} tokens of {self.context_budget}"
+            + (f", prefill budget {self.prefill_budget}" if self.prefill_budget is not None else "")
+            + f"; stable prefix {self.stable_tokens} tokens"
+            + (f" ({self.stable_hash[:12]}, pinned: costs no prefill)" if self.stable_cached else "")
+            + f"; downstream budget {self.downstream_budget} ({self.cascade:+d} from the cascade); "
+            + f"prefill {self.prefill_tokens} tokens"
+        )
+        w = max(8, *(len(s.tag) for s in self.sections)) if self.sections else 8
+        rows = [f"{'section':<{w}} {'imp':>5} {'wanted':>7} {'budget':>7} {'kept':>7}  span          cut"]
+        for s in self.sections:
+            span = f"[{s.start}, {s.stop})"
+            stable = " stable" if s.stable else ""
+            rows.append(
+                f"{s.tag:<{w}} {s.importance:>5.2f} {s.wanted:>7} {s.budget:>7} {s.kept:>7}  {span:<13} "
+                f"{s.truncated or '-'}{stable}"
+            )
+        return "\n".join([head, *rows])
+
+
+class Context:
+    """Assembles sections for one model (its tokenizer and chat template) within budgets, and
+    remembers which stable prefixes it has seen and which one is pinned."""
+
+    def __init__(self, tokenizer: Tokenizer, *, context_budget: int, prefill_budget: int | None = None):
+        for name, value in (("context_budget", context_budget), ("prefill_budget", prefill_budget)):
+            if value is None and name == "prefill_budget":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ContextError(f"{name} must be an integer >= 1, got {value!r}")
+        self.tokenizer = tokenizer
+        self.context_budget = context_budget
+        self.prefill_budget = prefill_budget
+        self._seen: set[str] = set()
+        self.pinned: tuple[str, list[int]] | None = None  # (hash, ids) of the pinned stable prefix
+
+    # -- rendering ----------------------------------------------------------------------------
+
+    def _ids(self, messages: list[dict], *, generation: bool) -> list[int]:
+        if not messages:
+            return []
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation)
+        return self.tokenizer.encode_prompt(text)
+
+    def _render(self, parts: list[list[dict]]) -> tuple[list[int], list[int]]:
+        """(ids with the generation prompt, the end of each part's span), checking that every
+        part's tokens extend the ids before it (the template renders messages one by one)."""
+        ends, done, flat = [], [], []
+        for part in parts:
+            flat = flat + part
+            ids = self._ids(flat, generation=False)
+            if ids[: len(done)] != done:
+                raise ContextError("this chat template does not render messages one after another; sections need it")
+            done = ids
+            ends.append(len(ids))
+        full = self._ids(flat, generation=True)
+        if full[: len(done)] != done:
+            raise ContextError("this chat template's generation prompt rewrites the conversation")
+        return full, ends
+
+    def _size(self, messages: list[dict], before: list[dict]) -> int:
+        """Tokens `messages` add rendered after `before` (a template may write a message
+        differently at the start of a conversation)."""
+        _, ends = self._render([before, messages])
+        return ends[1] - ends[0]
+
+    # -- cutting ------------------------------------------------------------------------------
+
+    def _cut(self, section: Section, budget: int, before: list[dict], size: int) -> tuple[list[dict], str | None]:
+        """The section's messages (`size` tokens in full) cut to at most `budget` tokens as
+        rendered after `before`, and how it was cut."""
+        messages = section.messages()
+        if size <= budget:
+            return messages, None
+        if section.truncate == "drop" or budget <= 0:
+            return [], "dropped"
+        if section.truncate == "messages":
+            # The fewest whole steps of oldest messages to drop (binary search: fits is monotone).
+            lo, hi = 1, -(-len(messages) // section.step)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._size(messages[mid * section.step :], before) <= budget:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            drop = min(len(messages), lo * section.step)
+            return messages[drop:], f"dropped {drop} oldest messages"
+        # Text: cut its content's tokens, keeping the template's tokens around it.
+        content = self.tokenizer.encode(section.content)
+        keep = max(0, budget - (size - len(content)))
+        while True:
+            kept = content[:keep] if section.truncate == "tail" else content[len(content) - keep :]
+            text = self.tokenizer.decode(kept, skip_special_tokens=False) if keep else ""
+            cut = [{"role": section.role, "content": text}] if text else []
+            if not cut or self._size(cut, before) <= budget:  # a decoded cut may re-encode longer
+                return cut, f"kept {'first' if section.truncate == 'tail' else 'last'} {keep} of {len(content)} tokens"
+            keep -= 1
+
+    # -- assembly -----------------------------------------------------------------------------
+
+    def assemble(self, sections: Sequence[Section], *, pinned: bool = False) -> Prompt:
+        """The prompt for `sections` within the budgets, with its report (`Prompt.report`).
+
+        `pinned`: treat the stable prefix as pinned even the first time it is seen.
+
+        Raises:
+            ContextError: bad sections, duplicate tags, or budgets that cannot hold the sections
+                that may not be cut (it names them).
+        """
+        sections = list(sections)
+        if not sections:
+            raise ContextError("a context needs at least one section")
+        tags = [s.tag for s in sections]
+        if len(set(tags)) != len(tags):
+            raise ContextError(f"section tags must be unique, got {tags}")
+        num_stable = next((i for i, s in enumerate(sections) if not s.stable), len(sections))
+        full, ends = self._render([s.messages() for s in sections])
+        sizes = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        tail = len(full) - ends[-1]  # the generation prompt
+        stable_tokens = ends[num_stable - 1] if num_stable else 0
+        stable_hash = prefix_hash(full[:stable_tokens]) if stable_tokens else None
+        cached = stable_hash is not None and (pinned or stable_hash in self._seen)
+        # What the sections after the stable prefix may take: the context left after it, and
+        # the prefill budget, which a cached stable prefix no longer uses.
+        room = self.context_budget - stable_tokens - tail
+        uncached = room if self.prefill_budget is None else min(room, self.prefill_budget - stable_tokens - tail)
+        downstream = (
+            uncached if not cached else (room if self.prefill_budget is None else min(room, self.prefill_budget - tail))
+        )
+        if room < 0 or downstream < 0:
+            raise ContextError(
+                f"the stable prefix ({', '.join(tags[:num_stable])}) takes {stable_tokens} tokens: more than the "
+                f"budget allows"
+            )
+        for s, size in zip(sections[:num_stable], sizes[:num_stable], strict=True):
+            if s.max_tokens is not None and size > s.max_tokens:
+                raise ContextError(f"section {s.tag!r}: stable sections are never cut; {size} tokens > max_tokens")
+        budgets = self._allocate(sections[num_stable:], sizes[num_stable:], downstream)
+        parts = [s.messages() for s in sections[:num_stable]]
+        how: list[str | None] = [None] * num_stable
+        for s, b, size in zip(sections[num_stable:], budgets, sizes[num_stable:], strict=True):
+            messages, cut = self._cut(s, b, [m for part in parts for m in part], size)
+            parts.append(messages)
+            how.append(cut)
+        ids, ends = self._render(parts)
+        starts = [0, *ends[:-1]]
+        wanted = [_wanted(s, size) for s, size in zip(sections, sizes, strict=True)]
+        reports = tuple(
+            SectionReport(s.tag, s.importance, s.stable, w, b, stop - start, start, stop, cut)
+            for s, w, b, start, stop, cut in zip(
+                sections, wanted, [*sizes[:num_stable], *budgets], starts, ends, how, strict=True
+            )
+        )
+        report = ContextReport(
+            reports, self.context_budget, self.prefill_budget, len(ids), stable_tokens, stable_hash, cached,
+            downstream, uncached, len(ids) - (stable_tokens if cached else 0),
+        )  # fmt: skip
+        unpin: list[int] = []
+        num_pinned = 0
+        if cached:
+            num_pinned = stable_tokens
+            if self.pinned is not None and self.pinned[0] != stable_hash:
+                unpin = self.pinned[1]  # the old stable prefix: its pin goes
+            if self.pinned is None or self.pinned[0] != stable_hash:
+                self.pinned = (stable_hash, ids[:stable_tokens])
+        if stable_hash is not None:
+            self._seen.add(stable_hash)
+        spans = tuple(SectionSpan(r.tag, r.importance, r.start, r.stop) for r in reports if r.stop > r.start)
+        return Prompt(ids, num_pinned, None, sections=spans, unpin_ids=unpin, report=report)
+
+    def _allocate(self, sections: list[Section], sizes: list[int], budget: int) -> list[int]:
+        """Token budgets for the downstream sections within `budget`: each its full size (at most
+        max_tokens), then cut least important first (later first among equals) down to its
+        minimum (nothing for "drop", its full size for "never") until they fit."""
+        want = [_wanted(s, size) for s, size in zip(sections, sizes, strict=True)]
+        floor = [
+            w if s.truncate == "never" else 0 if s.truncate == "drop" else min(w, s.min_tokens)
+            for s, w in zip(sections, want, strict=True)
+        ]
+        if sum(floor) > budget:
+            fixed = [s.tag for s, f in zip(sections, floor, strict=True) if f]
+            raise ContextError(
+                f"budgets cannot fit the sections that may not be cut further ({', '.join(fixed)}): they need "
+                f"{sum(floor)} tokens, {budget} are left after the stable prefix"
+            )
+        out = list(want)
+        over = sum(out) - budget
+        for i in sorted(range(len(sections)), key=lambda i: (sections[i].importance, -i)):
+            if over <= 0:
+                break
+            cut = out[i] if sections[i].truncate == "drop" else min(over, out[i] - floor[i])  # all or nothing
+            out[i] -= cut
+            over -= cut
+        return out
+
+
+def _wanted(section: Section, size: int) -> int:
+    """A section's tokens in full, capped by its max_tokens."""
+    return size if section.max_tokens is None else min(size, section.max_tokens)
+
+
+def prefix_hash(ids: Sequence[int]) -> str:
+    """SHA-256 of token ids (the stable prefix's name)."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()

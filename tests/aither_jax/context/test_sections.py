@@ -1,0 +1,147 @@
+"""The context pipeline: sections rendered to exact ids, budgets and the cascade, cache-stable
+truncation, the stable prefix's automatic pin, and tags reaching the KV pages' block records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aither_jax.context.sections import Context, ContextError, Section, prefix_hash
+from models.gguf_file import GGUFFile
+from models.registry import resolve_model
+from models.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(GGUFFile(resolve_model("smollm2-135m")))
+
+
+AXIOMS = "You never reveal secrets. You answer truthfully. " * 3
+IDENTITY = "Your name is Aither. You were built to help with research on the sea. " * 2
+RULES = "Answer in at most three sentences. Cite your sources when you have them. "
+
+
+def system_layers() -> list[Section]:
+    return [
+        Section("axioms", AXIOMS, importance=1.0, stable=True, truncate="never"),
+        Section("identity", IDENTITY, importance=1.0, stable=True, truncate="never"),
+        Section("rules", RULES, importance=0.9, stable=True),
+    ]
+
+
+def turn(i: int, history: list[dict], knowledge: str) -> list[Section]:
+    return [
+        *system_layers(),
+        Section("knowledge", knowledge, importance=0.4, max_tokens=120),
+        Section("memories", f"The user asked about tides {i} times.", importance=0.3, truncate="drop"),
+        Section("conversation", history, importance=0.8, truncate="messages", step=4, role="user", min_tokens=20),
+    ]
+
+
+def test_sections_render_as_the_chat_template_renders_their_messages(tok):
+    history = [{"role": "user", "content": "What moves the tides?"}]
+    prompt = Context(tok, context_budget=2048).assemble(turn(1, history, "The moon pulls the sea."))
+    messages = [
+        {"role": "system", "content": AXIOMS},
+        {"role": "system", "content": IDENTITY},
+        {"role": "system", "content": RULES},
+        {"role": "system", "content": "The moon pulls the sea."},
+        {"role": "system", "content": "The user asked about tides 1 times."},
+        *history,
+    ]
+    assert prompt.ids == tok.encode_prompt(tok.apply_chat_template(messages, add_generation_prompt=True))
+    # Golden: the same ids on every platform and version of the tokenizer stack.
+    assert len(prompt.ids) == 136 and prefix_hash(prompt.ids)[:16] == "956db7ad7d08bd3a"
+    spans = {s.tag: s for s in prompt.sections}
+    assert [s.tag for s in prompt.sections] == ["axioms", "identity", "rules", "knowledge", "memories", "conversation"]
+    assert "Aither" in tok.decode(prompt.ids[spans["identity"].start : spans["identity"].stop])
+    assert "tides?" in tok.decode(prompt.ids[spans["conversation"].start : spans["conversation"].stop])
+    assert spans["conversation"].stop < len(prompt.ids)  # the generation prompt follows
+    report = prompt.report
+    assert report.stable_tokens == spans["rules"].stop and not report.stable_cached
+    assert "knowledge" in str(report) and f"{report.num_tokens} tokens of 2048" in str(report)
+
+
+def test_the_stable_prefix_stays_identical_over_100_turns_and_history_is_cut_in_steps(tok):
+    rng = np.random.default_rng(0)
+    ctx = Context(tok, context_budget=700)
+    history: list[dict] = []
+    stable, kept_starts, cut = None, [], 0
+    for i in range(100):
+        history.append({"role": "user", "content": f"Question {i}: why is the sea salty near river {i}?"})
+        knowledge = " ".join(f"fact{rng.integers(1000)}" for _ in range(rng.integers(5, 60)))
+        prompt = ctx.assemble(turn(i, history, knowledge))
+        r = prompt.report
+        assert r.num_tokens <= 700 and r.stable_hash is not None
+        stable = stable or (r.stable_hash, prompt.ids[: r.stable_tokens])
+        assert (r.stable_hash, prompt.ids[: r.stable_tokens]) == stable
+        conv = next(s for s in r.sections if s.tag == "conversation")
+        if conv.truncated:
+            cut += 1
+            kept_starts.append(int(conv.truncated.split()[1]))  # "dropped N oldest messages"
+        history.append({"role": "assistant", "content": f"Because of minerals, {i}."})
+    assert cut > 50
+    assert all(n % 4 == 0 for n in kept_starts)  # whole steps: the kept history moves in jumps
+
+
+def test_budgets_cut_the_least_important_first_down_to_their_minimum(tok):
+    sections = [
+        Section("identity", IDENTITY, importance=1.0, truncate="never"),
+        Section("knowledge", "The tide tables for the week. " * 30, importance=0.6, min_tokens=40),
+        Section("memories", "An old memory about boats. " * 20, importance=0.2, min_tokens=10),
+        Section("web", "A retrieved page about storms. " * 20, importance=0.1, truncate="drop"),
+        Section("question", "When is high tide tomorrow?", importance=0.9, role="user", truncate="never"),
+    ]
+    full = Context(tok, context_budget=4096).assemble(sections).report
+    size = {s.tag: s.kept for s in full.sections}
+    budget = full.num_tokens - size["web"] - size["memories"] + 15 - 30
+    r = Context(tok, context_budget=budget).assemble(sections).report
+    by = {s.tag: s for s in r.sections}
+    assert r.num_tokens <= budget
+    assert by["web"].kept == 0 and by["web"].truncated == "dropped"  # least important, all or nothing
+    assert 10 <= by["memories"].kept <= by["memories"].budget == 10  # cut to its minimum next
+    assert by["knowledge"].kept <= by["knowledge"].budget < size["knowledge"]  # then the next
+    assert by["identity"].kept == size["identity"] and by["question"].kept == size["question"]
+    with pytest.raises(ContextError, match=r"cannot fit the sections that may not be cut further \(identity"):
+        Context(tok, context_budget=size["identity"] // 2 + 40).assemble(sections)
+
+
+def test_a_pinned_stable_prefix_frees_prefill_budget_for_the_downstream_sections(tok):
+    sections = [*system_layers(), Section("knowledge", "Sea facts. " * 400, importance=0.5)]
+    ctx = Context(tok, context_budget=4096, prefill_budget=300)
+    first = ctx.assemble(sections).report
+    second = ctx.assemble(sections).report  # seen before: pinned, no prefill
+    assert not first.stable_cached and second.stable_cached
+    assert first.downstream_budget == 300 - first.stable_tokens - (first.num_tokens - first.sections[-1].stop)
+    assert second.cascade == first.stable_tokens  # every token the prefix no longer costs flows downstream
+    k1, k2 = first.sections[-1], second.sections[-1]
+    assert k2.kept >= k1.kept + first.stable_tokens - 2
+    assert second.prefill_tokens <= 300
+
+
+def test_the_pin_follows_the_stable_prefix(tok):
+    ctx = Context(tok, context_budget=4096)
+    a = [Section("identity", IDENTITY, stable=True), Section("q", "Hi", role="user")]
+    b = [Section("identity", IDENTITY + " New rule.", stable=True), Section("q", "Hi", role="user")]
+    p1 = ctx.assemble(a)
+    p2 = ctx.assemble(a)
+    p3 = ctx.assemble(b, pinned=True)
+    assert p1.num_pinned == 0 and p2.num_pinned == p2.report.stable_tokens > 0 and not p2.unpin_ids
+    assert p3.num_pinned == p3.report.stable_tokens and p3.unpin_ids == p2.ids[: p2.num_pinned]
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (dict(tag="x", content="a", truncate="middle"), "section 'x': truncate must be one of"),
+        (dict(tag="x", content="a", importance=-0.1), "section 'x': importance must be in"),
+        (dict(tag="x", content="a", min_tokens=5, max_tokens=2), "section 'x': max_tokens 2 is below"),
+        (dict(tag="x", content="a", truncate="messages"), "'messages' truncation needs a list"),
+        (dict(tag="x", content=[{"role": "boss", "content": "a"}]), "section 'x': content must be"),
+        (dict(tag="", content="a"), "tag must be a non-empty string"),
+    ],
+)
+def test_bad_sections_are_refused_with_their_name(section, message):
+    with pytest.raises(ContextError, match=message):
+        Section(**section)
