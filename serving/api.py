@@ -11,6 +11,7 @@ its requests.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
+from aither_jax.context.sections import Context, sections_from_messages
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.kv.prefix_cache import tenant_salt
 from models.tokenizer import Tokenizer
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_LEN = 128
 MAX_TENANT_LEN = 128
 RETRY_AFTER_SECONDS = 1
+MAX_CONTEXTS = 1024  # context pipelines kept (per tenant and prompt_cache_key), least recently used dropped
+DEFAULT_ANSWER_TOKENS = 256  # room a sectioned prompt leaves for the answer without max_tokens
 DISCONNECT_POLL_SECONDS = 0.25
 
 
@@ -199,6 +203,9 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     pin_tokens: int
+    sections: tuple = ()  # the context pipeline's section spans
+    unpin_ids: list[int] = dataclasses.field(default_factory=list)  # a replaced stable prefix's pin
+    report: object | None = None  # the context pipeline's report, when asked for
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
@@ -255,11 +262,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         _check_model(body.model)
+        max_tokens = body.max_completion_tokens or body.max_tokens
         try:
-            prompt = chat_prompt(tokenizer, body.conversation(), pin_system=body.pin_prefix)
+            if body.sectioned:
+                prompt = _context_prompt(body, _salt(request), max_tokens)
+            else:
+                prompt = chat_prompt(tokenizer, body.conversation(), pin_system=body.pin_prefix)
         except ValueError as e:
             raise HTTPError(400, str(e), "messages") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = _jobs([prompt], body, max_tokens)
         return await _serve(request, body, jobs, "chat.completion", top, chat=True)
@@ -314,10 +324,43 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                         ignore_eos=body.ignore_eos,
                     )
                     params.validate(tokenizer.vocab_size)
-                    jobs.append(_Job(i * body.n + j, prompt_ids, params, prompt.num_pinned if j == 0 else 0))
+                    first = j == 0  # only the first choice of a prompt takes its pin
+                    jobs.append(
+                        _Job(
+                            i * body.n + j, prompt_ids, params, prompt.num_pinned if first else 0,
+                            prompt.sections, prompt.unpin_ids if first else [], prompt.report,
+                        )
+                    )  # fmt: skip
             except ValueError as e:
                 raise HTTPError(400, str(e)) from None
         return jobs
+
+    # Context pipelines by (tenant salt, prompt_cache_key): each remembers its stable prefixes.
+    contexts: collections.OrderedDict[tuple[bytes, str], Context] = collections.OrderedDict()
+
+    def _context_prompt(body: protocol.ChatCompletionRequest, salt: bytes, max_tokens: int | None) -> Prompt:
+        """A sectioned chat request through the context pipeline (ContextError is a ValueError)."""
+        options = body.context or protocol.ContextOptions()
+        messages = [
+            m.model_dump(include={"section"}) | {"cache_control": m.breakpoint}
+            | protocol.template_messages([m])[0]
+            for m in body.messages
+        ]  # fmt: skip
+        sections, breakpoint = sections_from_messages(messages)
+        budget = options.budget or max(1, config.max_model_len - (max_tokens or DEFAULT_ANSWER_TOKENS))
+        key = (salt, body.prompt_cache_key or "")
+        ctx = contexts.get(key)
+        if ctx is None or (ctx.context_budget, ctx.prefill_budget) != (budget, options.prefill_budget):
+            ctx = Context(tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
+            previous = contexts.get(key)
+            if previous is not None:  # budgets changed: the stable prefixes seen still count
+                ctx.adopt(previous)
+        contexts[key] = ctx
+        contexts.move_to_end(key)
+        while len(contexts) > MAX_CONTEXTS:
+            contexts.popitem(last=False)
+        prompt = ctx.assemble(sections, pinned=breakpoint)
+        return prompt if options.report else dataclasses.replace(prompt, report=None)
 
     def _salt(request: Request) -> bytes:
         tenant = request.headers.get("x-tenant-id", "")
@@ -383,7 +426,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
             choices.append(choice)
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
         seqs = [results[j.index][-1].seq for j in jobs] if speculative else None
-        block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs)
+        block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs, jobs[0].report)
         return protocol.envelope(rid, kind, config.model_name, choices, block)
 
     async def _sse(rid, kind, jobs, updates, body, num_logprobs, chat, include_usage) -> AsyncIterator[str]:
@@ -468,6 +511,8 @@ async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprob
                 reservation=reservation,
                 pin_tokens=job.pin_tokens,
                 num_logprobs=num_logprobs,
+                sections=job.sections,
+                unpin_ids=job.unpin_ids,
             )
             async with contextlib.aclosing(gen) as it:
                 async for update in it:

@@ -127,6 +127,8 @@ class AsyncEngine:
         reservation: Reservation,
         pin_tokens: int = 0,
         num_logprobs: int | None = None,
+        sections: tuple = (),
+        unpin_ids: list[int] | None = None,
     ) -> AsyncIterator[Update]:
         """Yields the request's updates until it finishes; aborts it if the caller stops early.
         Gives back one place of `reservation` when it ends.
@@ -139,8 +141,10 @@ class AsyncEngine:
 
         def add() -> None:
             try:
+                if unpin_ids and self.engine.scheduler.prefix_cache is not None:
+                    self.engine.unpin(unpin_ids, salt)  # a context's replaced stable prefix
                 seq = self.engine.add_request(
-                    prompt_ids, params, salt=salt, pin_tokens=pin_tokens, num_logprobs=num_logprobs
+                    prompt_ids, params, salt=salt, pin_tokens=pin_tokens, num_logprobs=num_logprobs, sections=sections
                 )
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)

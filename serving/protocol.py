@@ -7,6 +7,7 @@ than silently ignored, unless they are set to their no-op default.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Annotated, Literal
 
@@ -95,10 +96,18 @@ class CompletionRequest(_Sampling):
         return self
 
 
+class CacheControl(BaseModel):
+    """Anthropic's prompt-caching breakpoint: what precedes it, inclusive, is the stable prefix."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["ephemeral"]
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: StrictStr
+    cache_control: CacheControl | None = None
 
 
 class Message(BaseModel):
@@ -106,9 +115,28 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | Annotated[list[TextPart], Field(max_length=64)]
     name: Annotated[StrictStr, Field(max_length=64)] | None = None
+    # Extensions (context pipeline, aither_jax/context/sections.py): the section this message
+    # belongs to ({"tag", "importance", "stable", "truncate", "min_tokens", "max_tokens",
+    # "step"}; consecutive messages with one tag form one section), and a cache breakpoint.
+    section: dict | None = None
+    cache_control: CacheControl | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    @property
+    def breakpoint(self) -> bool:
+        parts = [] if isinstance(self.content, str) else self.content
+        return self.cache_control is not None or any(p.cache_control is not None for p in parts)
+
+
+class ContextOptions(BaseModel):
+    """Extension: budgets for a sectioned prompt, and whether to report what was kept."""
+
+    model_config = ConfigDict(extra="forbid")
+    budget: Annotated[StrictInt, Field(ge=1)] | None = None
+    prefill_budget: Annotated[StrictInt, Field(ge=1)] | None = None
+    report: StrictBool = False
 
 
 class ChatCompletionRequest(_Sampling):
@@ -120,6 +148,15 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict | None = None
     # Extension: pin the cached pages of the leading system messages.
     pin_prefix: StrictBool = False
+    # OpenAI's cache key: requests sharing it (and the tenant) share the context pipeline's
+    # record of stable prefixes seen.
+    prompt_cache_key: Annotated[StrictStr, Field(max_length=256)] | None = None
+    context: ContextOptions | None = None
+
+    @property
+    def sectioned(self) -> bool:
+        """Whether the prompt goes through the context pipeline."""
+        return self.context is not None or any(m.section is not None or m.breakpoint for m in self.messages)
 
     @model_validator(mode="after")
     def _chat_only(self):
@@ -164,9 +201,11 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, spec: list | None = None) -> dict:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, spec: list | None = None, context=None
+) -> dict:
     """The usage block; with speculative decoding, `spec` holds the request's sequences and the
-    block reports their drafts and acceptance."""
+    block reports their drafts and acceptance; `context`, a context pipeline's report."""
     block = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -184,6 +223,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, spec: 
             "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
             "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else 1.0,
         }
+    if context is not None:
+        block["context"] = dataclasses.asdict(context) | {"cascade": context.cascade}
     return block
 
 

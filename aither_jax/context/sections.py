@@ -176,6 +176,11 @@ class Context:
         self._seen: set[str] = set()
         self.pinned: tuple[str, list[int]] | None = None  # (hash, ids) of the pinned stable prefix
 
+    def adopt(self, other: Context) -> None:
+        """Takes over `other`'s record of stable prefixes seen and pinned (same tokenizer)."""
+        self._seen |= other._seen
+        self.pinned = other.pinned
+
     # -- rendering ----------------------------------------------------------------------------
 
     def _ids(self, messages: list[dict], *, generation: bool) -> list[int]:
@@ -344,3 +349,51 @@ def _wanted(section: Section, size: int) -> int:
 def prefix_hash(ids: Sequence[int]) -> str:
     """SHA-256 of token ids (the stable prefix's name)."""
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+
+
+SECTION_FIELDS = ("tag", "importance", "stable", "truncate", "min_tokens", "max_tokens", "step")
+
+
+def sections_from_messages(messages: Sequence[dict]) -> tuple[list[Section], bool]:
+    """Sections from chat messages tagged one by one, as the server receives them: each message
+    may carry "section" (a dict of `Section` fields but content and role) and "cache_control"
+    (True: a breakpoint). Consecutive messages with one tag form one section (its fields from
+    the first message that gives them); untagged messages form sections of their own. The
+    sections up to the last breakpoint, inclusive, are stable. Returns (sections, whether a
+    breakpoint was given: the stable prefix is then pinned at once).
+
+    Raises:
+        ContextError: an unknown section field, a tag used by two runs of messages, or a
+            breakpoint inside a section rather than at its last message.
+    """
+    groups: list[tuple[str, dict, list[dict]]] = []
+    last_break = -1
+    for i, m in enumerate(messages):
+        spec = dict(m.get("section") or {})
+        unknown = set(spec) - set(SECTION_FIELDS)
+        if unknown:
+            raise ContextError(f"message {i}: unknown section fields {sorted(unknown)}; allowed: {SECTION_FIELDS}")
+        tag = spec.get("tag")
+        if tag is None or not groups or groups[-1][0] != tag:
+            groups.append((tag if tag is not None else f"message-{i}", spec, []))
+        elif spec:
+            groups[-1][1].update({k: v for k, v in spec.items() if k not in groups[-1][1]})
+        groups[-1][2].append({"role": m["role"], "content": m["content"]})
+        if m.get("cache_control"):
+            last_break = len(groups) - 1
+            if i + 1 < len(messages) and tag is not None and (messages[i + 1].get("section") or {}).get("tag") == tag:
+                raise ContextError(f"section {tag!r}: cache_control must mark its last message")
+    tags = [g[0] for g in groups]
+    repeated = sorted({t for t in tags if tags.count(t) > 1})
+    if repeated:
+        raise ContextError(f"section {repeated[0]!r}: its messages must be consecutive")
+    sections = []
+    for k, (tag, spec, group) in enumerate(groups):
+        fields = {f: spec[f] for f in SECTION_FIELDS[1:] if f in spec}
+        if k <= last_break:
+            fields["stable"] = True
+        if len(group) == 1:
+            sections.append(Section(tag, group[0]["content"], role=group[0]["role"], **fields))
+        else:
+            sections.append(Section(tag, group, **{"truncate": "messages", **fields}))
+    return sections, last_break >= 0

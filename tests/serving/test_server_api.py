@@ -487,3 +487,69 @@ def test_a_non_streaming_client_that_hangs_up_aborts_its_request(server):
     abort = 'vllm:request_success_total{finished_reason="abort"}'
     assert m[abort] - before.get(abort, 0) == 1
     assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 400
+
+
+# -- the context pipeline through the openai client ----------------------------------------------
+
+IDENTITY = "You are Aither, a research assistant for the harbour office. " * 6
+
+
+def sectioned(knowledge: str, question: str) -> list[dict]:
+    return [
+        {"role": "system", "content": IDENTITY, "section": {"tag": "identity", "importance": 1.0}},
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}}],
+            "section": {"tag": "rules", "importance": 0.9},
+        },
+        {"role": "system", "content": knowledge, "section": {"tag": "knowledge", "importance": 0.3, "max_tokens": 40}},
+        {"role": "user", "content": question, "section": {"tag": "question", "truncate": "never"}},
+    ]
+
+
+def test_sections_cache_control_and_prompt_cache_key_through_the_openai_client(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    headers = {"X-Tenant-Id": "context"}
+    extra = {"prompt_cache_key": "harbour", "context": {"report": True}}
+    first = client.chat.completions.create(
+        model=MODEL, messages=sectioned("Tide tables: " + "high water at dawn. " * 30, "When is high water?"),
+        max_tokens=2, temperature=0, extra_body=extra, extra_headers=headers,
+    )  # fmt: skip
+    report = first.usage.model_extra["context"]
+    tags = [s["tag"] for s in report["sections"]]
+    assert tags == ["identity", "rules", "knowledge", "question"]
+    knowledge = report["sections"][2]
+    assert knowledge["kept"] <= 40 < knowledge["wanted"] or knowledge["wanted"] <= 40
+    assert report["stable_cached"] and report["stable_tokens"] == report["sections"][1]["stop"]  # the breakpoint
+    pages = report["stable_tokens"] // 16
+    assert server.metrics()["aither:pinned_pages"] >= pages
+    second = client.chat.completions.create(
+        model=MODEL, messages=sectioned("Other news: the ferry is late.", "Is the ferry late?"),
+        max_tokens=2, temperature=0, extra_body=extra, extra_headers=headers,
+    )  # fmt: skip
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16 * pages
+    assert second.usage.model_extra["context"]["stable_hash"] == report["stable_hash"]
+
+
+@pytest.mark.parametrize(
+    ("section", "fragment"),
+    [
+        ({"tag": "knowledge", "truncate": "middle"}, "section 'knowledge': truncate must be one of"),
+        ({"tag": "knowledge", "importance": -1}, "section 'knowledge': importance must be in [0, 1]"),
+        ({"tag": "knowledge", "colour": "red"}, "unknown section fields ['colour']"),
+    ],
+)
+def test_bad_sections_get_a_400_naming_the_section(server, section, fragment):
+    messages = [{"role": "system", "content": "Facts.", "section": section}, {"role": "user", "content": "Hi"}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
+def test_budgets_that_cannot_hold_the_uncuttable_sections_get_a_400(server):
+    messages = [
+        {"role": "system", "content": "Rules. " * 50, "section": {"tag": "rules", "truncate": "never"}},
+        {"role": "user", "content": "Hi"},
+    ]
+    body = {"model": MODEL, "messages": messages, "context": {"budget": 30}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "(rules" in r.json()["error"]["message"], r.text
