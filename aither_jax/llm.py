@@ -64,6 +64,8 @@ class RequestOutput:
     num_draft_tokens: int = 0  # speculative decoding: drafts proposed and accepted for this request
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0  # verify passes that carried drafts
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (any tier)
+    time_to_first_token: float | None = None  # seconds from being queued to the first token
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -283,6 +285,8 @@ class LLM:
                 s.num_draft_tokens,
                 s.num_accepted_tokens,
                 s.num_spec_steps,
+                s.num_cached_prompt,
+                None if s.first_token_time is None else s.first_token_time - s.arrival_time,
             )
             for p, s in zip(prompts, seqs, strict=True)
         ]
