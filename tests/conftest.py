@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
+import jax
 import pytest
 
 import aither_jax as aj
@@ -15,11 +17,22 @@ MODEL = "smollm2-135m"
 # the engine's own threshold (aither_jax/code_maps.py), so that clearing never happens inside
 # a test that counts compilations or warnings. One pytest process compiles hundreds of shapes.
 TEST_HIGH_WATER = 0.4
+# And when the process holds more memory than this: every engine's compiled steps stay cached
+# in the process (jax's caches) after the engine is gone, several GiB over a test file; what is
+# needed again loads from the persistent compilation cache.
+TEST_MAX_RSS_BYTES = 5 << 30
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.fixture(autouse=True)
 def _compiled_code_headroom():
-    CodeMapBudget(high_water=TEST_HIGH_WATER).release_if_over()
+    if not CodeMapBudget(high_water=TEST_HIGH_WATER).release_if_over() and _rss_bytes() > TEST_MAX_RSS_BYTES:
+        jax.clear_caches()
+        gc.collect()
     yield
 
 
