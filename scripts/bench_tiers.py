@@ -8,7 +8,8 @@ Three measurements on the default model (its default dtype and KV format):
   "host": its pages were demoted to the host tier; "disk": they were moved on to the disk
   tier. Median of `--repeats`, after an untimed round that compiles every shape.
 * Multi-turn: `--conversations` conversations, round-robin for `--rounds` rounds; each round's
-  prompt is every earlier round (prompt and answer) plus a new 256-token question, 1 token out
+  prompt is every earlier round (prompt and answer) plus a new question (`--question-tokens`,
+  64; the first round `--first-tokens`, 512, of context before it), 1 token out
   (vLLM's and SGLang's multi-turn method: it isolates prefill). The device pool holds a quarter
   of the conversations' final contexts. Mean TTFT and the share of prompt tokens served by
   each tier, tiers on against off, over rounds 2+ of a pass that follows an untimed pass over
@@ -48,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--first-tokens", type=int, default=512, help="multi-turn: the first round's context")
+    p.add_argument("--question-tokens", type=int, default=64, help="multi-turn: each round's new question")
+    p.add_argument("--parts", nargs="+", choices=("ttft", "multi-turn"), default=["ttft", "multi-turn"])
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_tiers.json")
     p.add_argument("--no-record", action="store_true", help="do not record the figures (scripts/bench_record.py)")
     args = p.parse_args(argv)
@@ -111,7 +115,7 @@ def multi_turn(args, *, tiers: bool, cache_dir: str) -> dict:
     import aither_jax as aj
 
     rng = np.random.default_rng(1)
-    first, question = 256, 256
+    first, question = args.first_tokens, args.question_tokens
     final = first + args.rounds * (question + 1)
     pool = max(final // PAGE + 2, args.conversations * final // PAGE // 4)  # a quarter of the final contexts
     extra = dict(kv_offloading_size=4.0, kv_cache_dir=cache_dir) if tiers else {}
@@ -182,10 +186,12 @@ def decode_rate(llm) -> float:
 def bench(args) -> dict:
     report = {"config": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory() as d:
-        report["ttft"] = ttft_by_tier(args, d + "/ttft")
-        report["multi_turn"] = [multi_turn(args, tiers=t, cache_dir=d + "/turns") for t in (False, True)]
-    for m in report["multi_turn"]:
-        print(json.dumps(m), file=sys.stderr)
+        if "ttft" in args.parts:
+            report["ttft"] = ttft_by_tier(args, d + "/ttft")
+        if "multi-turn" in args.parts:
+            report["multi_turn"] = [multi_turn(args, tiers=t, cache_dir=d + "/turns") for t in (False, True)]
+            for m in report["multi_turn"]:
+                print(json.dumps(m), file=sys.stderr)
     return report
 
 
@@ -213,7 +219,7 @@ def record(report: dict, command: str) -> None:
     run = {"command": command, **bench_record.provenance(report["env"])}
     model = report["config"]["model"]
     entries = []
-    for tier in TIERS:
+    for tier in TIERS if "ttft" in report else ():
         figures = {"TTFT ms by prefix": {str(r["prefix"]): bench_record.rounded(r[tier] * 1e3) for r in report["ttft"]}}
         if tier != "recompute":
             figures["x recompute by prefix"] = {
@@ -221,6 +227,9 @@ def record(report: dict, command: str) -> None:
             }
         config = {"model": model, "measure": "TTFT", "KV from": tier}
         entries.append(bench_record.result("tiers", config, figures, details=report["ttft"], **run))
+    if "multi_turn" not in report:
+        bench_record.record(entries)
+        return
     off, on = report["multi_turn"]
     figures = {
         "mean TTFT ms (tiers off / on)": f"{off['mean_ttft_s'] * 1e3:.0f} / {on['mean_ttft_s'] * 1e3:.0f}",
@@ -232,7 +241,12 @@ def record(report: dict, command: str) -> None:
         "decode tok/s (off / on)": f"{off['decode_tok_s']:.1f} / {on['decode_tok_s']:.1f}",
         "decode on / off": bench_record.rounded(on["decode_tok_s"] / off["decode_tok_s"], 3),
     }
-    config = {"model": model, "measure": f"multi-turn, {report['config']['conversations']} conversations"}
+    c = report["config"]
+    config = {
+        "model": model,
+        "measure": f"multi-turn, {c['conversations']} conversations x {c['rounds']} rounds, "
+        f"{c['first_tokens']} + {c['question_tokens']}-token questions",
+    }
     entries.append(bench_record.result("tiers", config, figures, details=report["multi_turn"], **run))
     bench_record.record(entries)
 
@@ -243,7 +257,8 @@ def main(argv=None) -> int:
     report["env"] = bench_record.environment()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    plot(report, args.out.with_suffix(".png"))
+    if "ttft" in report:
+        plot(report, args.out.with_suffix(".png"))
     if not args.no_record:
         record(report, "python " + " ".join(shlex.quote(a) for a in ["scripts/bench_tiers.py", *sys.argv[1:]]))
     return 0

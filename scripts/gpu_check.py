@@ -120,7 +120,9 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
     ),
     "model-tests": (
         [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/aither_jax/core/test_engine.py"]
-        + ["tests/aither_jax/test_quantized_cache.py", "tests/aither_jax/speculative/test_speculative_engine.py"],
+        + ["tests/aither_jax/test_quantized_cache.py", "tests/aither_jax/speculative/test_speculative_engine.py"]
+        + ["tests/aither_jax/speculative/test_speculative_rollback.py"]
+        + ["tests/aither_jax/speculative/test_speculative_sampling.py"],
         540,
         "model",
     ),
