@@ -24,13 +24,13 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000 --compile-first-requests
 
-# Three pytest processes: the model-heavy groups each load many engines, and one process for
-# the whole suite held more memory than a 24 GiB machine has beside the test servers (two
-# worker processes side by side, pytest-xdist, ran out of it the same way).
+# Two pytest-xdist workers take the test files between them (one file stays on one worker, so
+# its module fixtures are built once); each worker drops its compiled steps between tests once
+# it holds more than 5 GiB (tests/conftest.py), which keeps the two within a 24 GiB machine.
+# The server tests run after them, on their own: each starts servers in processes of their own.
 test: install
-	$(PY) -m pytest -q --ignore=tests/serving --ignore=tests/aither_jax/speculative
+	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/serving
 	$(PY) -m pytest -q tests/serving
-	$(PY) -m pytest -q tests/aither_jax/speculative
 
 # The inner loop: tests that load no model weights beyond a tokenizer, on one process.
 FAST_TESTS := tests/test_imports.py tests/aither_jax/kv tests/aither_jax/context tests/aither_jax/device \
