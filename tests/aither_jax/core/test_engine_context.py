@@ -51,3 +51,13 @@ def test_pages_carry_their_sections_tags_and_the_stable_prefix_is_pinned_once_se
     llm.generate(changed, GREEDY)
     assert changed.unpin_ids == second.ids[: second.num_pinned]
     assert cache.num_pinned == changed.num_pinned // 16  # the old prefix's pins were released
+
+
+def test_the_automatic_pin_stays_within_the_pools_cap():
+    llm = aj.LLM("smollm2-135m", **{**SETTINGS, "num_pages": 21}, max_pinned_fraction=0.1)  # 2 pinnable pages
+    cache = llm.engine.scheduler.prefix_cache
+    ctx = llm.context()
+    for question in ("When is high tide?", "And low tide?", "And tomorrow?"):
+        prompt = ctx.assemble(sections(question))
+        llm.generate(prompt, GREEDY)
+    assert prompt.num_pinned > 2 * 16 and cache.num_pinned == cache.max_pinned_pages == 2
