@@ -24,13 +24,13 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(PY) -m aither_jax.serve --model smollm2-135m --host 127.0.0.1 --port 8000 --compile-first-requests
 
-# Two pytest-xdist workers take the test files between them (one file stays on one worker, so
-# its module fixtures are built once); each worker drops its compiled steps between tests once
-# it holds more than 5 GiB (tests/conftest.py), which keeps the two within a 24 GiB machine.
-# The server tests run after them, on their own: each starts servers in processes of their own.
+# Three pytest processes, one after another: the model-heavy groups each build many engines.
+# Two pytest-xdist workers side by side were no faster on 2 cores (XLA compiles and runs each
+# step on both already) and held up to 18.6 of 24 GiB (docs/benchmarks/log.jsonl, "Test suite").
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --ignore=tests/serving
+	$(PY) -m pytest -q --ignore=tests/serving --ignore=tests/aither_jax/speculative
 	$(PY) -m pytest -q tests/serving
+	$(PY) -m pytest -q tests/aither_jax/speculative
 
 # The inner loop: tests that load no model weights beyond a tokenizer, on one process.
 FAST_TESTS := tests/test_imports.py tests/aither_jax/kv tests/aither_jax/context tests/aither_jax/device \
