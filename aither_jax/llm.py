@@ -264,9 +264,11 @@ class LLM:
         seqs = []
         try:
             for p, params in zip(prompts, sampling_params, strict=True):
-                if p.unpin_ids and self.engine.scheduler.prefix_cache is not None:
-                    self.engine.unpin(p.unpin_ids)  # a context's previous stable prefix
-                seqs.append(self.engine.add_request(p.ids, params, pin_tokens=p.num_pinned, sections=p.sections))
+                seqs.append(
+                    self.engine.add_request(
+                        p.ids, params, pin_tokens=p.num_pinned, sections=p.sections, unpin_ids=p.unpin_ids
+                    )
+                )
             show = self.progress if use_tqdm is None else use_tqdm
             with tqdm(total=len(seqs), desc="generating", unit="req", disable=not show) as bar:
                 while self.engine.has_unfinished():

@@ -200,12 +200,13 @@ class _Job:
     """One choice of a request: a prompt sampled once."""
 
     index: int
-    prompt_ids: list[int]
+    prompt: Prompt
     params: SamplingParams
-    pin_tokens: int
-    sections: tuple = ()  # the context pipeline's section spans
-    unpin_ids: list[int] = dataclasses.field(default_factory=list)  # a replaced stable prefix's pin
-    report: object | None = None  # the context pipeline's report, when asked for
+    takes_pin: bool  # only the first choice of a prompt pins (and unpins) what the prompt names
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
 
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
@@ -324,13 +325,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                         ignore_eos=body.ignore_eos,
                     )
                     params.validate(tokenizer.vocab_size)
-                    first = j == 0  # only the first choice of a prompt takes its pin
-                    jobs.append(
-                        _Job(
-                            i * body.n + j, prompt_ids, params, prompt.num_pinned if first else 0,
-                            prompt.sections, prompt.unpin_ids if first else [], prompt.report,
-                        )
-                    )  # fmt: skip
+                    jobs.append(_Job(i * body.n + j, prompt, params, takes_pin=j == 0))
             except ValueError as e:
                 raise HTTPError(400, str(e)) from None
         return jobs
@@ -350,12 +345,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         budget = options.budget or max(1, config.max_model_len - (max_tokens or DEFAULT_ANSWER_TOKENS))
         key = (salt, body.prompt_cache_key or "")
         ctx = contexts.get(key)
-        if ctx is None or (ctx.context_budget, ctx.prefill_budget) != (budget, options.prefill_budget):
-            ctx = Context(tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
-            previous = contexts.get(key)
-            if previous is not None:  # budgets changed: the stable prefixes seen still count
-                ctx.adopt(previous)
-        contexts[key] = ctx
+        if ctx is None:
+            ctx = contexts[key] = Context(tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
+        else:  # the stable prefixes seen still count under this request's budgets
+            ctx.context_budget, ctx.prefill_budget = budget, options.prefill_budget
         contexts.move_to_end(key)
         while len(contexts) > MAX_CONTEXTS:
             contexts.popitem(last=False)
@@ -426,7 +419,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
             choices.append(choice)
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
         seqs = [results[j.index][-1].seq for j in jobs] if speculative else None
-        block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs, jobs[0].report)
+        block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs, jobs[0].prompt.report)
         return protocol.envelope(rid, kind, config.model_name, choices, block)
 
     async def _sse(rid, kind, jobs, updates, body, num_logprobs, chat, include_usage) -> AsyncIterator[str]:
@@ -509,10 +502,10 @@ async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprob
                 job.params,
                 salt=salt,
                 reservation=reservation,
-                pin_tokens=job.pin_tokens,
+                pin_tokens=job.prompt.num_pinned if job.takes_pin else 0,
                 num_logprobs=num_logprobs,
-                sections=job.sections,
-                unpin_ids=job.unpin_ids,
+                sections=job.prompt.sections,
+                unpin_ids=job.prompt.unpin_ids if job.takes_pin else None,
             )
             async with contextlib.aclosing(gen) as it:
                 async for update in it:

@@ -141,11 +141,10 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                if unpin_ids and self.engine.scheduler.prefix_cache is not None:
-                    self.engine.unpin(unpin_ids, salt)  # a context's replaced stable prefix
                 seq = self.engine.add_request(
-                    prompt_ids, params, salt=salt, pin_tokens=pin_tokens, num_logprobs=num_logprobs, sections=sections
-                )
+                    prompt_ids, params, salt=salt, pin_tokens=pin_tokens, num_logprobs=num_logprobs,
+                    sections=sections, unpin_ids=unpin_ids,
+                )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
                 return

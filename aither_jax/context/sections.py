@@ -176,11 +176,6 @@ class Context:
         self._seen: set[str] = set()
         self.pinned: tuple[str, list[int]] | None = None  # (hash, ids) of the pinned stable prefix
 
-    def adopt(self, other: Context) -> None:
-        """Takes over `other`'s record of stable prefixes seen and pinned (same tokenizer)."""
-        self._seen |= other._seen
-        self.pinned = other.pinned
-
     # -- rendering ----------------------------------------------------------------------------
 
     def _ids(self, messages: list[dict], *, generation: bool) -> list[int]:

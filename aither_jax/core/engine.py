@@ -176,7 +176,8 @@ class Engine:
     def persist(self) -> int:
         """Writes every cached page (device and host) to the disk tier, before a clean exit;
         returns how many."""
-        return self.scheduler.prefix_cache.persist() if self.tiers else 0
+        cache = self.scheduler.prefix_cache
+        return cache.persist() if cache is not None else 0
 
     @property
     def draft_length(self):
@@ -216,6 +217,7 @@ class Engine:
         pin_tokens: int = 0,
         num_logprobs: int | None = None,
         sections: tuple = (),
+        unpin_ids: list[int] | None = None,
     ) -> Sequence:
         """Queues a tokenized prompt. Raises ValueError if it can never fit.
 
@@ -224,6 +226,8 @@ class Engine:
             pin_tokens: pin the cached pages of this many leading prompt tokens once computed.
             sections: `SectionSpan`s of the prompt (context/sections.py): the KV pages their
                 tokens fill take their tag and importance.
+            unpin_ids: a stable prefix this prompt's pin replaces: its pin is dropped first
+                (`unpin`; nothing without prefix caching).
             num_logprobs: None for no log-probabilities, else how many top alternatives to
                 record beside each sampled token's.
         """
@@ -257,6 +261,8 @@ class Engine:
             num_logprobs=num_logprobs,
             sections=tuple(sections),
         )
+        if unpin_ids and self.scheduler.prefix_cache is not None:
+            self.unpin(unpin_ids, salt)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq

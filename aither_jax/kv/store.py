@@ -36,7 +36,7 @@ class PageStore:
         """Copies (source page, destination page) pairs in every pool, in one padded call each."""
         if not copies:
             return
-        n = bucket(len(copies), 4, max(4, self.num_usable_pages + 1))
+        n = self.padded_size(len(copies))
         self.shapes.note("copy", warmed=False, pages=n)
         src = np.zeros(n, np.int32)  # padding copies the null page onto itself
         dst = np.zeros(n, np.int32)
@@ -81,7 +81,7 @@ class PageStore:
         return h.hexdigest()
 
     def padded_size(self, num_pages: int) -> int:
-        """The bucket `read` and `write` pad `num_pages` pages to (one compiled call each)."""
+        """The bucket `copy`, `read` and `write` pad `num_pages` pages to (one compiled call each)."""
         return bucket(num_pages, 4, max(4, self.num_usable_pages + 1))
 
     def _padded(self, pages: list[int]) -> np.ndarray:

@@ -110,6 +110,12 @@ def _secs(x: float | None) -> str:
     return "?" if x is None else f"{x:.4f}"
 
 
+def page_payload(rows: Sequence[np.ndarray], i: int) -> bytes:
+    """Page `i`'s bytes from per-leaf rows ([n, ...] each, as `PageStore.read` returns them),
+    every leaf in order: what the disk store keeps."""
+    return b"".join(row[i].tobytes() for row in rows)
+
+
 class HostPool:
     """Pages in host memory: one array per stored leaf, [capacity, *page shape], and a free
     list. (On CPU this is a separate allocation with the device pool's layout.)"""
@@ -139,7 +145,7 @@ class HostPool:
 
     def payload(self, slot: int) -> bytes:
         """One page's bytes, every leaf in order (what the disk store keeps)."""
-        return b"".join(array[slot].tobytes() for array in self.arrays)
+        return page_payload(self.arrays, slot)
 
     def unpack(self, payloads: Sequence[bytes]) -> list[np.ndarray]:
         """`payload`'s inverse for several pages: one [n, ...] array per leaf."""
@@ -218,7 +224,7 @@ class KVTiers:
         self.counters.bytes_to_host += len(todo) * self.page_bytes
         if self.host.capacity == 0:  # no host pool: straight to disk
             for i, (name, parent, _) in enumerate(todo):
-                self.disk.write(name, parent, b"".join(r[i].tobytes() for r in rows))
+                self.disk.write(name, parent, page_payload(rows, i))
             return
         todo, rows = todo[-self.host.capacity :], [r[-self.host.capacity :] for r in rows]
         slots = []
@@ -257,7 +263,7 @@ class KVTiers:
         if device:
             rows = self.store.read([page for _, _, page in device])
             for i, (name, parent, _) in enumerate(device):
-                self.disk.write(name, parent, b"".join(r[i].tobytes() for r in rows))
+                self.disk.write(name, parent, page_payload(rows, i))
         for name, (slot, parent) in self._host.items():
             self.disk.write(name, parent, self.host.payload(slot))
         return len(device) + len(self._host)
@@ -269,39 +275,32 @@ class KVTiers:
         the device); stops at the first whose bytes cannot be read back (a corrupt disk file)
         and returns how many pages were filled."""
         start = time.perf_counter()
-        from_host, payloads = [], []
+        found = []  # per page in chain order: its leaves, [1, ...] each
+        num_host = 0
         for name in names:
             if name in self._host:
                 self._host.move_to_end(name)
-                from_host.append(self._host[name][0])
+                found.append(self.host.read([self._host[name][0]]))
+                num_host += 1
                 continue
             payload = self.disk.read(name) if self.disk is not None else None
             if payload is None:
                 break
-            payloads.append((len(from_host) + len(payloads), payload))
-        n = len(from_host) + len(payloads)
+            found.append(self.host.unpack([payload]))
+        n = len(found)
         if n == 0:
             return 0
-        # Host and disk pages interleave along a chain: assemble the rows in chain order.
-        rows = [np.empty((n, *shape), dtype) for shape, dtype in self.host.layout]
-        on_disk = {i for i, _ in payloads}
-        host_index = [i for i in range(n) if i not in on_disk]
-        if from_host:
-            for row, part in zip(rows, self.host.read(from_host), strict=True):
-                row[host_index] = part
-        if payloads:
-            for row, part in zip(rows, self.host.unpack([p for _, p in payloads]), strict=True):
-                row[sorted(on_disk)] = part
+        rows = [np.concatenate(leaf) for leaf in zip(*found, strict=True)]
         self.store.write(list(pages[:n]), rows)
         jax.block_until_ready(self.store.cache.k)  # the time below is the whole reload
         seconds = time.perf_counter() - start
-        self.counters.num_host_hits += len(from_host)
-        self.counters.num_disk_hits += len(payloads)
+        self.counters.num_host_hits += num_host
+        self.counters.num_disk_hits += n - num_host
         self.counters.bytes_to_device += n * self.page_bytes
         self.counters.promote_seconds += seconds
         size = self.store.padded_size(n)
         if size in self._timed_sizes:  # a first call of a size compiles: not a transfer speed
-            self.cost.observe_reload(len(from_host) * self.page_bytes, len(payloads) * self.page_bytes, seconds)
+            self.cost.observe_reload(num_host * self.page_bytes, (n - num_host) * self.page_bytes, seconds)
         self._timed_sizes.add(size)
         return n
 
@@ -323,10 +322,9 @@ class TierConfig:
     high_watermark: float = 0.8
 
     def __post_init__(self):
-        if isinstance(self.high_watermark, bool) or not isinstance(self.high_watermark, int | float):
-            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark!r}")
-        if not 0 < self.high_watermark <= 1:
-            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark!r}")
+        w = self.high_watermark
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 < w <= 1:
+            raise ValueError(f"high_watermark must be in (0, 1], got {w!r}")
         for name in ("host_gib", "disk_gib"):
             value = getattr(self, name)
             if value is None and name == "disk_gib":

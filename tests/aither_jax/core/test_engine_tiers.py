@@ -9,20 +9,12 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from tests.conftest import TINY
+from tests.conftest import F32, TINY
 
 MODEL = "smollm2-135m"
-SETTINGS = dict(
-    dtype="float32",
-    kv_cache_dtype="fp32",
-    max_model_len=256,
-    max_num_seqs=2,
-    page_size=16,
-    max_prefill_chunk=64,
-    progress=False,
-    enable_prefix_caching=True,
-    _cache_fill_value=float("nan"),
-    **TINY,
+# conftest's float32 settings (unused pages NaN) on the stand-in, two slots, no fixed pool size.
+SETTINGS = {k: v for k, v in F32.items() if k != "num_pages"} | dict(
+    max_model_len=256, max_num_seqs=2, page_size=16, enable_prefix_caching=True, **TINY
 )
 # Each conversation's rounds outgrow a 12-page pool together: a round's earlier rounds were
 # evicted by the other conversations' rounds in between.
