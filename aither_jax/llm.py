@@ -105,6 +105,9 @@ class LLM:
             prefix caching (enable_prefix_caching True or None).
         kv_high_watermark: with the tiers, idle cached pages beyond this share of the device
             pool are demoted between steps, ahead of need.
+        kv_low_watermark: with the tiers, while less than this share of the device pool is in
+            use, the pages of requests waiting for a slot are promoted from host or disk ahead
+            of their admission (default 0.5, or kv_high_watermark if lower; 0 turns it off).
         attention: "auto" (Pallas kernels on GPU, their rotated-domain algorithm in jnp on
             CPU), "pallas", "xla" or "reference"; the reference decodes quantized pages into a
             buffer.
@@ -145,6 +148,7 @@ class LLM:
         kv_cache_dir: str | os.PathLike | None = None,
         kv_disk_size: float | None = None,
         kv_high_watermark: float = 0.8,
+        kv_low_watermark: float | None = None,
         attention: str = "auto",
         seed: int = 0,
         speculative: str | dict | None = None,
@@ -177,6 +181,7 @@ class LLM:
             disk_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
             disk_gib=kv_disk_size,
             high_watermark=kv_high_watermark,
+            low_watermark=kv_low_watermark,
         )
         if tiers.enabled and enable_prefix_caching is False:
             raise ValueError("kv_offloading_size and kv_cache_dir need prefix caching: enable_prefix_caching=True")

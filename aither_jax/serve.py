@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with the tiers, idle cached pages beyond this share of the device pool are demoted between steps, "
         "ahead of need (default 0.8)",
     )
+    p.add_argument(
+        "--kv-low-watermark",
+        type=float_in("--kv-low-watermark", 0.0, 1.0),
+        default=None,
+        help="with the tiers, while less than this share of the device pool is in use, the pages of requests "
+        "waiting for a slot are promoted from host or disk ahead of their admission (default 0.5, or the high "
+        "watermark if lower; 0: off)",
+    )
     p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
     p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)
@@ -238,6 +246,7 @@ def build_server(args: argparse.Namespace):
             kv_cache_dir=args.kv_cache_dir,
             kv_disk_size=args.kv_disk_size,
             kv_high_watermark=args.kv_high_watermark,
+            kv_low_watermark=args.kv_low_watermark,
             progress=True,
         )
         if args.chat_template is not None:

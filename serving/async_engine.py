@@ -379,7 +379,7 @@ class AsyncEngine:
 
     def _tier_metrics(self, tiers) -> None:
         """Per-tier pages, hits and moves of the host and disk tiers (kv/tiers.py)."""
-        m, c = self.metrics, tiers.counters
+        m, c, cost = self.metrics, tiers.counters, tiers.cost
         disk = tiers.disk.counters if tiers.disk is not None else None
         m.gauge("aither:kv_host_pages", "KV pages held in the host tier.", lambda: tiers.num_host_pages)
         m.gauge("aither:kv_host_pages_capacity", "KV pages the host tier can hold.", lambda: tiers.host.capacity)
@@ -402,6 +402,16 @@ class AsyncEngine:
             "aither:kv_tier_moved_bytes_total",
             "KV bytes moved between the device and the tiers below it, by direction.",
             lambda: [({"direction": "from_device"}, c.bytes_to_host), ({"direction": "to_device"}, c.bytes_to_device)],
+        )
+        m.counter(
+            "aither:kv_prefetched_pages_total",
+            "KV pages promoted for requests still waiting for a slot (below the low watermark).",
+            lambda: c.num_prefetched,
+        )
+        m.counter_series(
+            "aither:kv_reload_decisions_total",
+            "Requests with KV pages below the device, by the cost model's choice: reload them or recompute.",
+            lambda: [({"choice": "reload"}, cost.num_reload), ({"choice": "recompute"}, cost.num_recompute)],
         )
         m.counter("aither:kv_promote_seconds_total", "Seconds spent promoting pages.", lambda: c.promote_seconds)
         m.counter(

@@ -311,7 +311,8 @@ class Engine:
                 self.tiers.cost.observe_prefill(sum(len(t) for _, t in plan.prefill), time.perf_counter() - start)
         self.num_steps += 1
         finished = self.scheduler.finish()
-        self.scheduler.relieve_pressure()
+        self.scheduler.relieve_pressure()  # the tiers' watermarks: demote ahead of need ...
+        self.scheduler.prefetch()  # ... and promote what waiting requests will need
         return finished
 
     def _decode(self, rows: Rows) -> None:

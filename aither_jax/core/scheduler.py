@@ -162,7 +162,8 @@ class Scheduler:
         while self.waiting and self._free_slots:
             seq = self.waiting.popleft()
             cached, lower, names, partial = self._lookup(seq)
-            if lower and not self.prefix_cache.tiers.should_reload(lower, len(lower) * self.page_size):
+            found = lower  # held below the device
+            if lower and not self.prefix_cache.tiers.should_reload(lower, len(lower) * self.page_size, count=False):
                 lower, partial = [], None  # recomputing them is faster (kv/tiers.py, ReloadCost)
             hit = len(cached) + len(lower)
             if names and hit < len(names) and names[hit] in self._computing:
@@ -177,6 +178,8 @@ class Scheduler:
                 self.waiting.appendleft(seq)
                 break
             budget -= need
+            if found:  # the cost model's decision is counted (and logged) once, at admission
+                self.prefix_cache.tiers.should_reload(found, len(found) * self.page_size)
             if self.prefix_cache is not None:
                 self.allocator.share(cached)
                 if partial:
@@ -342,6 +345,36 @@ class Scheduler:
             return 0
         over = self.allocator.num_used - int(tiers.high_watermark * self.num_usable_pages)
         return self.prefix_cache.evict(over) if over > 0 else 0
+
+    def prefetch(self, depth: int = 4) -> int:
+        """Between steps, for the first `depth` requests waiting for a slot: starts reading their
+        prompts' disk pages in the background and, while device use is below the tiers' low
+        watermark, promotes their lower-tier pages into idle cached device pages, so that their
+        admission finds them on the device. Returns the pages promoted."""
+        tiers = self.prefix_cache.tiers if self.prefix_cache is not None else None
+        if tiers is None or not self.waiting:
+            return 0
+        room = int(tiers.low_watermark * self.num_usable_pages) - self.allocator.num_used
+        done = 0
+        for seq in list(self.waiting)[:depth]:
+            names = hash_chain(seq.salt, seq.token_slice(0, seq.num_tokens - 1), self.page_size)
+            on_device = 0
+            while on_device < len(names) and self.prefix_cache.contains(names[on_device]):
+                on_device += 1
+            lower = self.prefix_cache.match_lower(names[on_device:])
+            if not lower:
+                continue
+            tiers.stage(lower)
+            run = lower[: max(room, 0)]
+            if not run or not tiers.should_reload(run, len(run) * self.page_size, count=False):
+                continue
+            pages = self._allocate(len(run))
+            n = self.prefix_cache.promote(run, pages, names[on_device - 1] if on_device else None)
+            self.allocator.free(pages)  # the cache's own reference keeps the filled pages
+            tiers.counters.num_prefetched += n
+            room -= n
+            done += n
+        return done
 
     def _tag_pages(self, seq: Sequence, start: int, stop: int) -> None:
         """Block records of the pages holding tokens [start, stop): the tag and importance of

@@ -14,6 +14,12 @@ the files whose header matches; one written under another configuration, torn (s
 unreadable is skipped and counted, never loaded. A payload whose checksum fails when read is
 deleted and counted as corrupt, and the lookup is a miss: the page is recomputed.
 
+With `background=True` files are written and read on one I/O thread, off the caller's path:
+a write is in the index (and readable, from memory) at once and reaches its file later; `stage`
+starts reading pages expected soon; `sync` waits until every write is on disk. A file is only
+renamed into place while its page is still indexed, so a page dropped before its write landed
+leaves nothing behind.
+
 This module needs only numpy and the standard library, so a separate writer process can use it
 without loading JAX.
 """
@@ -21,6 +27,7 @@ without loading JAX.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -29,6 +36,7 @@ import os
 import pathlib
 import struct
 import tempfile
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,7 @@ class DiskCounters:
     num_torn: int = 0  # temporary files at open: writes cut off before their rename
     num_skipped: int = 0  # files at open that were unreadable, short or of another configuration
     num_corrupt: int = 0  # payloads whose checksum failed when read
+    num_failed: int = 0  # background writes that failed (a full disk): the page was dropped
     bytes_written: int = 0
     bytes_read: int = 0
 
@@ -61,7 +70,11 @@ class DiskStore:
     dropped first). `fingerprint` names the configuration the bytes belong to; `page_bytes` is
     every page's payload length."""
 
-    def __init__(self, directory: str | os.PathLike, *, fingerprint: str, page_bytes: int, capacity: int):
+    MAX_STAGED = 256  # reads started ahead and not yet taken
+
+    def __init__(
+        self, directory: str | os.PathLike, *, fingerprint: str, page_bytes: int, capacity: int, background=False
+    ):
         if capacity < 1:
             raise DiskStoreError(f"the disk tier must hold at least one page ({page_bytes} bytes), got {capacity}")
         self.root = pathlib.Path(directory)
@@ -78,6 +91,10 @@ class DiskStore:
         self.counters = DiskCounters()
         # name -> parent name (None for a chain's first page), least recently used first.
         self._index: collections.OrderedDict[bytes, bytes | None] = collections.OrderedDict()
+        self._lock = threading.RLock()  # the index and `_pending`, shared with the I/O thread
+        self._pending: dict[bytes, bytes] = {}  # name -> payload whose write has not landed yet
+        self._staged: collections.OrderedDict[bytes, concurrent.futures.Future] = collections.OrderedDict()
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if background else None
         self._open()
 
     # -- index --------------------------------------------------------------------------------
@@ -142,13 +159,28 @@ class DiskStore:
     # -- pages --------------------------------------------------------------------------------
 
     def write(self, name: bytes, parent: bytes | None, payload: bytes | memoryview) -> None:
-        """Stores a page atomically (it is the most recently used afterwards)."""
+        """Stores a page atomically (it is the most recently used afterwards); in the
+        background with `background=True`."""
         if len(payload) != self.page_bytes:
             raise ValueError(f"a page payload is {self.page_bytes} bytes, got {len(payload)}")
-        if name in self._index:
-            self._index.move_to_end(name)
-            return
-        self._fit(self.capacity - 1)
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+                return
+            self._fit(self.capacity - 1)
+            self._index[name] = parent
+            self.counters.num_written += 1
+            self.counters.bytes_written += len(payload)
+            if self._io is None:
+                self._write_file(name, parent, payload)
+                return
+            payload = bytes(payload)
+            self._pending[name] = payload
+        self._io.submit(self._write_file, name, parent, payload)
+
+    def _write_file(self, name: bytes, parent: bytes | None, payload: bytes) -> None:
+        """Writes a temporary file, fsyncs it, and renames it into place if the page is still
+        indexed (and, in the background, this write is still the page's latest)."""
         header = json.dumps(
             {
                 "fingerprint": self.fingerprint,
@@ -158,27 +190,65 @@ class DiskStore:
                 "sha256": hashlib.sha256(payload).hexdigest(),
             }
         ).encode()
-        fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=self.dir)
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=self.dir)
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + _LEN.pack(len(header)) + header)
                 f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self._path(name))
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
-        self._index[name] = parent
-        self.counters.num_written += 1
-        self.counters.bytes_written += len(payload)
+            with self._lock:
+                current = self._io is None or self._pending.get(name) is payload
+                if current and name in self._index:
+                    os.replace(tmp, self._path(name))
+                    tmp = None
+                if current:
+                    self._pending.pop(name, None)
+        except OSError as e:
+            if self._io is None:
+                with self._lock:
+                    self._index.pop(name, None)
+                raise
+            log.warning("KV disk tier: writing %s failed (%s); the page is dropped", name.hex(), e)
+            with self._lock:
+                if self._pending.get(name) is payload:
+                    self._pending.pop(name)
+                    self._index.pop(name, None)
+                self.counters.num_failed += 1
+        finally:
+            if tmp is not None:
+                pathlib.Path(tmp).unlink(missing_ok=True)
 
-    def read(self, name: bytes) -> bytes | None:
-        """A page's payload, or None when its file is gone or fails its checksum (it is then
-        dropped and counted as corrupt)."""
-        if name not in self._index:
-            return None
-        path = self._path(name)
+    def sync(self) -> None:
+        """Returns once every write made so far is on disk."""
+        if self._io is not None:
+            self._io.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finishes the pending writes and stops the I/O thread."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+
+    def stage(self, names) -> int:
+        """Starts reading these indexed pages on the I/O thread (background stores only), so a
+        `read` soon after finds them in memory; returns how many reads were started."""
+        if self._io is None:
+            return 0
+        started = 0
+        with self._lock:
+            for name in names:
+                if name in self._staged or name in self._pending or name not in self._index:
+                    continue
+                self._staged[name] = self._io.submit(self._load, self._path(name))
+                started += 1
+            while len(self._staged) > self.MAX_STAGED:
+                self._staged.popitem(last=False)[1].cancel()
+        return started
+
+    def _load(self, path: pathlib.Path) -> bytes | None:
+        """The payload of a page file if it passes its checksum, else None."""
         try:
             with open(path, "rb") as f:
                 f.seek(len(MAGIC))
@@ -186,20 +256,42 @@ class DiskStore:
                 header = json.loads(f.read(n))
                 payload = f.read()
         except (OSError, ValueError, struct.error):
-            header, payload = None, b""
-        if header is None or len(payload) != self.page_bytes or hashlib.sha256(payload).hexdigest() != header["sha256"]:
-            self.counters.num_corrupt += 1
-            log.warning("KV disk tier: %s failed its checksum; dropped (the page will be recomputed)", path.name)
-            self.drop(name)
             return None
-        self._index.move_to_end(name)
-        self.counters.num_read += 1
-        self.counters.bytes_read += len(payload)
+        if len(payload) != self.page_bytes or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            return None
+        return payload
+
+    def read(self, name: bytes) -> bytes | None:
+        """A page's payload, or None when its file is gone or fails its checksum (it is then
+        dropped and counted as corrupt)."""
+        with self._lock:
+            if name not in self._index:
+                self._staged.pop(name, None)
+                return None
+            payload = self._pending.get(name)
+            staged = self._staged.pop(name, None)
+        if payload is None:
+            payload = staged.result() if staged is not None and not staged.cancelled() else None
+            if payload is None:
+                payload = self._load(self._path(name))
+        with self._lock:
+            if payload is None:
+                self.counters.num_corrupt += 1
+                log.warning("KV disk tier: %s failed its checksum; dropped (the page will be recomputed)", name.hex())
+                self.drop(name)
+                return None
+            if name in self._index:
+                self._index.move_to_end(name)
+            self.counters.num_read += 1
+            self.counters.bytes_read += len(payload)
         return payload
 
     def drop(self, name: bytes) -> None:
-        self._index.pop(name, None)
-        self._path(name).unlink(missing_ok=True)
+        with self._lock:
+            self._index.pop(name, None)
+            self._pending.pop(name, None)
+            self._staged.pop(name, None)
+            self._path(name).unlink(missing_ok=True)
 
     def _fit(self, limit: int) -> None:
         """Drops the least recently used pages until at most `limit` remain."""

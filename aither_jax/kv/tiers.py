@@ -12,7 +12,11 @@ Pages keep their chain names (already salted per tenant), so a tier never serves
 page to another. The host keeps its copy of a promoted page (its bytes never change), so
 demoting it again costs nothing. Moves are made while the scheduler plans a step, before the
 step runs, in batches (one device read for all the pages one eviction demotes, one write for
-all the pages one admission promotes).
+all the pages one admission promotes). Disk files are written and read on the disk store's I/O
+thread: a spill costs the engine thread a copy into memory, and the pages of requests still
+waiting for a slot are read ahead (`stage`) so that promoting them finds their bytes in memory.
+A promotion is dispatched without waiting for the device to finish the write; one in
+`TIME_EVERY` is waited for and timed, to keep the reload-or-recompute cost model measured.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ class TierCounters:
     num_host_dropped: int = 0  # left the host with nowhere to go
     num_host_hits: int = 0  # pages promoted from host
     num_disk_hits: int = 0  # pages promoted from disk
+    num_prefetched: int = 0  # pages promoted for requests still waiting (below the low watermark)
     bytes_to_host: int = 0
     bytes_to_device: int = 0
-    promote_seconds: float = 0.0  # time spent promoting, over all promotions
+    promote_seconds: float = 0.0  # engine-thread time spent promoting, over all promotions
 
 
 class ReloadCost:
@@ -91,10 +96,13 @@ class ReloadCost:
         recompute = None if self.prefill_tokens_per_s is None else num_tokens / self.prefill_tokens_per_s
         return reload, recompute
 
-    def reload(self, host_bytes: int, disk_bytes: int, num_tokens: int) -> bool:
-        """Decides (and counts) whether to reload these bytes rather than recompute the tokens."""
+    def reload(self, host_bytes: int, disk_bytes: int, num_tokens: int, *, count=True) -> bool:
+        """Decides whether to reload these bytes rather than recompute the tokens (`count`:
+        counts the decision, for a request it is admitted with)."""
         reload_s, recompute_s = self.estimate(host_bytes, disk_bytes, num_tokens)
         choice = reload_s is None or recompute_s is None or reload_s <= recompute_s
+        if not count:
+            return choice
         if choice:
             self.num_reload += 1
         else:
@@ -166,7 +174,17 @@ class KVTiers:
     fresh device pages from below (`promote`).
     """
 
-    def __init__(self, store: PageStore, *, host_pages: int, disk: DiskStore | None = None, high_watermark=1.0):
+    TIME_EVERY = 8  # promotions between two timed ones (the first of each size only compiles)
+
+    def __init__(
+        self,
+        store: PageStore,
+        *,
+        host_pages: int,
+        disk: DiskStore | None = None,
+        high_watermark=1.0,
+        low_watermark=0.0,
+    ):
         if host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {host_pages}")
         if host_pages == 0 and disk is None:
@@ -176,16 +194,25 @@ class KVTiers:
         self.disk = disk
         self.page_bytes = store.page_bytes
         self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
         # name -> (host slot, parent name), least recently used first.
         self._host: collections.OrderedDict[bytes, tuple[int, bytes | None]] = collections.OrderedDict()
         self.counters = TierCounters()
         self.cost = ReloadCost()
-        self._timed_sizes: set[int] = set()  # padded promotion sizes already compiled
+        self._sizes: set[int] = set()  # padded promotion sizes already compiled
+        self._num_promotions = 0
 
-    def should_reload(self, names: Sequence[bytes], num_tokens: int) -> bool:
+    def should_reload(self, names: Sequence[bytes], num_tokens: int, *, count=True) -> bool:
         """The cost model's choice for a run of lower-tier pages holding `num_tokens` tokens."""
         on_host = sum(1 for n in names if n in self._host)
-        return self.cost.reload(on_host * self.page_bytes, (len(names) - on_host) * self.page_bytes, num_tokens)
+        host, disk = on_host * self.page_bytes, (len(names) - on_host) * self.page_bytes
+        return self.cost.reload(host, disk, num_tokens, count=count)
+
+    def stage(self, names: Sequence[bytes]) -> int:
+        """Starts reading the disk-only pages among `names` in the background."""
+        if self.disk is None:
+            return 0
+        return self.disk.stage([n for n in names if n not in self._host])
 
     @property
     def num_host_pages(self) -> int:
@@ -226,7 +253,15 @@ class KVTiers:
             for i, (name, parent, _) in enumerate(todo):
                 self.disk.write(name, parent, page_payload(rows, i))
             return
-        todo, rows = todo[-self.host.capacity :], [r[-self.host.capacity :] for r in rows]
+        # More pages than the host holds: the first ones (least recently used) go on down.
+        over = max(len(todo) - self.host.capacity, 0)
+        for i, (name, parent, _) in enumerate(todo[:over]):
+            if self.disk is not None:
+                self.disk.write(name, parent, page_payload(rows, i))
+                self.counters.num_spilled += 1
+            else:
+                self.counters.num_host_dropped += 1
+        todo, rows = todo[over:], [r[over:] for r in rows]
         slots = []
         for name, parent, _ in todo:
             if not self.host.num_free:
@@ -266,6 +301,7 @@ class KVTiers:
                 self.disk.write(name, parent, page_payload(rows, i))
         for name, (slot, parent) in self._host.items():
             self.disk.write(name, parent, self.host.payload(slot))
+        self.disk.sync()
         return len(device) + len(self._host)
 
     # -- up -----------------------------------------------------------------------------------
@@ -292,21 +328,31 @@ class KVTiers:
             return 0
         rows = [np.concatenate(leaf) for leaf in zip(*found, strict=True)]
         self.store.write(list(pages[:n]), rows)
-        jax.block_until_ready(self.store.cache.k)  # the time below is the whole reload
+        size = self.store.padded_size(n)
+        # A first call of a size compiles (not a transfer speed); other calls are timed, to the
+        # end of the device write, while nothing is measured and then one in TIME_EVERY.
+        timed = size in self._sizes and (
+            self._num_promotions % self.TIME_EVERY == 0
+            or (num_host and self.cost.host_bytes_per_s is None)
+            or (num_host < n and self.cost.disk_bytes_per_s is None)
+        )
+        self._sizes.add(size)
+        self._num_promotions += 1
+        if timed:
+            jax.block_until_ready(self.store.cache.k)
         seconds = time.perf_counter() - start
+        if timed:
+            self.cost.observe_reload(num_host * self.page_bytes, (n - num_host) * self.page_bytes, seconds)
         self.counters.num_host_hits += num_host
         self.counters.num_disk_hits += n - num_host
         self.counters.bytes_to_device += n * self.page_bytes
         self.counters.promote_seconds += seconds
-        size = self.store.padded_size(n)
-        if size in self._timed_sizes:  # a first call of a size compiles: not a transfer speed
-            self.cost.observe_reload(num_host * self.page_bytes, (n - num_host) * self.page_bytes, seconds)
-        self._timed_sizes.add(size)
         return n
 
 
 GIB = 1 << 30
 DEFAULT_DISK_GIB = 4.0
+DEFAULT_LOW_WATERMARK = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,11 +366,23 @@ class TierConfig:
     # Between steps, idle cached pages beyond this share of the device pool are demoted ahead
     # of need, so that admitting a request rarely waits on a device -> host copy.
     high_watermark: float = 0.8
+    # Between steps, while less than this share is in use, the lower-tier pages of requests
+    # waiting for a slot are promoted ahead, so that their admission needs no copy. None:
+    # DEFAULT_LOW_WATERMARK, or the high watermark if that is lower.
+    low_watermark: float | None = None
 
     def __post_init__(self):
-        w = self.high_watermark
-        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 < w <= 1:
-            raise ValueError(f"high_watermark must be in (0, 1], got {w!r}")
+        if self.low_watermark is None:
+            high = self.high_watermark if isinstance(self.high_watermark, int | float) else 1.0
+            object.__setattr__(self, "low_watermark", min(DEFAULT_LOW_WATERMARK, high))
+        for name, lowest in (("high_watermark", "(0"), ("low_watermark", "[0")):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= 1 or (w == 0 and lowest == "(0"):
+                raise ValueError(f"{name} must be in {lowest}, 1], got {w!r}")
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must not exceed high_watermark ({self.high_watermark})"
+            )
         for name in ("host_gib", "disk_gib"):
             value = getattr(self, name)
             if value is None and name == "disk_gib":
@@ -352,6 +410,16 @@ class TierConfig:
             if disk_pages < 1:
                 raise ValueError(f"kv_disk_size {gib} GiB holds less than one KV page ({page_bytes} bytes)")
             disk = DiskStore(
-                self.disk_dir, fingerprint=store.fingerprint(model_id), page_bytes=page_bytes, capacity=disk_pages
+                self.disk_dir,
+                fingerprint=store.fingerprint(model_id),
+                page_bytes=page_bytes,
+                capacity=disk_pages,
+                background=True,
             )
-        return KVTiers(store, host_pages=host_pages, disk=disk, high_watermark=self.high_watermark)
+        return KVTiers(
+            store,
+            host_pages=host_pages,
+            disk=disk,
+            high_watermark=self.high_watermark,
+            low_watermark=self.low_watermark,
+        )

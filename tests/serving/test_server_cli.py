@@ -231,6 +231,8 @@ def test_a_restarted_server_serves_each_tenant_its_own_pages_from_disk(tmp_path)
         assert complete(second, prompt, key, tenant="bob")["prompt_tokens_details"]["cached_tokens"] == 0
         m = second.metrics()
         assert m['aither:kv_tier_hits_total{tier="disk"}'] >= 3 and m["aither:kv_disk_pages"] > 0
+        assert m['aither:kv_reload_decisions_total{choice="reload"}'] == 1  # ann's second request
+        assert m["aither:kv_prefetched_pages_total"] == 0  # nothing waited for a slot
     finally:
         second.stop()
 

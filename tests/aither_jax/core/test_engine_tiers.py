@@ -98,3 +98,28 @@ def test_idle_pages_beyond_the_high_watermark_are_demoted_between_steps():
     sched = llm.engine.scheduler
     assert sched.allocator.num_used <= 0.5 * sched.num_usable_pages
     assert llm.engine.tiers.counters.num_demoted > 0
+
+
+def test_requests_waiting_for_a_slot_have_their_pages_promoted_ahead(reference):
+    one_slot = SETTINGS | dict(max_num_seqs=1)
+    llm = aj.LLM(MODEL, num_pages=40, kv_offloading_size=0.01, kv_high_watermark=1.0, kv_low_watermark=1.0, **one_slot)
+    prompts, answers = conversations(llm, rounds=2)
+    cache = llm.engine.scheduler.prefix_cache
+    cache.evict(cache.num_evictable)  # every page to the host
+    assert [o.token_ids for o in llm.generate(prompts[4:], GREEDY)] == answers[4:] == reference[4:8]
+    counters = llm.engine.tiers.counters
+    # Each second-round prompt starts with 4 full pages of its first round; the first request
+    # promotes them at its admission, the three that wait for the slot are promoted ahead.
+    assert counters.num_prefetched == 3 * 4 and counters.num_host_hits == 4 * 4
+
+
+def test_a_preempted_request_gets_its_pages_back_from_the_host():
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(100, 5000, 40).tolist() for _ in range(2)]
+    long = aj.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    alone = [o.token_ids for o in aj.LLM(MODEL, num_pages=40, **SETTINGS).generate(prompts, long)]
+    llm = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_offloading_size=0.01, **SETTINGS)
+    assert [o.token_ids for o in llm.generate(prompts, long)] == alone
+    # Two requests of 7 pages each in 11: the newer is preempted; its computed pages leave the
+    # device for the host and come back at its readmission instead of being recomputed.
+    assert llm.engine.scheduler.num_preemptions >= 1 and llm.engine.tiers.counters.num_host_hits >= 2

@@ -76,6 +76,36 @@ def test_bad_disk_settings_are_refused(tmp_path):
         os.chmod(tmp_path, 0o700)
 
 
+def test_background_writes_are_readable_at_once_and_land_before_sync_returns(tmp_path):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=4, background=True)
+    for i in range(6):
+        store.write(name(i), None, payload(name(i)))
+        assert store.read(name(i)) == payload(name(i))  # from memory or from its file
+    store.drop(name(5))  # dropped before (or after) its write landed: no file either way
+    store.sync()
+    files = sorted(p.name for p in store.dir.iterdir())
+    assert files == sorted(name(i).hex() + ".kvpage" for i in (2, 3, 4))
+    assert store.counters.num_dropped == 2 and store.counters.num_failed == 0
+    assert store.stage([name(2), name(3), name(9)]) == 2  # the unknown name is not read
+    assert store.read(name(2)) == payload(name(2)) and store.read(name(3)) == payload(name(3))
+    store.close()
+    again = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=4)
+    assert len(again) == 3 and all(again.read(name(i)) == payload(name(i)) for i in (2, 3, 4))
+
+
+def test_a_staged_read_of_a_corrupt_file_is_a_counted_miss(tmp_path):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=4, background=True)
+    store.write(name(0), None, payload(name(0)))
+    store.sync()
+    path = store.dir / (name(0).hex() + ".kvpage")
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    assert store.stage([name(0)]) == 1
+    assert store.read(name(0)) is None and store.counters.num_corrupt == 1 and not path.exists()
+    store.close()
+
+
 WRITER = """
 import importlib.util, hashlib, sys
 spec = importlib.util.spec_from_file_location("disk", sys.argv[1])

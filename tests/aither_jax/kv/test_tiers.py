@@ -155,6 +155,9 @@ def test_a_chain_comes_back_up_to_a_page_that_fails_its_checksum(tmp_path):
         (dict(disk_gib=1.0), "needs a directory"),
         (dict(host_gib=1e-9), "holds less than one KV page"),
         (dict(disk_dir="DIR", disk_gib=1e-9), "holds less than one KV page"),
+        (dict(high_watermark=0), "high_watermark must be in \\(0, 1\\]"),
+        (dict(low_watermark=1.5), "low_watermark must be in \\[0, 1\\]"),
+        (dict(high_watermark=0.6, low_watermark=0.7), "must not exceed high_watermark"),
     ],
 )
 def test_tier_settings_are_checked(config, message, tmp_path):
@@ -184,3 +187,24 @@ def test_the_cost_model_reloads_unless_recomputing_is_measured_faster():
     assert not cost.reload(100 << 20, 0, 64)  # 1 s to reload what recomputes in 0.064 s
     assert cost.reload(0, 1 << 20, 64)  # disk speed not measured yet
     assert (cost.num_reload, cost.num_recompute) == (3, 1)
+
+
+def test_the_low_watermark_defaults_to_half_or_the_high_one():
+    assert TierConfig().low_watermark == 0.5 and TierConfig(high_watermark=0.3).low_watermark == 0.3
+    assert TierConfig(low_watermark=0).low_watermark == 0
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_demotion_larger_than_the_host_pool_sends_its_oldest_pages_on_down(disk, tmp_path):
+    store = store_for("smollm2-135m", "bf16", np.random.default_rng(4))
+    below = DiskStore(tmp_path, fingerprint="f", page_bytes=store.page_bytes, capacity=8) if disk else None
+    tiers = KVTiers(store, host_pages=2, disk=below)
+    names = [bytes([i]) * 32 for i in range(5)]
+    before = page_bytes(store, [1, 2, 3, 4, 5])
+    tiers.demote([(n, None, p) for n, p in zip(names, [1, 2, 3, 4, 5], strict=True)])
+    c = tiers.counters
+    assert tiers.num_host_pages == 2 and all(tiers.holds(n) == disk for n in names[:3])
+    assert (c.num_spilled, c.num_host_dropped) == ((3, 0) if disk else (0, 3))
+    if disk:
+        assert tiers.promote(names, [6, 7, 8, 9, 10]) == 5
+        assert page_bytes(store, [6, 7, 8, 9, 10]) == before
