@@ -96,6 +96,12 @@ class LLM:
             prompts from the longest cached prefix (off by default here; None: on, which the
             server uses).
         max_pinned_fraction: most of the page pool that pinned prefixes may hold.
+        eviction_policy: which idle cached pages leave the device first: "lru" (least recently
+            used) or "advisor" (the graph eviction advisor, aither_jax/eviction/policy.py:
+            pages of system messages and of protected sections stay, isolated and unimportant
+            pages go first). Needs prefix caching.
+        max_protected_fraction: with the advisor, most of the page pool that idle protected
+            pages may hold (beyond it the least recently used of them may go too).
         kv_offloading_size: GiB of host memory for KV pages evicted from the device pool (the
             warm tier; vLLM's --kv-offloading-size): a later prompt that starts with them gets
             them back instead of recomputing them. 0 (the default) drops evicted pages.
@@ -144,6 +150,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool | None = False,
         max_pinned_fraction: float = 0.5,
+        eviction_policy: str = "lru",
+        max_protected_fraction: float = 0.25,
         kv_offloading_size: float = 0.0,
         kv_cache_dir: str | os.PathLike | None = None,
         kv_disk_size: float | None = None,
@@ -185,6 +193,8 @@ class LLM:
         )
         if tiers.enabled and enable_prefix_caching is False:
             raise ValueError("kv_offloading_size and kv_cache_dir need prefix caching: enable_prefix_caching=True")
+        if eviction_policy != "lru" and enable_prefix_caching is False:
+            raise ValueError(f"eviction_policy {eviction_policy!r} needs prefix caching: enable_prefix_caching=True")
         self.engine = Engine(
             self.model,
             max_num_seqs=max_num_seqs,
@@ -195,6 +205,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             max_pinned_fraction=max_pinned_fraction,
+            eviction_policy=eviction_policy,
+            max_protected_fraction=max_protected_fraction,
             kv_cache_dtype=kv_cache_dtype,
             attention=resolve_attention(attention),
             cache_fill_value=_cache_fill_value,

@@ -127,6 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
         "watermark if lower; 0: off)",
     )
     p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
+    p.add_argument(
+        "--eviction-policy",
+        choices=("lru", "advisor"),
+        default="lru",
+        help="which idle cached KV pages leave the device first: least recently used, or the graph eviction "
+        "advisor (system and protected pages stay; isolated, unimportant pages go first)",
+    )
+    p.add_argument(
+        "--max-protected-fraction",
+        type=float_in("--max-protected-fraction", 0.0, 1.0),
+        default=0.25,
+        help="with the advisor, most of the page pool that idle protected pages may hold (default 0.25)",
+    )
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
     p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)
     p.add_argument(
@@ -238,6 +251,8 @@ def build_server(args: argparse.Namespace):
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=args.enable_prefix_caching,
             max_pinned_fraction=args.max_pinned_fraction,
+            eviction_policy=args.eviction_policy,
+            max_protected_fraction=args.max_protected_fraction,
             seed=args.seed,
             speculative=args.speculative_config,
             shared_prefix_attention=args.shared_prefix_attention,

@@ -134,6 +134,17 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_prompt_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """`encode_prompt`'s ids, and where in `text` each token starts (0 for an added BOS)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a string, got {type(text).__name__}")
+        enc = self.hf.encode(text, add_special_tokens=False)
+        ids, starts = list(enc.ids), [start for start, _ in enc.offsets]
+        if self.add_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+            starts.insert(0, 0)
+        return ids, starts
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]

@@ -245,6 +245,16 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/debug/kv_graph")
+    async def kv_graph():
+        """The eviction advisor's block graph: nodes (what each page is, where it is) and edges
+        by type."""
+        cache = engine.engine.scheduler.prefix_cache
+        graph = engine.engine.scheduler.policy.graph
+        if graph is None:
+            return _error(404, "the eviction advisor is off (start the server with --eviction-policy advisor)")
+        return graph.to_json(cache.describe)
+
     @app.get("/v1/models")
     async def models():
         card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "aither-jax"}

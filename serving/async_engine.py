@@ -369,6 +369,8 @@ class AsyncEngine:
         )
         if eng.tiers is not None:
             self._tier_metrics(eng.tiers)
+        if eng.scheduler.policy.name == "advisor":
+            self._advisor_metrics(eng.scheduler)
         m.counter("vllm:prompt_tokens_total", "Prompt tokens of finished requests.")
         m.counter("vllm:generation_tokens_total", "Generated tokens.")
         m.counter("vllm:request_success_total", "Finished requests by finish reason.")
@@ -418,6 +420,29 @@ class AsyncEngine:
             "aither:kv_disk_pages_dropped_total",
             "Disk pages dropped: evicted to stay within the size, or failing their checksum.",
             lambda: (disk.num_dropped + disk.num_corrupt) if disk else 0,
+        )
+
+    def _advisor_metrics(self, scheduler) -> None:
+        """The eviction advisor's candidates, protected pages, evictions by tag, ranking age."""
+        m, policy, cache = self.metrics, scheduler.policy, scheduler.prefix_cache
+        m.gauge(
+            "aither:kv_eviction_candidates", "Idle cached KV pages the advisor may evict.", lambda: cache.num_evictable
+        )
+        m.gauge(
+            "aither:kv_protected_pages",
+            "Cached KV pages the advisor protects (system, identity, axioms, importance 1.0).",
+            lambda: sum(1 for b in cache.cached_blocks() if policy.protected(b)),
+        )
+        m.gauge(
+            "aither:kv_advisor_ranking_age_seconds", "Age of the advisor's latest ranking.", lambda: policy.ranking_age
+        )
+        m.counter_series(
+            "aither:kv_evictions_total",
+            "KV pages the advisor chose to evict or demote, by source tag.",
+            lambda: [({"tag": tag}, n) for tag, n in sorted(policy.evicted_by_tag.items())],
+        )
+        m.counter(
+            "aither:kv_advisor_ranking_seconds_total", "Seconds spent ranking pages.", lambda: policy.refresh_seconds
         )
 
 

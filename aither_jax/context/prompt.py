@@ -6,17 +6,24 @@ the model's chat template (generation prompt appended) and encoded with
 `Tokenizer.encode_prompt` (BOS in front where the model's file asks for one); a completion's
 text is encoded the same way and its token ids are taken as given. The pin span is how many
 leading tokens the prefix cache keeps pinned once computed: for a conversation, its leading
-system messages; for a completion, all of it or a given count.
+system messages; for a completion, all of it or a given count. A conversation's prompt also
+carries each message's token span, tagged with its role and the role's importance
+(`ROLE_IMPORTANCE`), for the KV pages' block records.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from models.tokenizer import Tokenizer
+
+# The importance (0-1) of a KV page filled by a message of each role, where no tagged section
+# says otherwise: system messages (a model's identity and rules) are the last to give up.
+ROLE_IMPORTANCE = {"system": 1.0, "user": 0.6, "tool": 0.5, "assistant": 0.4}
 
 # Stands in for a user message's content, to find where the template starts writing it.
 _CONTENT_MARK = "\x00request\x00"
@@ -74,9 +81,32 @@ def chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict], *, pin_system: b
             malformed, or the template raised.
     """
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = tokenizer.encode_prompt(text)
+    ids, starts = tokenizer.encode_prompt_offsets(text)
     num_pinned = len(_system_head(tokenizer, messages, ids)) if pin_system else 0
-    return Prompt(ids, num_pinned, text)
+    return Prompt(ids, num_pinned, text, sections=role_spans(tokenizer, messages, text, starts))
+
+
+def role_spans(
+    tokenizer: Tokenizer, messages: Sequence[dict], text: str, starts: Sequence[int]
+) -> tuple[SectionSpan, ...]:
+    """Each message's tokens in the rendered conversation `text` (whose tokens start at the
+    character offsets `starts`), tagged with its role: a token belongs to the message whose
+    rendering it starts in. None when the template does not render messages one after another
+    (each conversation's rendering a prefix of the next one's)."""
+    ends = []
+    for k in range(1, len(messages) + 1):
+        head = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=False)
+        if not text.startswith(head):
+            return ()
+        ends.append(len(head))
+    spans, start = [], 0
+    for message, end in zip(messages, ends, strict=True):
+        stop = bisect.bisect_left(starts, end)
+        if stop > start:
+            role = message["role"]
+            spans.append(SectionSpan(role, ROLE_IMPORTANCE.get(role, 0.5), start, stop))
+        start = stop
+    return tuple(spans)
 
 
 def text_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], *, pin: bool | int = False) -> Prompt:

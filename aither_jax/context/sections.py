@@ -29,7 +29,7 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 
-from aither_jax.context.prompt import Prompt, SectionSpan
+from aither_jax.context.prompt import ROLE_IMPORTANCE, Prompt, SectionSpan
 from models.tokenizer import CHAT_ROLES, Tokenizer
 
 TRUNCATIONS = ("tail", "head", "messages", "drop", "never")
@@ -55,6 +55,7 @@ class Section:
             messages in steps of `step`), "drop" (all or nothing), "never".
         role: the role of text content.
         step: messages dropped at a time by "messages" truncation.
+        source: the source tag its KV pages take, if not `tag` (a chat message's role).
     """
 
     tag: str
@@ -66,6 +67,7 @@ class Section:
     truncate: str = "tail"
     role: str = "system"
     step: int = 4
+    source: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.tag, str) or not self.tag:
@@ -307,7 +309,11 @@ class Context:
                 self.pinned = (stable_hash, ids[:stable_tokens])
         if stable_hash is not None:
             self._seen.add(stable_hash)
-        spans = tuple(SectionSpan(r.tag, r.importance, r.start, r.stop) for r in reports if r.stop > r.start)
+        spans = tuple(
+            SectionSpan(s.source or s.tag, s.importance, r.start, r.stop)
+            for s, r in zip(sections, reports, strict=True)
+            if r.stop > r.start
+        )
         return Prompt(ids, num_pinned, None, sections=spans, unpin_ids=unpin, report=report)
 
     def _allocate(self, sections: list[Section], sizes: list[int], budget: int) -> list[int]:
@@ -388,7 +394,10 @@ def sections_from_messages(messages: Sequence[dict]) -> tuple[list[Section], boo
         if k <= last_break:
             fields["stable"] = True
         if len(group) == 1:
-            sections.append(Section(tag, group[0]["content"], role=group[0]["role"], **fields))
+            role = group[0]["role"]
+            if "tag" not in spec:  # an untagged message: its pages are known by its role
+                fields = {"importance": ROLE_IMPORTANCE[role], **fields, "source": role}
+            sections.append(Section(tag, group[0]["content"], role=role, **fields))
         else:
             sections.append(Section(tag, group, **{"truncate": "messages", **fields}))
     return sections, last_break >= 0

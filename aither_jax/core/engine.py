@@ -66,6 +66,8 @@ class Engine:
         attention: str = "reference",
         enable_prefix_caching: bool | None = False,
         max_pinned_fraction: float = 0.5,
+        eviction_policy: str = "lru",
+        max_protected_fraction: float = 0.25,
         cache_fill_value: float = 0.0,
         seed: int = 0,
         speculative: SpeculativeConfig | str | dict | None = None,
@@ -102,7 +104,10 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
             max_pinned_fraction=max_pinned_fraction, sink_tokens=cache.num_sinks, min_token_bucket=MIN_TOKEN_BUCKET,
+            eviction_policy=eviction_policy, max_protected_fraction=max_protected_fraction,
         )  # fmt: skip
+        if self.scheduler.policy.name == "advisor":  # ranks the cached pages on its own thread
+            self.scheduler.policy.start(self.scheduler.prefix_cache.cached_blocks)
         self.speculative = SpeculativeConfig.parse(speculative)
         drafter = _drafter(self.speculative, model, num_pages=num_pages, page_size=page_size)
         if drafter is not None:

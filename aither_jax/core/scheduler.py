@@ -28,12 +28,16 @@ import numpy as np
 from aither_jax.compile.buckets import bucket
 from aither_jax.core.plan import StepPlan
 from aither_jax.core.sequence import Sequence
-from aither_jax.eviction.policy import LRUPolicy
+from aither_jax.eviction.graph import EdgeType
+from aither_jax.eviction.policy import make_policy
 from aither_jax.kv.allocator import PageAllocator
 from aither_jax.kv.prefix_cache import PrefixCache, hash_chain, page_hash
 from models.kv_cache import NULL_PAGE
 
 MAX_PINNED_FRACTION = 0.5
+MAX_PROTECTED_FRACTION = 0.25
+# Sections whose pages came from a retrieved memory (MEMORY_REF edges to the request's page).
+MEMORY_TAGS = frozenset({"memory", "memories", "retrieved", "retrieval"})
 
 
 class Scheduler:
@@ -52,13 +56,17 @@ class Scheduler:
         max_pinned_fraction: float = MAX_PINNED_FRACTION,
         sink_tokens: int = 0,
         min_token_bucket: int = 1,
+        eviction_policy: str = "lru",
+        max_protected_fraction: float = MAX_PROTECTED_FRACTION,
     ):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs ({max_num_seqs})"
             )
-        if not 0.0 <= max_pinned_fraction <= 1.0:
-            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
+        fractions = {"max_pinned_fraction": max_pinned_fraction, "max_protected_fraction": max_protected_fraction}
+        for name, value in fractions.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         self.page_size = page_size
         self.sink_tokens = sink_tokens
         self.max_num_seqs = max_num_seqs
@@ -66,16 +74,22 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_token_bucket = min_token_bucket
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = (
-            PrefixCache(
-                self.allocator,
-                page_size,
-                max_pinned_pages=int(max_pinned_fraction * (num_pages - 1)),
-                policy=LRUPolicy(),
-            )
-            if enable_prefix_caching
-            else None
-        )
+        self.policy = make_policy(eviction_policy, max_protected_pages=int(max_protected_fraction * (num_pages - 1)))
+        self.prefix_cache = None
+        if enable_prefix_caching:
+            max_pinned = int(max_pinned_fraction * (num_pages - 1))
+            if self.policy.name == "advisor":
+                # Pinned and protected pages together must leave room for one request at full length.
+                held = max_pinned + self.policy.max_protected_pages
+                if num_pages - 1 - held < max_pages_per_seq:
+                    raise ValueError(
+                        f"the eviction advisor may hold {self.policy.max_protected_pages} protected and {max_pinned} "
+                        f"pinned pages of {num_pages - 1}, leaving less than one request's {max_pages_per_seq}: "
+                        "lower max_protected_fraction or max_pinned_fraction, or give the pool more pages"
+                    )
+            self.prefix_cache = PrefixCache(self.allocator, page_size, max_pinned_pages=max_pinned, policy=self.policy)
+        elif eviction_policy != "lru":
+            raise ValueError(f"eviction policy {eviction_policy!r} needs prefix caching")
         self.block_tables = np.full((max_num_seqs, max_pages_per_seq), NULL_PAGE, np.int32)
         self.tables_dirty = False
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -173,7 +187,7 @@ class Scheduler:
             # Cached pages that were idle stop counting as free once this sequence holds them.
             need = self.pages_needed(seq.num_tokens) - len(cached)
             if self.prefix_cache is not None:  # idle pages it will hold (shared, or a copy source)
-                need += self.prefix_cache.num_idle(cached + ([partial[0]] if partial else []))
+                need += self.prefix_cache.num_evictable_taken(cached + ([partial[0]] if partial else []))
             if need > budget:
                 self.waiting.appendleft(seq)
                 break
@@ -192,6 +206,7 @@ class Scheduler:
                     seq.num_cached_prompt = num_cached
             seq.pages = cached
             seq.names = names[: len(cached)]
+            seq.fork = seq.names[-1] if seq.names else None
             seq.num_cached = num_cached
             if partial:
                 (page,) = self._allocate(1)
@@ -246,9 +261,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def preemption_victim(self) -> Sequence:
-        """The running sequence to preempt when pages run out: the newest, which has the least
-        computed work to lose and, admitted last, would have waited longest had it not fit."""
-        return self.running[-1]
+        """The running sequence to preempt when pages run out, as the eviction policy says: LRU
+        takes the newest, which has the least computed work to lose and, admitted last, would
+        have waited longest had it not fit; the advisor the one whose pages matter least."""
+        return self.policy.preemption_victim(self.running, self.allocator.blocks)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` pages for `num_tokens` cached tokens, preempting newer sequences if it
@@ -328,12 +344,21 @@ class Scheduler:
         seq.num_computed += num_new
         if self.prefix_cache is None:
             return
+        graph = self.policy.graph
         while (len(seq.names) + 1) * self.page_size <= seq.num_cached:
             i = len(seq.names)
             parent = seq.names[-1] if seq.names else seq.salt
             name = page_hash(parent, seq.token_slice(i * self.page_size, (i + 1) * self.page_size))
             seq.names.append(name)
-            self.prefix_cache.insert(name, seq.pages[i], parent if i else None)
+            if self.prefix_cache.insert(name, seq.pages[i], parent if i else None):
+                block = self.allocator.blocks[seq.pages[i]]
+                block.tenant, block.token_range = seq.salt, (i * self.page_size, (i + 1) * self.page_size)
+                block.created_at = block.touched_at
+            if graph is not None and i:
+                kind = EdgeType.PREFIX_SHARE if seq.fork == parent else EdgeType.TEMPORAL
+                graph.add(parent, name, kind)
+        if graph is not None and seq.sections and seq.num_cached >= len(seq.prompt_ids) > seq.num_cached - num_new:
+            self._link_memories(seq)
         if seq.pin_tokens and seq.num_pinned_pages is None and seq.num_cached >= seq.pin_tokens:
             seq.num_pinned_pages = self.prefix_cache.pin(seq.names[: seq.pin_tokens // self.page_size])
 
@@ -375,6 +400,17 @@ class Scheduler:
             room -= n
             done += n
         return done
+
+    def _link_memories(self, seq: Sequence) -> None:
+        """MEMORY_REF: the pages of the prompt's retrieved-memory sections and the prompt's
+        last full page (the request that read them), once the prompt is computed."""
+        spans = [s for s in seq.sections if s.tag in MEMORY_TAGS]
+        if not spans or not seq.names:
+            return
+        reader = seq.names[min(len(seq.prompt_ids) // self.page_size, len(seq.names)) - 1]
+        for span in spans:
+            for i in range(span.start // self.page_size, min(-(-span.stop // self.page_size), len(seq.names))):
+                self.policy.graph.add(seq.names[i], reader, EdgeType.MEMORY_REF)
 
     def _tag_pages(self, seq: Sequence, start: int, stop: int) -> None:
         """Block records of the pages holding tokens [start, stop): the tag and importance of

@@ -27,6 +27,7 @@ class Sequence:
     slot: int = -1
     pages: list[int] = dataclasses.field(default_factory=list)
     names: list[bytes] = dataclasses.field(default_factory=list)  # chain of this sequence's full pages so far
+    fork: bytes | None = None  # the last page reused from the prefix cache at admission
     num_cached: int = 0  # tokens whose KV is in the cache
     num_cached_prompt: int = 0  # prompt tokens found in the prefix cache at first admission
     num_computed: int = 0  # tokens run through the model (prefill and decode, recomputes too)

@@ -1,16 +1,33 @@
-"""Eviction policies: given the idle pages of the prefix cache, which to drop first.
+"""Eviction policies: given the idle pages of the prefix cache, which to drop (or demote) first.
 
 A policy sees each candidate's block record (aither_jax/kv/blocks.py: access clock, hits,
-pins, and the metadata the context pipeline and the advisor fill in) and returns the victims
-in order. `LRUPolicy` is the default: least recently used first, where a lookup touches a
-chain's pages from its end to its start, so eviction takes a chain from its end and leaves a
-usable prefix.
+pins, and the metadata the context pipeline fills in) and returns the victims in order.
+
+- `LRUPolicy`: least recently used first, where a lookup touches a chain's pages from its end
+  to its start, so eviction takes a chain from its end and leaves a usable prefix. It knows
+  nothing of what a page holds: under pressure it evicts a model's identity like any page.
+- `AdvisorPolicy`: the graph eviction advisor. A page's score (higher: evicted first) is
+  `age 0.01 - degree 5 - edge weights 2 - importance 20 - hits 3 - attention mass 10` (per
+  second of age since its last use; degree and summed decayed weights in the block graph,
+  eviction/graph.py). Protected pages (tags `system`, `identity`, `axioms`, or importance
+  1.0) are never candidates, up to `max_protected_pages` idle ones (the most recently used;
+  beyond that cap the rest rank after every other page, so the pool cannot fill with them).
+  Rankings are computed off the engine's loop by a background thread about every 0.5 s and
+  published with one atomic swap; eviction reads the latest, scoring pages newer than it
+  inline, and falls back to LRU order (protection kept) when it is older than about 2 s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+import dataclasses
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
 
+from aither_jax.eviction.graph import BlockGraph, EdgeType
 from aither_jax.kv.blocks import Block
 
 
@@ -18,16 +35,227 @@ class LRUPolicy:
     """Least recently used first."""
 
     name = "lru"
+    graph = None  # it keeps none
 
     def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
         return sorted(candidates, key=lambda b: b.last_access)[: max(n, 0)]
 
+    def num_evictable(self, candidates: Sequence[Block]) -> int:
+        return len(candidates)
 
-POLICIES = {"lru": LRUPolicy}
+    def demoted(self, blocks: Sequence[Block], resident: Callable[[bytes], bool]) -> None:
+        pass
+
+    def forgotten(self, blocks: Sequence[Block]) -> None:
+        pass
+
+    def preemption_victim(self, running: Sequence, blocks) -> object:
+        """The newest running sequence: the least computed work to lose."""
+        return running[-1]
 
 
-def make_policy(name: str):
+PROTECTED_TAGS = frozenset({"system", "identity", "axioms"})
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvisorWeights:
+    """The score's terms (the original advisor's weights; attention mass ours)."""
+
+    age: float = 0.01  # per second since the page's last use
+    degree: float = 5.0
+    edge_weight: float = 2.0
+    importance: float = 20.0
+    hits: float = 3.0
+    attention: float = 10.0
+
+
+def _key(block: Block) -> tuple:
+    """What identifies a page's content in a published ranking (page ids are reused)."""
+    return (block.page, block.name, block.partial)
+
+
+class AdvisorPolicy:
+    """The graph eviction advisor (module docstring)."""
+
+    name = "advisor"
+
+    def __init__(
+        self,
+        graph: BlockGraph | None = None,
+        *,
+        max_protected_pages: int,
+        weights: AdvisorWeights = AdvisorWeights(),
+        protected_tags: frozenset[str] = PROTECTED_TAGS,
+        refresh_s: float = 0.5,
+        stale_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_protected_pages < 0:
+            raise ValueError(f"max_protected_pages must be >= 0, got {max_protected_pages}")
+        self.graph = graph if graph is not None else BlockGraph(clock=clock)
+        self.max_protected_pages = max_protected_pages
+        self.weights = weights
+        self.protected_tags = protected_tags
+        self.refresh_s = refresh_s
+        self.stale_s = stale_s
+        self.clock = clock
+        self._ranking: tuple[float, dict[tuple, float]] = (-math.inf, {})  # (when, key -> score)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.evicted_by_tag: collections.Counter[str] = collections.Counter()
+        self.num_stale = 0  # eviction calls that fell back to LRU order
+        self.num_refreshes = 0
+        self.refresh_seconds = 0.0  # time the ranking thread spent ranking
+
+    # -- scores -------------------------------------------------------------------------------
+
+    def protected(self, block: Block) -> bool:
+        return block.source_tag in self.protected_tags or (block.importance or 0.0) >= 1.0
+
+    def score(self, block: Block, stats: dict[bytes, tuple[int, float]], now: float) -> float:
+        w = self.weights
+        degree, strength = stats.get(block.name, (0, 0.0)) if block.name is not None else (0, 0.0)
+        return (
+            w.age * max(now - block.touched_at, 0.0)
+            - w.degree * degree
+            - w.edge_weight * strength
+            - w.importance * (block.importance or 0.0)
+            - w.hits * block.hits
+            - w.attention * block.attention_mass
+        )
+
+    def refresh(self, blocks: Sequence[Block]) -> None:
+        """Scores `blocks` and publishes the ranking (one assignment: readers see the old one
+        or the new one, never a mix)."""
+        start = time.perf_counter()
+        now = self.clock()
+        stats = self.graph.stats()
+        ranking = {_key(b): self.score(b, stats, now) for b in blocks}
+        self._ranking = (now, ranking)
+        self.num_refreshes += 1
+        self.refresh_seconds += time.perf_counter() - start
+
+    @property
+    def ranking_age(self) -> float:
+        return self.clock() - self._ranking[0]
+
+    # -- the background thread ----------------------------------------------------------------
+
+    def start(self, source: Callable[[], Sequence[Block]]) -> None:
+        """Ranks `source()` (the cached pages' records; a bound method, held weakly) every
+        `refresh_s` on a daemon thread, until `stop` or until this policy or the source's
+        owner is garbage collected."""
+        if self._thread is not None:
+            return
+        policy_ref, source_ref, stop = weakref.ref(self), weakref.WeakMethod(source), self._stop
+
+        def loop() -> None:
+            while True:
+                policy = policy_ref()
+                if policy is None:
+                    return
+                interval = policy.refresh_s
+                del policy
+                if stop.wait(interval):
+                    return
+                policy, fetch = policy_ref(), source_ref()
+                if policy is None or fetch is None:
+                    return
+                try:
+                    policy.refresh(fetch())
+                except RuntimeError:  # a container changed while it was copied: next time
+                    pass
+                del policy, fetch
+
+        self._thread = threading.Thread(target=loop, name="kv-advisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __del__(self):
+        self._stop.set()
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def _split(self, candidates: Sequence[Block], order) -> tuple[list[Block], list[Block]]:
+        """(the open candidates, the protected ones beyond the cap), each in eviction order."""
+        open_, protected = [], []
+        for b in candidates:
+            (protected if self.protected(b) else open_).append(b)
+        protected.sort(key=lambda b: b.last_access, reverse=True)  # the most recently used keep protection
+        return sorted(open_, key=order), sorted(protected[self.max_protected_pages :], key=order)
+
+    def _order(self):
+        """Eviction order: by the published ranking while fresh (scoring newer pages inline),
+        else least recently used first."""
+        at, ranking = self._ranking
+        now = self.clock()
+        if now - at > self.stale_s:
+            self.num_stale += 1
+            return lambda b: b.last_access
+        stats = None
+
+        def key(b: Block) -> float:
+            nonlocal stats
+            score = ranking.get(_key(b))
+            if score is None:
+                if stats is None:
+                    stats = self.graph.stats()
+                score = self.score(b, stats, now)
+            return -score
+
+        return key
+
+    def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
+        open_, excess = self._split(candidates, self._order())
+        chosen = (open_ + excess)[: max(n, 0)]
+        for b in chosen:
+            self.evicted_by_tag[b.source_tag or "untagged"] += 1
+        return chosen
+
+    def num_evictable(self, candidates: Sequence[Block]) -> int:
+        protected = sum(1 for b in candidates if self.protected(b))
+        return len(candidates) - protected + max(protected - self.max_protected_pages, 0)
+
+    def demoted(self, blocks: Sequence[Block], resident: Callable[[bytes], bool]) -> None:
+        """SPILL_LINK: each demoted page and the pages of its chain (its parent, its graph
+        neighbours) that stay on the device."""
+        for b in blocks:
+            near = [b.parent] + [n for n, kind, _ in self.graph.neighbours(b.name) if kind != EdgeType.SPILL_LINK]
+            for other in near:
+                if other is not None and resident(other):
+                    self.graph.add(b.name, other, EdgeType.SPILL_LINK)
+
+    def forgotten(self, blocks: Sequence[Block]) -> None:
+        for b in blocks:
+            if b.name is not None:
+                self.graph.remove(b.name)
+
+    def preemption_victim(self, running: Sequence, blocks) -> object:
+        """The running sequence whose pages matter least (lowest mean importance; the newest
+        among equals), never one holding protected pages while another does not."""
+
+        def worth(i_seq) -> tuple:
+            i, seq = i_seq
+            records = [blocks[p] for p in seq.pages]
+            protected = any(self.protected(b) for b in records)
+            importance = sum(b.importance or 0.0 for b in records) / max(len(records), 1)
+            return (protected, importance, -i)
+
+        return min(enumerate(running), key=worth)[1]
+
+
+POLICIES = ("lru", "advisor")
+
+
+def make_policy(name: str, *, max_protected_pages: int = 0, **kwargs):
     """The policy registered under `name` (ValueError naming the choices otherwise)."""
-    if name not in POLICIES:
-        raise ValueError(f"eviction policy must be one of {sorted(POLICIES)}, got {name!r}")
-    return POLICIES[name]()
+    if name == "lru":
+        return LRUPolicy()
+    if name == "advisor":
+        return AdvisorPolicy(max_protected_pages=max_protected_pages, **kwargs)
+    raise ValueError(f"eviction policy must be one of {list(POLICIES)}, got {name!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 
 
 class Tier(enum.IntEnum):
@@ -33,13 +34,16 @@ class Block:
     partial: tuple[int, ...] | None = None  # a cached partial page's tokens (named by `parent`)
     pins: int = 0
     last_access: int = 0  # the block table's clock at the latest lookup or insert
+    touched_at: float = 0.0  # time.monotonic() at the latest lookup or insert
+    created_at: float = 0.0  # time.monotonic() when the prefix cache named it
     hits: int = 0  # prefix-cache lookups that found it
     # Filled by the context pipeline and the eviction advisor (0 / None until then).
     source_tag: str | None = None  # the prompt section or message role whose tokens fill it
     importance: float | None = None  # 0-1
     tenant: bytes | None = None
     token_range: tuple[int, int] | None = None  # [start, stop) positions in its first sequence
-    attention_mass: float = 0.0
+    attention_mass: float = 0.0  # a moving average of the softmax mass steps put on it
+    attended_at: float = 0.0  # time.monotonic() when a step last put mass on it
 
     @property
     def cached(self) -> bool:
@@ -51,7 +55,7 @@ class Block:
         self.name = self.parent = self.partial = None
         self.pins = self.hits = 0
         self.source_tag = self.importance = self.tenant = self.token_range = None
-        self.attention_mass = 0.0
+        self.attention_mass = self.attended_at = self.created_at = 0.0
 
 
 class BlockTable:
@@ -72,4 +76,6 @@ class BlockTable:
     def touch(self, page: int) -> None:
         """Marks `page` as the most recently accessed."""
         self._clock += 1
-        self.blocks[page].last_access = self._clock
+        block = self.blocks[page]
+        block.last_access = self._clock
+        block.touched_at = time.monotonic()

@@ -15,7 +15,7 @@ dropped, and a lookup continues past the device's pages into them (`match_lower`
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -49,7 +49,21 @@ class EvictionPolicy(Protocol):
     name: str
 
     def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
-        """Up to `n` of the idle `candidates`, the first to evict first."""
+        """Up to `n` of the idle `candidates`, the first to evict first (a policy may keep
+        some candidates, protected ones, out of every answer)."""
+        ...
+
+    def num_evictable(self, candidates: Sequence[Block]) -> int:
+        """How many of the idle `candidates` `victims` could ever return."""
+        ...
+
+    def demoted(self, blocks: Sequence[Block], resident: Callable[[bytes], bool]) -> None:
+        """`blocks` are leaving the device for a lower tier (`resident`: whether a page name
+        stays on the device)."""
+        ...
+
+    def forgotten(self, blocks: Sequence[Block]) -> None:
+        """`blocks` are leaving the device with no lower tier to go to."""
         ...
 
 
@@ -170,12 +184,36 @@ class PrefixCache:
     def _idle(self, page: int) -> bool:
         return self.allocator.ref_count(page) == 1 and not self.blocks[page].pins
 
-    def num_idle(self, pages: Sequence[int]) -> int:
-        return sum(1 for p in pages if self._idle(p))
+    def describe(self, name: bytes) -> dict:
+        """What is known of a named page, wherever it is (for a debug dump)."""
+        page = self._full.get(name)
+        if page is None:
+            on_host = self.tiers is not None and self.tiers.holds(name)
+            return {"tier": "host_or_disk" if on_host else "gone"}
+        b = self.blocks[page]
+        return {
+            "tier": "device", "page": page, "tag": b.source_tag, "importance": b.importance, "hits": b.hits,
+            "pins": b.pins, "refs": b.refs, "token_range": b.token_range, "attention_mass": b.attention_mass,
+        }  # fmt: skip
+
+    def cached_blocks(self) -> list[Block]:
+        """The records of every page named here (the advisor's ranking thread reads them)."""
+        return [self.blocks[p] for p in list(self._cached)]
+
+    def _idle_blocks(self) -> list[Block]:
+        return [self.blocks[p] for p in self._cached if self._idle(p)]
+
+    def num_evictable_taken(self, pages: Sequence[int]) -> int:
+        """How many fewer pages could be evicted once `pages` (some cached) are held."""
+        taken = set(pages)
+        idle = self._idle_blocks()
+        if not any(b.page in taken for b in idle):
+            return 0
+        return self.policy.num_evictable(idle) - self.policy.num_evictable([b for b in idle if b.page not in taken])
 
     @property
     def num_evictable(self) -> int:
-        return sum(1 for p in self._cached if self._idle(p))
+        return self.policy.num_evictable(self._idle_blocks())
 
     @property
     def num_cached(self) -> int:
@@ -185,10 +223,14 @@ class PrefixCache:
         """Drops up to `n` idle pages, in the policy's order; returns how many."""
         if n <= 0:
             return 0
-        idle = [self.blocks[p] for p in self._cached if self._idle(p)]
-        victims = self.policy.victims(idle, n)
+        victims = self.policy.victims(self._idle_blocks(), n)
         if self.tiers is not None:
-            self.tiers.demote([(b.name, b.parent, b.page) for b in victims if b.partial is None])
+            demoted = [b for b in victims if b.partial is None]
+            leaving = {b.page for b in victims}
+            self.policy.demoted(demoted, lambda name: name in self._full and self._full[name] not in leaving)
+            self.tiers.demote([(b.name, b.parent, b.page) for b in demoted])
+        else:
+            self.policy.forgotten(victims)
         for block in victims:
             self._drop(block.page)
         return len(victims)

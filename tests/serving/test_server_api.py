@@ -553,3 +553,8 @@ def test_budgets_that_cannot_hold_the_uncuttable_sections_get_a_400(server):
     body = {"model": MODEL, "messages": messages, "context": {"budget": 30}}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "(rules" in r.json()["error"]["message"], r.text
+
+
+def test_the_graph_dump_needs_the_advisor(server_default):
+    r = httpx.get(server_default.url + "/debug/kv_graph", timeout=10)
+    assert r.status_code == 404 and "--eviction-policy advisor" in r.json()["error"]["message"]

@@ -237,6 +237,39 @@ def test_a_restarted_server_serves_each_tenant_its_own_pages_from_disk(tmp_path)
         second.stop()
 
 
+# -- the eviction advisor -------------------------------------------------------------------
+
+
+def test_the_advisor_keeps_a_persona_and_shows_its_graph():
+    """With --eviction-policy advisor on a small pool: a persona's system pages stay cached
+    through other conversations; the graph, metrics and 404 without the advisor."""
+    flags = (*BASE_FLAGS, "--max-model-len", "512", "--kv-cache-dtype", "fp32", "--max-num-seqs", "1")
+    server = Server(*flags, "--num-pages", "96", "--eviction-policy", "advisor", "--max-pinned-fraction", "0.1")
+    persona = {"role": "system", "content": "You are Aither. You study tides, waves and the moon. " * 6}
+
+    def chat(messages) -> dict:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    try:
+        chat([persona, {"role": "user", "content": "Who are you?"}])
+        for i in range(8):  # other conversations fill the pool many times over
+            chat([{"role": "user", "content": f"Story {i}: " + "the sea rolls on and on. " * 60}])
+        again = chat([persona, {"role": "user", "content": "What do you study?"}])
+        assert again["prompt_tokens_details"]["cached_tokens"] >= 64
+        graph = httpx.get(server.url + "/debug/kv_graph", timeout=10).json()
+        assert graph["num_edges"]["temporal"] > 0 and graph["num_edges"]["prefix_share"] >= 1
+        tags = {n.get("tag") for n in graph["nodes"]}
+        assert {"system", "user"} <= tags
+        m = server.metrics()
+        assert m["aither:kv_protected_pages"] > 0 and m['aither:kv_evictions_total{tag="user"}'] > 0
+        assert 'aither:kv_evictions_total{tag="system"}' not in m
+    finally:
+        server.stop()
+
+
 # -- /health once the engine loop has died ----------------------------------------------------
 
 

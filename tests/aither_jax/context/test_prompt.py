@@ -4,10 +4,13 @@ system messages, exactly as the server has always pinned them."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 
-from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt, user_turn_prefix
+from aither_jax.context.prompt import ROLE_IMPORTANCE, Prompt, chat_prompt, text_prompt, user_turn_prefix
 from models.gguf_file import GGUFFile
 from models.tokenizer import ChatTemplateError, Tokenizer
 
@@ -57,9 +60,34 @@ def test_chat_prompt_is_the_template_encoded(tokenizer, name, add_bos):
     conversation = CONVERSATIONS[name]
     prompt = chat_prompt(tok, conversation)
     text = tok.apply_chat_template(conversation, add_generation_prompt=True)
-    assert prompt == Prompt(tok.encode_prompt(text), 0, text)
+    assert dataclasses.replace(prompt, sections=()) == Prompt(tok.encode_prompt(text), 0, text)
     assert prompt.text.endswith("<|im_start|>assistant\n")
     assert prompt.ids[:2] == ([BOS, 1] if add_bos else [1, 9690])  # [BOS] <|im_start|> system
+
+
+@pytest.mark.parametrize("add_bos", [False, True], ids=["smollm2", "with-bos"])
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_each_message_span_holds_its_rendering_and_role(tokenizer, name, add_bos):
+    tok = tokenizer_like(tokenizer, add_bos=add_bos)
+    conversation = CONVERSATIONS[name]
+    prompt = chat_prompt(tok, conversation)
+    assert [s.tag for s in prompt.sections] == [m["role"] for m in conversation]
+    assert [s.importance for s in prompt.sections] == [ROLE_IMPORTANCE[m["role"]] for m in conversation]
+    generation = len(tok.encode("<|im_start|>assistant\n"))
+    assert prompt.sections[0].start == 0 and prompt.sections[-1].stop == len(prompt.ids) - generation
+    for span, after in itertools.pairwise(prompt.sections):
+        assert span.stop == after.start
+    for message, span in zip(conversation, prompt.sections, strict=True):
+        text = tok.decode(prompt.ids[span.start : span.stop], skip_special_tokens=False)
+        assert text.endswith(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+
+
+def test_no_message_spans_where_the_template_rewrites_earlier_messages(tokenizer):
+    # A template that numbers the last message differently from the others.
+    template = "{% for m in messages %}{{ '[last]' if loop.last else '' }}{{ m['content'] }}\n{% endfor %}"
+    tok = tokenizer_like(tokenizer, template=template)
+    prompt = chat_prompt(tok, CONVERSATIONS["multi-turn"])
+    assert prompt.sections == () and prompt.ids == tok.encode_prompt(prompt.text)
 
 
 @pytest.mark.parametrize("add_bos", [False, True], ids=["smollm2", "with-bos"])

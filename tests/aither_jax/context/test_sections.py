@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aither_jax.context.sections import Context, ContextError, Section, prefix_hash
+from aither_jax.context.sections import Context, ContextError, Section, prefix_hash, sections_from_messages
 from models.gguf_file import GGUFFile
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
@@ -145,3 +145,16 @@ def test_the_pin_follows_the_stable_prefix(tok):
 def test_bad_sections_are_refused_with_their_name(section, message):
     with pytest.raises(ContextError, match=message):
         Section(**section)
+
+
+def test_untagged_messages_fill_pages_known_by_their_role(tok):
+    messages = [
+        {"role": "system", "content": IDENTITY, "section": {"tag": "identity", "importance": 0.9}},
+        {"role": "system", "content": RULES},
+        {"role": "user", "content": "What moves the tides?"},
+        {"role": "assistant", "content": "The moon.", "section": {"importance": 0.7}},
+    ]
+    sections, _ = sections_from_messages(messages)
+    prompt = Context(tok, context_budget=2048).assemble(sections)
+    spans = [(s.tag, s.importance) for s in prompt.sections]
+    assert spans == [("identity", 0.9), ("system", 1.0), ("user", 0.6), ("assistant", 0.7)]

@@ -49,7 +49,7 @@ def test_a_pages_record_holds_what_the_cache_and_allocator_know_of_it():
     assert blocks[0].name == names[0] and blocks[0].pins == 1
 
 
-class NewestFirst:
+class NewestFirst(LRUPolicy):
     """A policy that is not LRU: the most recently touched idle page goes first."""
 
     name = "newest"

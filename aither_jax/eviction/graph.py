@@ -1,0 +1,240 @@
+"""The block graph: typed, weighted, decaying edges between KV pages, for the eviction advisor.
+
+Nodes are pages known by their chain names (prefix_cache.page_hash), which stay the same
+while a page moves between the device, host and disk tiers. Each edge type is created by one
+real event:
+
+- PREFIX_SHARE: a request reuses cached pages of another request's chain; the last reused page
+  is linked to the first page the new request computes after it (where the chains fork).
+- CO_ATTEND: pages that carry high attention mass in the same steps; counted for every pair
+  of the step's highest-mass pages (chosen by mass, never by id), an edge from the third
+  co-occurrence on, its weight growing with each further one.
+- SEMANTIC: two pages whose mean-key summaries have cosine similarity of at least 0.8.
+- TEMPORAL: consecutive pages of one sequence (a page and the one computed after it).
+- SPILL_LINK: a page demoted below the device and the device pages of its chain it leaves
+  behind, so that promoting one brings its spilled neighbours along.
+- MEMORY_REF: pages filled by a retrieved-memory section and the page of the request that
+  read them.
+
+Weights decay exponentially with a half-life (`half_life_s`): an edge's weight is stored with
+the time it was last set and decayed when read. The graph is bounded: past `max_edges` the
+weakest edges go, and `max_nodes` bounds the co-attendance and summary records. All methods
+may be called from any thread (one lock); the advisor's ranking thread reads `stats()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+
+class EdgeType(enum.Enum):
+    PREFIX_SHARE = "prefix_share"
+    CO_ATTEND = "co_attend"
+    SEMANTIC = "semantic"
+    TEMPORAL = "temporal"
+    SPILL_LINK = "spill_link"
+    MEMORY_REF = "memory_ref"
+
+
+CO_ATTEND_MIN = 3  # co-occurrences before a CO_ATTEND edge exists
+SEMANTIC_MIN_COSINE = 0.8
+
+
+def _pair(a: bytes, b: bytes) -> tuple[bytes, bytes]:
+    return (a, b) if a <= b else (b, a)
+
+
+class BlockGraph:
+    """Typed, weighted, decaying edges between pages (by name)."""
+
+    def __init__(
+        self,
+        *,
+        half_life_s: float = 600.0,
+        max_edges: int = 200_000,
+        max_nodes: int = 100_000,
+        co_attend_top: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if half_life_s <= 0 or max_edges < 1 or max_nodes < 1 or co_attend_top < 2:
+            raise ValueError("half_life_s must be > 0, max_edges and max_nodes >= 1, co_attend_top >= 2")
+        self.half_life_s = half_life_s
+        self.max_edges = max_edges
+        self.max_nodes = max_nodes
+        self.co_attend_top = co_attend_top
+        self.clock = clock
+        self._lock = threading.Lock()
+        # (a, b) with a <= b, type -> [weight when last set, time it was set]
+        self._edges: dict[tuple[tuple[bytes, bytes], EdgeType], list[float]] = {}
+        self._adj: dict[bytes, set[tuple[bytes, EdgeType]]] = collections.defaultdict(set)
+        self._co_counts: collections.OrderedDict[tuple[bytes, bytes], int] = collections.OrderedDict()
+        self._summaries: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self.num_pruned = 0
+
+    # -- edges --------------------------------------------------------------------------------
+
+    def _decayed(self, weight: float, at: float, now: float) -> float:
+        return weight * math.exp(-math.log(2) * max(now - at, 0.0) / self.half_life_s)
+
+    def add(self, a: bytes, b: bytes, kind: EdgeType, amount: float = 1.0) -> None:
+        """Adds `amount` to the (decayed) weight of the `kind` edge between `a` and `b`."""
+        if a == b:
+            return
+        with self._lock:
+            self._add(a, b, kind, amount, self.clock())
+
+    def _add(self, a: bytes, b: bytes, kind: EdgeType, amount: float, now: float) -> None:
+        key = (_pair(a, b), kind)
+        edge = self._edges.get(key)
+        if edge is None:
+            self._edges[key] = [amount, now]
+            self._adj[a].add((b, kind))
+            self._adj[b].add((a, kind))
+            if len(self._edges) > self.max_edges:
+                self._prune(now)
+        else:
+            edge[0] = self._decayed(edge[0], edge[1], now) + amount
+            edge[1] = now
+
+    def _prune(self, now: float) -> None:
+        """Drops the weakest tenth of the edges (decayed weights)."""
+        ranked = sorted(self._edges, key=lambda k: self._decayed(*self._edges[k], now))
+        for key in ranked[: max(len(ranked) // 10, 1)]:
+            self._remove_edge(key)
+            self.num_pruned += 1
+
+    def _remove_edge(self, key: tuple[tuple[bytes, bytes], EdgeType]) -> None:
+        (a, b), kind = key
+        del self._edges[key]
+        for x, y in ((a, b), (b, a)):
+            links = self._adj.get(x)
+            if links is not None:
+                links.discard((y, kind))
+                if not links:
+                    del self._adj[x]
+
+    def weight(self, a: bytes, b: bytes, kind: EdgeType) -> float:
+        """The decayed weight of an edge (0 when there is none)."""
+        with self._lock:
+            edge = self._edges.get((_pair(a, b), kind))
+            return 0.0 if edge is None else self._decayed(*edge, self.clock())
+
+    def neighbours(self, name: bytes, kinds: Iterable[EdgeType] | None = None) -> list[tuple[bytes, EdgeType, float]]:
+        """(other page, edge type, decayed weight) of each edge at `name`."""
+        kinds = None if kinds is None else set(kinds)
+        with self._lock:
+            now = self.clock()
+            return [
+                (other, kind, self._decayed(*self._edges[(_pair(name, other), kind)], now))
+                for other, kind in self._adj.get(name, ())
+                if kinds is None or kind in kinds
+            ]
+
+    def remove(self, name: bytes) -> None:
+        """Forgets a page that left every tier (its edges, counts and summary)."""
+        with self._lock:
+            for other, kind in list(self._adj.get(name, ())):
+                self._remove_edge((_pair(name, other), kind))
+            self._summaries.pop(name, None)
+
+    def stats(self) -> dict[bytes, tuple[int, float]]:
+        """Per page with edges: (degree, sum of decayed edge weights), read at one instant."""
+        with self._lock:
+            now = self.clock()
+            edges = list(self._edges.items())
+        out: dict[bytes, list] = {}
+        for ((a, b), _), (weight, at) in edges:
+            w = self._decayed(weight, at, now)
+            for x in (a, b):
+                entry = out.setdefault(x, [0, 0.0])
+                entry[0] += 1
+                entry[1] += w
+        return {name: (d, s) for name, (d, s) in out.items()}
+
+    def num_edges(self, kind: EdgeType | None = None) -> int:
+        with self._lock:
+            return sum(1 for _, k in self._edges if kind is None or k == kind)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def co_attend(self, masses: dict[bytes, float], threshold: float) -> int:
+        """One step's attention: of the pages with mass >= `threshold`, the `co_attend_top`
+        heaviest (ties broken by name, so no range of ids is favoured) count one co-occurrence
+        per pair; a pair's edge exists from its CO_ATTEND_MIN-th and grows by one with each
+        further. Returns the edges created or grown."""
+        heavy = sorted((m, n) for n, m in masses.items() if m >= threshold)
+        top = sorted(n for _, n in heavy[-self.co_attend_top :])
+        done = 0
+        with self._lock:
+            now = self.clock()
+            for a, b in itertools.combinations(top, 2):
+                count = self._co_counts.pop((a, b), 0) + 1
+                self._co_counts[(a, b)] = count  # the most recently counted last
+                if count >= CO_ATTEND_MIN:
+                    self._add(a, b, EdgeType.CO_ATTEND, 1.0, now)
+                    done += 1
+            while len(self._co_counts) > self.max_nodes:
+                self._co_counts.popitem(last=False)
+        return done
+
+    def summarize(self, name: bytes, summary: np.ndarray) -> int:
+        """Records a page's mean-key summary and links it SEMANTIC to every recorded page whose
+        summary has cosine >= SEMANTIC_MIN_COSINE (weight: the cosine). Returns the links."""
+        v = np.asarray(summary, np.float32).ravel()
+        norm = float(np.linalg.norm(v))
+        if norm == 0 or not np.isfinite(norm):
+            return 0
+        v = v / norm
+        with self._lock:
+            now = self.clock()
+            others = [(n, s) for n, s in self._summaries.items() if n != name and s.shape == v.shape]
+            self._summaries[name] = v
+            self._summaries.move_to_end(name)
+            while len(self._summaries) > self.max_nodes:
+                self._summaries.popitem(last=False)
+            if not others:
+                return 0
+            names, matrix = zip(*others, strict=True)
+            cosines = np.stack(matrix) @ v
+            linked = 0
+            for other, cos in zip(names, cosines, strict=True):
+                if cos >= SEMANTIC_MIN_COSINE:
+                    key = (_pair(name, other), EdgeType.SEMANTIC)
+                    if key not in self._edges:
+                        self._add(name, other, EdgeType.SEMANTIC, float(cos), now)
+                    linked += 1
+        return linked
+
+    def link_chain(self, names: Sequence[bytes], kind: EdgeType) -> None:
+        """Links each consecutive pair of `names` (a sequence's pages in order)."""
+        with self._lock:
+            now = self.clock()
+            for a, b in itertools.pairwise(names):
+                self._add(a, b, kind, 1.0, now)
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def to_json(self, describe: Callable[[bytes], dict] | None = None, limit: int = 10_000) -> dict:
+        """Nodes and edges (by type), names in hex, for a debug dump; `describe` adds what is
+        known of a node (its block record)."""
+        with self._lock:
+            now = self.clock()
+            edges = list(self._edges.items())[:limit]
+        by_type: dict[str, list] = {k.value: [] for k in EdgeType}
+        nodes: set[bytes] = set()
+        for ((a, b), kind), (weight, at) in edges:
+            by_type[kind.value].append([a.hex(), b.hex(), round(self._decayed(weight, at, now), 4)])
+            nodes.update((a, b))
+        return {
+            "num_edges": {k: len(v) for k, v in by_type.items()},
+            "nodes": [{"name": n.hex(), **(describe(n) if describe else {})} for n in sorted(nodes)],
+            "edges": by_type,
+        }

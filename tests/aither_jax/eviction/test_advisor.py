@@ -1,0 +1,277 @@
+"""The eviction advisor: protected pages stay, the score orders the rest, rankings are swapped
+atomically and fall back to LRU when stale, and the scheduler's events build the graph.
+
+Scheduler-level tests run on the prefix-cache tests' `FakeDevice` (pages of token ids, every
+sequence checked to read back its own tokens and produce the reference output)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aither_jax.context.prompt import SectionSpan
+from aither_jax.eviction.graph import EdgeType
+from aither_jax.eviction.policy import AdvisorPolicy
+from aither_jax.kv.blocks import Block
+from tests.aither_jax.kv import test_prefix_cache
+from tests.aither_jax.kv.test_prefix_cache import PAGE, FakeDevice, check_drained, make_seq, run_until
+
+
+def make_scheduler(**overrides):
+    """The prefix-cache tests' scheduler, pins limited to a quarter of the pool."""
+    return test_prefix_cache.make_scheduler(**{"max_pinned_fraction": 0.25, **overrides})
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def block(page: int, *, tag=None, importance=None, hits=0, last_access=0, touched_at=100.0) -> Block:
+    b = Block(page, name=bytes([page]) * 32, source_tag=tag, importance=importance, hits=hits)
+    b.last_access, b.touched_at = last_access, touched_at
+    return b
+
+
+def test_protected_pages_are_never_victims_up_to_the_cap():
+    policy = AdvisorPolicy(max_protected_pages=2, clock=Clock())
+    blocks = [
+        block(1, tag="system", last_access=1),
+        block(2, tag="identity", last_access=2),
+        block(3, tag="notes", importance=1.0, last_access=3),  # importance 1.0 protects too
+        block(4, tag="user", importance=0.6, last_access=4),
+        block(5, tag="assistant", importance=0.4, last_access=5),
+    ]
+    assert policy.num_evictable(blocks) == 3  # two open pages and the protected one past the cap
+    # Stale ranking (none yet): LRU among the open pages, then the least recently used protected.
+    assert [b.page for b in policy.victims(blocks, 5)] == [4, 5, 1]
+    assert policy.num_stale == 1
+    policy.refresh(blocks)
+    # Fresh: by score; the assistant page (importance 0.4) before the user page (0.6).
+    assert [b.page for b in policy.victims(blocks, 5)] == [5, 4, 1]
+    assert policy.evicted_by_tag == {"user": 2, "assistant": 2, "system": 2}
+
+
+def test_the_score_follows_the_original_weights():
+    clock = Clock()
+    policy = AdvisorPolicy(max_protected_pages=0, clock=clock)
+    old, hit, linked = block(1, touched_at=0.0), block(2, hits=1), block(3)
+    policy.graph.add(linked.name, b"other" * 7, EdgeType.TEMPORAL, 2.0)
+    stats = policy.graph.stats()
+    assert policy.score(old, stats, clock.now) == pytest.approx(0.01 * 100)
+    assert policy.score(hit, stats, clock.now) == pytest.approx(-3.0)
+    assert policy.score(linked, stats, clock.now) == pytest.approx(-5.0 - 2 * 2.0)
+    important = block(4, importance=0.5)
+    important.attention_mass = 0.25
+    assert policy.score(important, stats, clock.now) == pytest.approx(-20 * 0.5 - 10 * 0.25)
+
+
+def test_a_stale_ranking_falls_back_to_lru_order():
+    clock = Clock()
+    policy = AdvisorPolicy(max_protected_pages=0, clock=clock, stale_s=2.0)
+    blocks = [block(1, importance=0.9, last_access=1), block(2, importance=0.1, last_access=2)]
+    policy.refresh(blocks)
+    assert [b.page for b in policy.victims(blocks, 2)] == [2, 1] and policy.num_stale == 0
+    clock.now += 2.5
+    assert [b.page for b in policy.victims(blocks, 2)] == [1, 2] and policy.num_stale == 1
+    assert policy.ranking_age == pytest.approx(2.5)
+
+
+def test_readers_see_one_whole_ranking_while_it_is_swapped():
+    policy = AdvisorPolicy(max_protected_pages=0)
+    blocks = [block(p) for p in range(1, 41)]
+    orders = {tuple(range(1, 41)), tuple(range(40, 0, -1))}
+    stop, seen, bad = threading.Event(), set(), []
+
+    def writer():
+        flip = False
+        while not stop.is_set():
+            for i, b in enumerate(blocks):
+                b.hits = i if flip else 40 - i  # hits lower the score: fewer hits go first
+            policy.refresh(blocks)
+            flip = not flip
+
+    def reader():
+        for _ in range(300):
+            order = tuple(b.page for b in policy.victims(blocks, 40))
+            (seen if order in orders else bad).add(order)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    assert not bad and seen  # never a mix of two rankings
+
+
+def test_the_ranking_thread_refreshes_and_stops_with_its_owner():
+    policy = AdvisorPolicy(max_protected_pages=0, refresh_s=0.01)
+
+    class Owner:
+        def blocks(self):
+            return [block(1)]
+
+    owner = Owner()
+    policy.start(owner.blocks)
+    for _ in range(500):
+        if policy.num_refreshes >= 2:
+            break
+        threading.Event().wait(0.01)
+    assert policy.num_refreshes >= 2 and policy.ranking_age < 1.0
+    thread = policy._thread
+    del owner  # the source's owner is gone: the thread ends by itself
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_configurations_whose_protected_pages_could_fill_the_pool_are_refused():
+    with pytest.raises(ValueError, match="leaving less than one request"):
+        make_scheduler(eviction_policy="advisor", num_pages=17, max_pages_per_seq=8, max_protected_fraction=0.5)
+    with pytest.raises(ValueError, match="max_protected_fraction must be in"):
+        make_scheduler(eviction_policy="advisor", max_protected_fraction=1.5)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        make_scheduler(eviction_policy="advisor", enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="eviction policy must be one of"):
+        make_scheduler(eviction_policy="graph")
+
+
+# -- the scheduler's events ---------------------------------------------------------------------
+
+
+def system_seq(system: list[int], user: list[int], *, max_tokens: int = 2, tag: str = "system"):
+    """A chat-like sequence: a system span (protected), then a user span."""
+    seq = make_seq(system + user, max_tokens=max_tokens)
+    n = len(system)
+    seq.sections = (SectionSpan(tag, 1.0, 0, n), SectionSpan("user", 0.6, n, n + len(user)))
+    return seq
+
+
+def edges(graph, kind):
+    return {tuple(sorted((a, b))) for a in graph._adj for b, k in graph._adj[a] if k == kind}
+
+
+def test_the_scheduler_makes_temporal_prefix_share_and_memory_ref_edges_from_their_events():
+    sched = make_scheduler(eviction_policy="advisor", num_pages=32)
+    graph, device = sched.policy.graph, FakeDevice(sched)
+    first = make_seq(list(range(1, 14)), max_tokens=1)  # 3 full prompt pages
+    sched.add(first)
+    device.run_until_done()
+    assert edges(graph, EdgeType.TEMPORAL) == {tuple(sorted(p)) for p in itertools.pairwise(first.names)}
+    assert graph.num_edges() == 2
+    # A second request reuses the first two pages, then forks.
+    second = make_seq([*range(1, 9), 50, 51, 52, 53, 54], max_tokens=1)
+    sched.add(second)
+    device.run_until_done()
+    assert second.fork == first.names[1]
+    assert edges(graph, EdgeType.PREFIX_SHARE) == {tuple(sorted((first.names[1], second.names[2])))}
+    assert graph.num_edges() == 3
+    # A request whose prompt holds a retrieved memory: its pages link to the request's last page.
+    third = make_seq([*range(60, 72), 5, 6, 7, 8, 9], max_tokens=1)
+    third.sections = (SectionSpan("memories", 0.3, 0, 8), SectionSpan("user", 0.6, 8, 17))
+    sched.add(third)
+    device.run_until_done()
+    reader = third.names[3]
+    assert edges(graph, EdgeType.MEMORY_REF) == {tuple(sorted((third.names[i], reader))) for i in (0, 1)}
+    assert graph.num_edges(EdgeType.SPILL_LINK) == graph.num_edges(EdgeType.CO_ATTEND) == 0
+    blocks = [sched.allocator.blocks[sched.prefix_cache._full[n]] for n in third.names]
+    assert [b.source_tag for b in blocks] == ["memories", "memories", "user", "user"]
+    assert [b.token_range for b in blocks] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert all(b.tenant == third.salt and b.created_at > 0 for b in blocks)
+
+
+class FakeTiers:
+    """Takes demoted pages (the cache only needs `demote`, `holds` and `touch` here)."""
+
+    def __init__(self):
+        self.demoted = []
+
+    def demote(self, pages):
+        self.demoted += [name for name, _, _ in pages]
+
+    def holds(self, name):
+        return False
+
+    def touch(self, names):
+        pass
+
+
+def test_a_demoted_page_is_spill_linked_to_its_chain_left_on_the_device():
+    sched = make_scheduler(eviction_policy="advisor", num_pages=32)
+    sched.prefix_cache.tiers = FakeTiers()
+    device = FakeDevice(sched)
+    seq = make_seq(list(range(1, 14)), max_tokens=1)
+    sched.add(seq)
+    device.run_until_done()
+    cache = sched.prefix_cache
+    middle = cache._full[seq.names[1]]
+    for b in cache.cached_blocks():  # every other page protected: the middle one goes
+        b.importance = 0.0 if b.page == middle else 1.0
+    assert cache.evict(1) == 1 and cache.tiers.demoted == [seq.names[1]]
+    pairs = {tuple(sorted((seq.names[1], seq.names[j]))) for j in (0, 2)}
+    assert edges(sched.policy.graph, EdgeType.SPILL_LINK) == pairs
+
+
+def test_an_identity_used_once_survives_pressure_with_the_advisor_and_not_with_lru():
+    """The original system's worst bug: a persona's system pages, written at the start and not
+    used again for a while, were evicted first and had to be recomputed."""
+    persona = list(range(200, 212))  # 3 full pages
+    results = {}
+    for policy in ("lru", "advisor"):
+        sched = make_scheduler(eviction_policy=policy, num_pages=17, max_num_seqs=1, max_pages_per_seq=8)
+        device = FakeDevice(sched)
+        seqs = [system_seq(persona, [1, 2, 3, 4])]
+        for i in range(12):  # other users' requests in between, under another system prompt
+            seqs.append(system_seq(list(range(300, 304)), [10 + i] * 9, tag="other-system"))
+        again = system_seq(persona, [5, 6, 7, 8])
+        for s in [*seqs, again]:
+            sched.add(s)
+            device.run_until_done()
+        results[policy] = again.num_cached_prompt
+        check_drained(sched, [*seqs, again])
+    assert results == {"lru": 0, "advisor": 12}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 16), st.integers(1, 8), st.booleans()), min_size=1, max_size=16
+    ),
+    st.integers(20, 32),
+    st.integers(1, 3),
+)
+def test_protected_pages_within_the_cap_are_never_evicted_and_the_pool_never_deadlocks(requests, num_pages, seqs):
+    sched = make_scheduler(eviction_policy="advisor", num_pages=num_pages, max_num_seqs=seqs, max_pages_per_seq=8)
+    policy = sched.policy
+    evicted_protected = []
+    original = policy.victims
+
+    def victims(candidates, n):
+        chosen = original(candidates, n)
+        protected = [b for b in candidates if policy.protected(b)]
+        if len(protected) <= policy.max_protected_pages:
+            evicted_protected.extend(b for b in chosen if policy.protected(b))
+        return chosen
+
+    policy.victims = victims
+    device = FakeDevice(sched)
+    seqs_ = []
+    for persona, user_len, max_tokens, wait in requests:
+        system = [100 + 10 * persona + j for j in range(8)]
+        seq = system_seq(system, [persona + 1] * user_len, max_tokens=max_tokens)
+        seqs_.append(seq)
+        sched.add(seq)
+        if wait:
+            run_until(device, lambda s=seq: s.finished)
+    device.run_until_done()
+    check_drained(sched, seqs_)
+    assert evicted_protected == []
+    assert PAGE == 4

@@ -1,0 +1,97 @@
+"""The block graph: each edge type made by its own event, weights growing and decaying, bounded
+memory, co-attendance counted without favouring any ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aither_jax.eviction.graph import CO_ATTEND_MIN, BlockGraph, EdgeType
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def name(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def test_co_attend_edges_appear_at_the_third_co_occurrence_and_then_grow():
+    graph = BlockGraph(clock=Clock())
+    masses = {name(1): 0.5, name(2): 0.3, name(3): 0.01}
+    for _ in range(CO_ATTEND_MIN - 1):
+        assert graph.co_attend(masses, threshold=0.1) == 0
+    assert graph.num_edges() == 0
+    assert graph.co_attend(masses, threshold=0.1) == 1
+    assert graph.weight(name(1), name(2), EdgeType.CO_ATTEND) == 1.0
+    graph.co_attend(masses, threshold=0.1)
+    assert graph.weight(name(2), name(1), EdgeType.CO_ATTEND) == 2.0
+    assert graph.num_edges() == graph.num_edges(EdgeType.CO_ATTEND) == 1  # page 3 stayed below the threshold
+
+
+def test_co_attendance_counts_the_heaviest_pages_whatever_their_ids():
+    # 40 pages over the threshold; the 4 heaviest have the highest ids. Counting the first pairs
+    # in id order (the public version's 100-pair cap) would never link them.
+    graph = BlockGraph(clock=Clock(), co_attend_top=4)
+    masses = {name(i): 0.1 + (0.5 if i >= 36 else 0.0) + i * 1e-4 for i in range(40)}
+    for _ in range(CO_ATTEND_MIN):
+        graph.co_attend(masses, threshold=0.05)
+    heavy = [name(i) for i in range(36, 40)]
+    assert graph.num_edges(EdgeType.CO_ATTEND) == 6  # every pair of the four, nothing else
+    assert all(graph.weight(a, b, EdgeType.CO_ATTEND) == 1.0 for a in heavy for b in heavy if a < b)
+
+
+def test_semantic_edges_link_pages_whose_key_summaries_are_close():
+    graph = BlockGraph(clock=Clock())
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(64)
+    near = base + 0.1 * rng.standard_normal(64)  # cosine ~0.99
+    far = rng.standard_normal(64)  # cosine ~0
+    assert graph.summarize(name(1), base) == 0
+    assert graph.summarize(name(2), far) == 0
+    assert graph.summarize(name(3), near) == 1
+    cos = float(base @ near / np.linalg.norm(base) / np.linalg.norm(near))
+    assert graph.weight(name(1), name(3), EdgeType.SEMANTIC) == pytest.approx(cos, rel=1e-5)
+    assert graph.num_edges() == graph.num_edges(EdgeType.SEMANTIC) == 1
+    assert graph.summarize(name(4), np.zeros(64)) == 0  # no direction: no summary
+
+
+def test_weights_decay_with_the_half_life_and_grow_from_the_decayed_value():
+    clock = Clock()
+    graph = BlockGraph(half_life_s=10.0, clock=clock)
+    graph.add(name(1), name(2), EdgeType.TEMPORAL, 4.0)
+    clock.now = 10.0
+    assert graph.weight(name(1), name(2), EdgeType.TEMPORAL) == pytest.approx(2.0)
+    graph.add(name(1), name(2), EdgeType.TEMPORAL, 1.0)
+    clock.now = 20.0
+    assert graph.weight(name(1), name(2), EdgeType.TEMPORAL) == pytest.approx(1.5)
+    assert graph.stats()[name(1)] == (1, pytest.approx(1.5))
+
+
+def test_the_graph_keeps_at_most_max_edges_dropping_the_weakest():
+    clock = Clock()
+    graph = BlockGraph(max_edges=50, clock=clock)
+    for i in range(200):
+        clock.now = float(i)  # later edges are stronger (less decayed)
+        graph.add(name(i), name(i + 1), EdgeType.TEMPORAL, 1.0)
+    assert graph.num_edges() <= 50 and graph.num_pruned >= 150
+    assert graph.weight(name(199), name(200), EdgeType.TEMPORAL) > 0  # the newest survive
+    assert graph.weight(name(0), name(1), EdgeType.TEMPORAL) == 0
+    graph.remove(name(199))
+    assert graph.neighbours(name(199)) == [] and graph.weight(name(199), name(200), EdgeType.TEMPORAL) == 0
+
+
+def test_the_dump_lists_nodes_and_edges_by_type():
+    graph = BlockGraph(clock=Clock())
+    graph.link_chain([name(1), name(2), name(3)], EdgeType.TEMPORAL)
+    graph.add(name(3), name(9), EdgeType.MEMORY_REF)
+    dump = graph.to_json(lambda n: {"tag": "x"})
+    assert dump["num_edges"]["temporal"] == 2 and dump["num_edges"]["memory_ref"] == 1
+    assert dump["num_edges"]["spill_link"] == 0
+    assert [n["name"] for n in dump["nodes"]] == sorted(name(i).hex() for i in (1, 2, 3, 9))
+    assert dump["nodes"][0]["tag"] == "x"
