@@ -35,6 +35,7 @@ class LRUPolicy:
     """Least recently used first."""
 
     name = "lru"
+    protects = False
     graph = None  # it keeps none
 
     def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
@@ -78,6 +79,7 @@ class AdvisorPolicy:
     """The graph eviction advisor (module docstring)."""
 
     name = "advisor"
+    protects = True
 
     def __init__(
         self,

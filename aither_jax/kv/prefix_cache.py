@@ -47,6 +47,7 @@ class EvictionPolicy(Protocol):
     aither_jax/eviction/policy.py)."""
 
     name: str
+    protects: bool  # whether some idle pages are never victims (num_evictable < candidates)
 
     def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
         """Up to `n` of the idle `candidates`, the first to evict first (a policy may keep
@@ -205,10 +206,10 @@ class PrefixCache:
 
     def num_evictable_taken(self, pages: Sequence[int]) -> int:
         """How many fewer pages could be evicted once `pages` (some cached) are held."""
-        taken = set(pages)
+        taken = {p for p in pages if p in self._cached and self._idle(p)}
+        if not taken or not self.policy.protects:
+            return len(taken)
         idle = self._idle_blocks()
-        if not any(b.page in taken for b in idle):
-            return 0
         return self.policy.num_evictable(idle) - self.policy.num_evictable([b for b in idle if b.page not in taken])
 
     @property
