@@ -26,6 +26,7 @@ import collections
 import numpy as np
 
 from aither_jax.compile.buckets import bucket
+from aither_jax.context.prompt import ROLE_IMPORTANCE, SectionSpan
 from aither_jax.core.plan import StepPlan
 from aither_jax.core.sequence import Sequence
 from aither_jax.eviction.graph import EdgeType
@@ -338,8 +339,7 @@ class Scheduler:
     def computed(self, seq: Sequence, num_new: int) -> None:
         """Records that `num_new` more tokens of `seq` are in the cache; names its full pages,
         and gives the pages its prompt's tagged sections fill their tag and importance."""
-        if seq.sections and seq.num_cached < len(seq.prompt_ids):
-            self._tag_pages(seq, seq.num_cached, seq.num_cached + num_new)
+        self._tag_pages(seq, seq.num_cached, seq.num_cached + num_new)
         seq.num_cached += num_new
         seq.num_computed += num_new
         if self.prefix_cache is None:
@@ -414,11 +414,15 @@ class Scheduler:
 
     def _tag_pages(self, seq: Sequence, start: int, stop: int) -> None:
         """Block records of the pages holding tokens [start, stop): the tag and importance of
-        the most important section with tokens on the page."""
+        the most important span with tokens on the page, where the prompt's tagged sections
+        are followed by the model's own tokens (the generation prompt and the answer), tagged
+        `assistant`."""
         blocks = self.allocator.blocks
+        answer = max((s.stop for s in seq.sections), default=len(seq.prompt_ids))
+        spans_all = (*seq.sections, SectionSpan("assistant", ROLE_IMPORTANCE["assistant"], answer, 1 << 62))
         for i in range(start // self.page_size, -(-stop // self.page_size)):
             lo, hi = i * self.page_size, (i + 1) * self.page_size
-            spans = [s for s in seq.sections if s.start < hi and s.stop > lo]
+            spans = [s for s in spans_all if s.start < hi and s.stop > lo]
             if spans and i < len(seq.pages):
                 best = max(spans, key=lambda s: s.importance)
                 block = blocks[seq.pages[i]]

@@ -75,6 +75,36 @@ def _key(block: Block) -> tuple:
     return (block.page, block.name, block.partial)
 
 
+CHAIN_MARGIN = 1e-6  # how much lower a page scores than its lowest-scoring continuation
+
+
+def _deepest_first(blocks: Sequence[Block]) -> list[tuple[Block, Block]]:
+    """(page, its parent page) for each page whose parent is among `blocks`, children before
+    their parents (by depth in the chain)."""
+    by_name = {b.name: b for b in blocks if b.name is not None}
+    depth: dict[bytes, int] = {}
+
+    def depth_of(name: bytes) -> int:
+        """1 + the number of ancestors of `name` among `blocks`."""
+        path, cur = [], name
+        while cur is not None and cur in by_name and cur not in depth:
+            path.append(cur)
+            cur = by_name[cur].parent
+        d = depth.get(cur, 0)
+        for n in reversed(path):
+            d += 1
+            depth[n] = d
+        return depth[name]
+
+    pairs = []
+    for b in blocks:
+        parent = by_name.get(b.parent) if b.parent is not None else None
+        if parent is not None and parent is not b:
+            pairs.append((depth_of(b.name) if b.name is not None else depth_of(parent.name) + 1, b, parent))
+    pairs.sort(key=lambda t: -t[0])
+    return [(b, parent) for _, b, parent in pairs]
+
+
 class AdvisorPolicy:
     """The graph eviction advisor (module docstring)."""
 
@@ -128,11 +158,15 @@ class AdvisorPolicy:
 
     def refresh(self, blocks: Sequence[Block]) -> None:
         """Scores `blocks` and publishes the ranking (one assignment: readers see the old one
-        or the new one, never a mix)."""
+        or the new one, never a mix). A page never ranks before a page that continues its
+        chain: evicting a chain's middle would strand the pages after it, so each page's
+        score is below its descendants'."""
         start = time.perf_counter()
         now = self.clock()
         stats = self.graph.stats()
         ranking = {_key(b): self.score(b, stats, now) for b in blocks}
+        for b, parent in _deepest_first(blocks):
+            ranking[_key(parent)] = min(ranking[_key(parent)], ranking[_key(b)] - CHAIN_MARGIN)
         self._ranking = (now, ranking)
         self.num_refreshes += 1
         self.refresh_seconds += time.perf_counter() - start

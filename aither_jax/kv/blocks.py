@@ -50,6 +50,20 @@ class Block:
         """Whether the prefix cache names this page (full or partial)."""
         return self.name is not None or self.partial is not None
 
+    def metadata(self) -> dict:
+        """What travels with the page's bytes to the host and disk tiers (JSON-friendly)."""
+        token_range = None if self.token_range is None else list(self.token_range)
+        return {"tag": self.source_tag, "importance": self.importance, "token_range": token_range, "hits": self.hits}
+
+    def restore(self, meta: dict | None) -> None:
+        """Takes back `metadata()` when the page returns to the device."""
+        if not meta:
+            return
+        self.source_tag, self.importance = meta.get("tag"), meta.get("importance")
+        token_range = meta.get("token_range")
+        self.token_range = None if token_range is None else tuple(token_range)
+        self.hits = int(meta.get("hits") or 0)
+
     def forget(self) -> None:
         """Clears what the prefix cache and the policies knew (the page is free again)."""
         self.name = self.parent = self.partial = None

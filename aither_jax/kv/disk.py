@@ -9,7 +9,8 @@ into place, so a reader sees either the whole file or none. Each file carries:
 
 The header holds the store's fingerprint (everything that makes the bytes meaningful: model
 file, tokenizer, KV format and codec, page size, code version; see `PageStore.fingerprint`),
-the page's name and parent, the payload's length and its SHA-256. Opening a directory indexes
+the page's name and parent, what its block record knew (tag, importance, token range, hits),
+the payload's length and its SHA-256. Opening a directory indexes
 the files whose header matches; one written under another configuration, torn (short) or
 unreadable is skipped and counted, never loaded. A payload whose checksum fails when read is
 deleted and counted as corrupt, and the lookup is a miss: the page is recomputed.
@@ -91,6 +92,7 @@ class DiskStore:
         self.counters = DiskCounters()
         # name -> parent name (None for a chain's first page), least recently used first.
         self._index: collections.OrderedDict[bytes, bytes | None] = collections.OrderedDict()
+        self._meta: dict[bytes, dict] = {}  # name -> block metadata, where a page has any
         self._lock = threading.RLock()  # the index and `_pending`, shared with the I/O thread
         self._pending: dict[bytes, bytes] = {}  # name -> payload whose write has not landed yet
         self._staged: collections.OrderedDict[bytes, concurrent.futures.Future] = collections.OrderedDict()
@@ -115,8 +117,10 @@ class DiskStore:
                 continue
             found.append((path.stat().st_mtime_ns, header))
         for _, header in sorted(found, key=lambda f: f[0]):
-            parent = header["parent"]
-            self._index[bytes.fromhex(header["name"])] = None if parent is None else bytes.fromhex(parent)
+            parent, name = header["parent"], bytes.fromhex(header["name"])
+            self._index[name] = None if parent is None else bytes.fromhex(parent)
+            if isinstance(header.get("meta"), dict):
+                self._meta[name] = header["meta"]
         if self.counters.num_skipped:
             log.warning(
                 "KV disk tier %s: skipped %d unreadable or foreign page files", self.dir, self.counters.num_skipped
@@ -156,11 +160,15 @@ class DiskStore:
     def parent(self, name: bytes) -> bytes | None:
         return self._index[name]
 
+    def meta(self, name: bytes) -> dict | None:
+        """The block metadata written with a page (None without any)."""
+        return self._meta.get(name)
+
     # -- pages --------------------------------------------------------------------------------
 
-    def write(self, name: bytes, parent: bytes | None, payload: bytes | memoryview) -> None:
-        """Stores a page atomically (it is the most recently used afterwards); in the
-        background with `background=True`."""
+    def write(self, name: bytes, parent: bytes | None, payload: bytes | memoryview, meta: dict | None = None) -> None:
+        """Stores a page atomically (it is the most recently used afterwards), with its block
+        metadata `meta`; in the background with `background=True`."""
         if len(payload) != self.page_bytes:
             raise ValueError(f"a page payload is {self.page_bytes} bytes, got {len(payload)}")
         with self._lock:
@@ -169,16 +177,18 @@ class DiskStore:
                 return
             self._fit(self.capacity - 1)
             self._index[name] = parent
+            if meta:
+                self._meta[name] = meta
             self.counters.num_written += 1
             self.counters.bytes_written += len(payload)
             if self._io is None:
-                self._write_file(name, parent, payload)
+                self._write_file(name, parent, payload, meta)
                 return
             payload = bytes(payload)
             self._pending[name] = payload
-        self._io.submit(self._write_file, name, parent, payload)
+        self._io.submit(self._write_file, name, parent, payload, meta)
 
-    def _write_file(self, name: bytes, parent: bytes | None, payload: bytes) -> None:
+    def _write_file(self, name: bytes, parent: bytes | None, payload: bytes, meta: dict | None = None) -> None:
         """Writes a temporary file, fsyncs it, and renames it into place if the page is still
         indexed (and, in the background, this write is still the page's latest)."""
         header = json.dumps(
@@ -188,6 +198,7 @@ class DiskStore:
                 "parent": None if parent is None else parent.hex(),
                 "payload": len(payload),
                 "sha256": hashlib.sha256(payload).hexdigest(),
+                **({"meta": meta} if meta else {}),
             }
         ).encode()
         tmp = None
@@ -209,12 +220,14 @@ class DiskStore:
             if self._io is None:
                 with self._lock:
                     self._index.pop(name, None)
+                    self._meta.pop(name, None)
                 raise
             log.warning("KV disk tier: writing %s failed (%s); the page is dropped", name.hex(), e)
             with self._lock:
                 if self._pending.get(name) is payload:
                     self._pending.pop(name)
                     self._index.pop(name, None)
+                    self._meta.pop(name, None)
                 self.counters.num_failed += 1
         finally:
             if tmp is not None:
@@ -289,6 +302,7 @@ class DiskStore:
     def drop(self, name: bytes) -> None:
         with self._lock:
             self._index.pop(name, None)
+            self._meta.pop(name, None)
             self._pending.pop(name, None)
             self._staged.pop(name, None)
             self._path(name).unlink(missing_ok=True)

@@ -133,6 +133,7 @@ class PrefixCache:
         n = self.tiers.promote(names, pages)
         for name, page in zip(names[:n], pages[:n], strict=True):
             self.insert(name, page, parent)
+            self.blocks[page].restore(self.tiers.meta(name))  # its tag, importance, hits
             self.blocks[page].hits += 1
             parent = name
         return n
@@ -178,7 +179,8 @@ class PrefixCache:
         shutdown); returns the pages written."""
         if self.tiers is None:
             return 0
-        return self.tiers.flush([(self.blocks[p].name, self.blocks[p].parent, p) for p in self._full.values()])
+        blocks = [self.blocks[p] for p in self._full.values()]
+        return self.tiers.flush([(b.name, b.parent, b.page, b.metadata()) for b in blocks])
 
     # -- eviction -----------------------------------------------------------------------------
 
@@ -229,7 +231,7 @@ class PrefixCache:
             demoted = [b for b in victims if b.partial is None]
             leaving = {b.page for b in victims}
             self.policy.demoted(demoted, lambda name: name in self._full and self._full[name] not in leaving)
-            self.tiers.demote([(b.name, b.parent, b.page) for b in demoted])
+            self.tiers.demote([(b.name, b.parent, b.page, b.metadata()) for b in demoted])
         else:
             self.policy.forgotten(victims)
         for block in victims:

@@ -222,6 +222,12 @@ class KVTiers:
     def num_disk_pages(self) -> int:
         return len(self.disk) if self.disk is not None else 0
 
+    def meta(self, name: bytes) -> dict | None:
+        """The block metadata a page held below the device was demoted with."""
+        if name in self._host:
+            return self._host[name][2]
+        return self.disk.meta(name) if self.disk is not None else None
+
     def holds(self, name: bytes) -> bool:
         return name in self._host or (self.disk is not None and name in self.disk)
 
@@ -235,39 +241,40 @@ class KVTiers:
     # -- down ---------------------------------------------------------------------------------
 
     def demote(self, pages: Sequence[tuple[bytes, bytes | None, int]]) -> None:
-        """Keeps the bytes of device pages about to be dropped: (name, parent, page) each."""
+        """Keeps the bytes of device pages about to be dropped: (name, parent, page, block
+        metadata or None) each."""
         todo = []
-        for name, parent, page in pages:
+        for name, parent, page, meta in pages:
             if name in self._host:
                 self._host.move_to_end(name)
             elif self.host.capacity == 0 and self.disk is not None and name in self.disk:
                 continue
             else:
-                todo.append((name, parent, page))
+                todo.append((name, parent, page, meta))
         if not todo:
             return
-        rows = self.store.read([page for _, _, page in todo])
+        rows = self.store.read([page for _, _, page, _ in todo])
         self.counters.num_demoted += len(todo)
         self.counters.bytes_to_host += len(todo) * self.page_bytes
         if self.host.capacity == 0:  # no host pool: straight to disk
-            for i, (name, parent, _) in enumerate(todo):
-                self.disk.write(name, parent, page_payload(rows, i))
+            for i, (name, parent, _, meta) in enumerate(todo):
+                self.disk.write(name, parent, page_payload(rows, i), meta)
             return
         # More pages than the host holds: the first ones (least recently used) go on down.
         over = max(len(todo) - self.host.capacity, 0)
-        for i, (name, parent, _) in enumerate(todo[:over]):
+        for i, (name, parent, _, meta) in enumerate(todo[:over]):
             if self.disk is not None:
-                self.disk.write(name, parent, page_payload(rows, i))
+                self.disk.write(name, parent, page_payload(rows, i), meta)
                 self.counters.num_spilled += 1
             else:
                 self.counters.num_host_dropped += 1
         todo, rows = todo[over:], [r[over:] for r in rows]
         slots = []
-        for name, parent, _ in todo:
+        for name, parent, _, meta in todo:
             if not self.host.num_free:
                 self._spill()
             slot = self.host.allocate()
-            self._host[name] = (slot, parent)
+            self._host[name] = (slot, parent, meta)
             slots.append(slot)
         self.host.write(slots, rows)
 
@@ -281,26 +288,26 @@ class KVTiers:
 
     def _spill(self) -> None:
         """Frees the least recently used host page, writing it to disk if there is one."""
-        name, (slot, parent) = self._host.popitem(last=False)
+        name, (slot, parent, meta) = self._host.popitem(last=False)
         if self.disk is not None:
-            self.disk.write(name, parent, self.host.payload(slot))
+            self.disk.write(name, parent, self.host.payload(slot), meta)
             self.counters.num_spilled += 1
         else:
             self.counters.num_host_dropped += 1
         self.host.free(slot)
 
     def flush(self, device: Sequence[tuple[bytes, bytes | None, int]] = ()) -> int:
-        """Writes every host page, and the named `device` pages ((name, parent, page) each),
+        """Writes every host page, and the named `device` pages (as `demote` takes them),
         to disk (a clean shutdown), so a restart finds them all; returns the pages written."""
         if self.disk is None:
             return 0
         device = [d for d in device if d[0] not in self._host and d[0] not in self.disk]
         if device:
-            rows = self.store.read([page for _, _, page in device])
-            for i, (name, parent, _) in enumerate(device):
-                self.disk.write(name, parent, page_payload(rows, i))
-        for name, (slot, parent) in self._host.items():
-            self.disk.write(name, parent, self.host.payload(slot))
+            rows = self.store.read([page for _, _, page, _ in device])
+            for i, (name, parent, _, meta) in enumerate(device):
+                self.disk.write(name, parent, page_payload(rows, i), meta)
+        for name, (slot, parent, meta) in self._host.items():
+            self.disk.write(name, parent, self.host.payload(slot), meta)
         self.disk.sync()
         return len(device) + len(self._host)
 

@@ -195,7 +195,7 @@ class FakeTiers:
         self.demoted = []
 
     def demote(self, pages):
-        self.demoted += [name for name, _, _ in pages]
+        self.demoted += [name for name, _, _, _ in pages]
 
     def holds(self, name):
         return False
@@ -275,3 +275,16 @@ def test_protected_pages_within_the_cap_are_never_evicted_and_the_pool_never_dea
     check_drained(sched, seqs_)
     assert evicted_protected == []
     assert PAGE == 4
+
+
+def test_a_page_never_ranks_before_the_pages_that_continue_its_chain():
+    clock = Clock()
+    policy = AdvisorPolicy(max_protected_pages=0, clock=clock)
+    # A chain root -> a -> b, and a fork root -> c; the root is the least important page.
+    root, a, b, c = block(1, importance=0.0), block(2, importance=0.9), block(3, importance=0.5), block(4)
+    a.parent, b.parent, c.parent = root.name, a.name, root.name
+    c.importance = 0.8
+    policy.refresh([b, c, a, root])
+    order = [x.page for x in policy.victims([root, a, b, c], 4)]
+    assert order.index(3) < order.index(2) < order.index(1) and order.index(4) < order.index(1)
+    assert order == [3, 4, 2, 1]  # b (importance 0.5), c (0.8), a (0.9), the root (capped below them all)

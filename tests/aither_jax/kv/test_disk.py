@@ -32,11 +32,12 @@ def name(i: int) -> bytes:
 def test_pages_survive_a_reopen_and_stay_within_the_capacity(tmp_path):
     store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=3)
     for i in range(4):
-        store.write(name(i), name(i - 1) if i else None, payload(name(i)))
+        store.write(name(i), name(i - 1) if i else None, payload(name(i)), {"tag": "system", "hits": i})
     assert name(0) not in store and len(store) == 3 and store.counters.num_dropped == 1
     assert store.read(name(1)) == payload(name(1))  # now the most recently used
     again = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=3)
     assert len(again) == 3 and again.parent(name(2)) == name(1) and again.parent(name(3)) == name(2)
+    assert again.meta(name(3)) == {"tag": "system", "hits": 3}  # the block metadata written with it
     assert all(again.read(name(i)) == payload(name(i)) for i in (1, 2, 3))
     with pytest.raises(ValueError, match="payload is 65536 bytes"):
         again.write(name(9), None, b"short")

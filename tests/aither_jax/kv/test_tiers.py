@@ -92,7 +92,7 @@ def test_pages_roundtrip_device_host_disk_device_byte_exact(model, kv, draft, tm
         pages = rng.choice(np.arange(1, NUM_PAGES), size=rng.integers(1, 5), replace=False).tolist()
         names = [bytes([i % 256, i // 256, j]) * 11 for j in range(len(pages))]
         expected.update(zip(names, page_bytes(store, pages), strict=True))
-        tiers.demote([(name, None, page) for name, page in zip(names, pages, strict=True)])
+        tiers.demote([(name, None, page, None) for name, page in zip(names, pages, strict=True)])
         # Bring back a random run of what is held, into random device pages.
         held = [n for n in expected if tiers.holds(n)]
         back = [held[j] for j in rng.choice(len(held), size=min(len(held), rng.integers(1, 5)), replace=False)]
@@ -120,6 +120,9 @@ def test_the_prefix_cache_demotes_evicted_pages_and_finds_them_below_the_device(
     for i, (name, page) in enumerate(zip(names, pages, strict=True)):
         cache.insert(name, page, names[i - 1] if i else None)
     before = page_bytes(store, pages)
+    for i, page in enumerate(pages):  # what the block records knew travels with the bytes
+        block = cache.blocks[page]
+        block.source_tag, block.importance, block.token_range = "identity", 1.0 - i / 10, (4 * i, 4 * i + 4)
     cache.allocator.free(pages)
     assert cache.evict(3) == 3 and cache.match(names) == []
     assert cache.match_lower(names) == names and cache.tiers.num_host_pages == 3
@@ -131,6 +134,12 @@ def test_the_prefix_cache_demotes_evicted_pages_and_finds_them_below_the_device(
     cache.allocator.free(fresh)  # the sequence's references; the cache keeps its own
     assert cache.match(names) == fresh and cache.match_lower(names) == []
     assert [cache.blocks[p].parent for p in fresh] == [None, *names[:2]]
+    assert [(cache.blocks[p].source_tag, cache.blocks[p].importance) for p in fresh] == [
+        ("identity", 1.0),
+        ("identity", 0.9),
+        ("identity", 0.8),
+    ]
+    assert [cache.blocks[p].token_range for p in fresh] == [(0, 4), (4, 8), (8, 12)]
 
 
 def test_a_chain_comes_back_up_to_a_page_that_fails_its_checksum(tmp_path):
@@ -138,7 +147,7 @@ def test_a_chain_comes_back_up_to_a_page_that_fails_its_checksum(tmp_path):
     disk = DiskStore(tmp_path, fingerprint="f", page_bytes=store.page_bytes, capacity=8)
     tiers = KVTiers(store, host_pages=0, disk=disk)  # straight to disk
     names = [b"a" * 32, b"b" * 32, b"c" * 32]
-    tiers.demote([(n, None, p) for n, p in zip(names, [1, 2, 3], strict=True)])
+    tiers.demote([(n, None, p, None) for n, p in zip(names, [1, 2, 3], strict=True)])
     path = disk.dir / (names[1].hex() + ".kvpage")
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
@@ -201,7 +210,7 @@ def test_a_demotion_larger_than_the_host_pool_sends_its_oldest_pages_on_down(dis
     tiers = KVTiers(store, host_pages=2, disk=below)
     names = [bytes([i]) * 32 for i in range(5)]
     before = page_bytes(store, [1, 2, 3, 4, 5])
-    tiers.demote([(n, None, p) for n, p in zip(names, [1, 2, 3, 4, 5], strict=True)])
+    tiers.demote([(n, None, p, None) for n, p in zip(names, [1, 2, 3, 4, 5], strict=True)])
     c = tiers.counters
     assert tiers.num_host_pages == 2 and all(tiers.holds(n) == disk for n in names[:3])
     assert (c.num_spilled, c.num_host_dropped) == ((3, 0) if disk else (0, 3))
