@@ -22,8 +22,10 @@ import numpy as np
 from models.tokenizer import Tokenizer
 
 # The importance (0-1) of a KV page filled by a message of each role, where no tagged section
-# says otherwise: system messages (a model's identity and rules) are the last to give up.
-ROLE_IMPORTANCE = {"system": 1.0, "user": 0.6, "tool": 0.5, "assistant": 0.4}
+# says otherwise: system messages (a model's identity and rules) are the last to give up (1.0:
+# protected from eviction); a conversation's turns weigh the same whoever wrote them, so that
+# among them recency, sharing and hits decide (a follow-up turn needs all of its history).
+ROLE_IMPORTANCE = {"system": 1.0, "user": 0.5, "tool": 0.5, "assistant": 0.5}
 
 # Stands in for a user message's content, to find where the template starts writing it.
 _CONTENT_MARK = "\x00request\x00"

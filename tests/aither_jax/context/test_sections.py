@@ -157,4 +157,4 @@ def test_untagged_messages_fill_pages_known_by_their_role(tok):
     sections, _ = sections_from_messages(messages)
     prompt = Context(tok, context_budget=2048).assemble(sections)
     spans = [(s.tag, s.importance) for s in prompt.sections]
-    assert spans == [("identity", 0.9), ("system", 1.0), ("user", 0.6), ("assistant", 0.7)]
+    assert spans == [("identity", 0.9), ("system", 1.0), ("user", 0.5), ("assistant", 0.7)]
