@@ -97,6 +97,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._computing: set[bytes] = set()  # names of pages that running prefills will fill
+        self._promoted: list[bytes] = []  # pages promoted at admission whose graph neighbours may follow
         self.lookahead = 0  # draft tokens a decoding row may carry (speculative decoding)
         # Counters (tokens unless named otherwise), read by the metrics.
         self.num_prefix_queries = 0
@@ -246,6 +247,8 @@ class Scheduler:
         pages = self._allocate(len(lower))
         parent = names[len(cached) - 1] if cached else None
         n = self.prefix_cache.promote(lower, pages, parent)
+        if self.policy.graph is not None:
+            self._promoted.extend(lower[:n])
         if n < len(lower):
             self.allocator.free(pages[n:])
             if partial:
@@ -377,10 +380,11 @@ class Scheduler:
         watermark, promotes their lower-tier pages into idle cached device pages, so that their
         admission finds them on the device. Returns the pages promoted."""
         tiers = self.prefix_cache.tiers if self.prefix_cache is not None else None
-        if tiers is None or not self.waiting:
+        if tiers is None:
             return 0
         room = int(tiers.low_watermark * self.num_usable_pages) - self.allocator.num_used
-        done = 0
+        done = self._prefetch_neighbours(tiers, room) if self._promoted else 0
+        room -= done
         for seq in list(self.waiting)[:depth]:
             names = hash_chain(seq.salt, seq.token_slice(0, seq.num_tokens - 1), self.page_size)
             on_device = 0
@@ -398,6 +402,35 @@ class Scheduler:
             self.allocator.free(pages)  # the cache's own reference keeps the filled pages
             tiers.counters.num_prefetched += n
             room -= n
+            done += n
+        return done
+
+    MAX_NEIGHBOURS = 8  # spilled neighbours promoted after one step's promotions
+
+    def _prefetch_neighbours(self, tiers, room: int) -> int:
+        """The eviction advisor's prefetch: the graph neighbours of the pages promoted since the
+        last call that are held below the device and reachable (their chain parent is on the
+        device, or they start a chain), highest edge weight + 2 importance first, while the
+        pool is below the low watermark. Returns the pages promoted."""
+        promoted, self._promoted = self._promoted, []
+        cache, ranked = self.prefix_cache, {}
+        for name in promoted:
+            for other, _, weight in self.policy.graph.neighbours(name):
+                if cache.contains(other) or not tiers.holds(other):
+                    continue
+                parent = tiers.parent(other)
+                if parent is not None and not cache.contains(parent):
+                    continue
+                importance = (tiers.meta(other) or {}).get("importance") or 0.0
+                ranked[other] = max(ranked.get(other, 0.0), weight + 2 * importance)
+        done = 0
+        for name in sorted(ranked, key=ranked.get, reverse=True)[: min(max(room, 0), self.MAX_NEIGHBOURS)]:
+            if cache.contains(name) or not tiers.holds(name):
+                continue  # came up with an earlier one
+            pages = self._allocate(1)
+            n = cache.promote([name], pages, tiers.parent(name))
+            self.allocator.free(pages)  # the cache's own reference keeps a filled page
+            tiers.counters.num_prefetched += n
             done += n
         return done
 

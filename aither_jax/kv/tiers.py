@@ -222,6 +222,12 @@ class KVTiers:
     def num_disk_pages(self) -> int:
         return len(self.disk) if self.disk is not None else 0
 
+    def parent(self, name: bytes) -> bytes | None:
+        """The chain parent of a page held below the device (None for a chain's first page)."""
+        if name in self._host:
+            return self._host[name][1]
+        return self.disk.parent(name)
+
     def meta(self, name: bytes) -> dict | None:
         """The block metadata a page held below the device was demoted with."""
         if name in self._host:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -288,3 +289,69 @@ def test_a_page_never_ranks_before_the_pages_that_continue_its_chain():
     order = [x.page for x in policy.victims([root, a, b, c], 4)]
     assert order.index(3) < order.index(2) < order.index(1) and order.index(4) < order.index(1)
     assert order == [3, 4, 2, 1]  # b (importance 0.5), c (0.8), a (0.9), the root (capped below them all)
+
+
+class RowTiers:
+    """A host tier for `FakeDevice`'s pages of token ids: keeps each demoted page's row, so a
+    promoted page must read back its own tokens."""
+
+    high_watermark, low_watermark = 1.0, 1.0
+
+    def __init__(self, device: FakeDevice):
+        self.device, self.rows = device, {}
+        self.counters = types.SimpleNamespace(num_prefetched=0)
+        self.cost = types.SimpleNamespace(reload=lambda *a, **k: True)
+
+    def demote(self, pages):
+        for name, parent, page, meta in pages:
+            self.rows[name] = (self.device.pages[page].copy(), parent, meta)
+
+    def holds(self, name):
+        return name in self.rows
+
+    def touch(self, names):
+        pass
+
+    def stage(self, names):
+        return 0
+
+    def should_reload(self, names, num_tokens, count=True):
+        return True
+
+    def parent(self, name):
+        return self.rows[name][1]
+
+    def meta(self, name):
+        return self.rows[name][2]
+
+    def promote(self, names, pages):
+        for name, page in zip(names, pages, strict=False):
+            self.device.pages[page] = self.rows[name][0]
+        return len(names)
+
+
+def test_promoting_a_page_brings_its_spilled_neighbours_along():
+    sched = make_scheduler(eviction_policy="advisor", num_pages=40)
+    device = FakeDevice(sched)
+    cache = sched.prefix_cache
+    cache.tiers = RowTiers(device)
+    a = make_seq(list(range(1, 14)), max_tokens=1)  # pages a0 a1 a2
+    b = make_seq([*range(1, 9), 40, 41, 42, 43, 44], max_tokens=1)  # a0 a1, then its own b2
+    for s in (a, b):
+        sched.add(s)
+        device.run_until_done()
+    cache.evict(cache.num_evictable)  # everything to the host
+    assert not any(cache.contains(n) for n in a.names + b.names)
+    c = make_seq([*range(1, 9), 70, 71], max_tokens=2)  # a0 a1 again
+    sched.add(c)
+    device.step()  # admission promotes a0 and a1; after the step their neighbours follow
+    assert sched.prefetch() == 2
+    assert cache.contains(a.names[2]) and cache.contains(b.names[2])  # a1's TEMPORAL and PREFIX_SHARE neighbours
+    assert cache.tiers.counters.num_prefetched == 2
+    device.run_until_done()
+    d = make_seq([*range(1, 13), 99], max_tokens=1)  # a0 a1 a2 from the device now
+    sched.add(d)
+    device.step()
+    assert d.num_cached_prompt == 12
+    device.run_until_done()
+    check_drained(sched, [a, b, c, d])
