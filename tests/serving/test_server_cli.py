@@ -243,8 +243,8 @@ def test_a_restarted_server_serves_each_tenant_its_own_pages_from_disk(tmp_path)
 def test_the_advisor_keeps_a_persona_and_shows_its_graph():
     """With --eviction-policy advisor on a small pool: a persona's system pages stay cached
     through other conversations; the graph, metrics and 404 without the advisor."""
-    flags = (*BASE_FLAGS, "--max-model-len", "512", "--kv-cache-dtype", "fp32", "--max-num-seqs", "1")
-    server = Server(*flags, "--num-pages", "96", "--eviction-policy", "advisor", "--max-pinned-fraction", "0.1")
+    flags = (*BASE_FLAGS, "--max-model-len", "256", "--kv-cache-dtype", "fp32", "--max-num-seqs", "1")
+    server = Server(*flags, "--num-pages", "48", "--eviction-policy", "advisor", "--max-pinned-fraction", "0.1")
     persona = {"role": "system", "content": "You are Aither. You study tides, waves and the moon. " * 6}
 
     def chat(messages) -> dict:
@@ -255,8 +255,8 @@ def test_the_advisor_keeps_a_persona_and_shows_its_graph():
 
     try:
         chat([persona, {"role": "user", "content": "Who are you?"}])
-        for i in range(8):  # other conversations fill the pool many times over
-            chat([{"role": "user", "content": f"Story {i}: " + "the sea rolls on and on. " * 60}])
+        for i in range(4):  # other conversations fill the pool
+            chat([{"role": "user", "content": f"Story {i}: " + "the sea rolls on and on. " * 30}])
         again = chat([persona, {"role": "user", "content": "What do you study?"}])
         assert again["prompt_tokens_details"]["cached_tokens"] >= 64
         graph = httpx.get(server.url + "/debug/kv_graph", timeout=10).json()
