@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from aither_jax.context.prompt import SectionSpan
 from aither_jax.eviction.graph import EdgeType
-from aither_jax.eviction.policy import AdvisorPolicy
+from aither_jax.eviction.policy import AdvisorPolicy, make_policy
 from aither_jax.kv.blocks import Block
 from tests.aither_jax.kv import test_prefix_cache
 from tests.aither_jax.kv.test_prefix_cache import PAGE, FakeDevice, check_drained, make_seq, run_until
@@ -355,3 +355,18 @@ def test_promoting_a_page_brings_its_spilled_neighbours_along():
     assert d.num_cached_prompt == 12
     device.run_until_done()
     check_drained(sched, [a, b, c, d])
+
+
+def test_the_advisor_preempts_the_request_whose_pages_matter_least():
+    policy = AdvisorPolicy(max_protected_pages=0)
+    blocks = {p: block(p) for p in range(1, 7)}
+    blocks[1].source_tag = "system"  # the oldest request holds a protected page
+    for p, importance in ((2, 0.5), (3, 0.9), (4, 0.9), (5, 0.2), (6, 0.2)):
+        blocks[p].importance = importance
+    old, middle, new = (types.SimpleNamespace(pages=pages) for pages in ([1, 2], [3, 4], [5, 6]))
+    assert policy.preemption_victim([old, middle, new], blocks) is new
+    new.pages = [3, 4]  # now as important as the middle one: the newer of the two goes
+    middle.pages = [3, 4]
+    assert policy.preemption_victim([old, middle, new], blocks) is new
+    assert policy.preemption_victim([old, middle], blocks) is middle  # never the protected one
+    assert make_policy("lru").preemption_victim([old, middle, new], blocks) is new
