@@ -24,6 +24,7 @@ from models.weights import LayerWeights, ModelWeights
 from pallas_kernels.paged_attention import (
     dot_precision,
     merge_attention,
+    page_attention_mass,
     paged_attention_reference,
     shared_prefix_attention,
 )
@@ -143,6 +144,9 @@ class KVUpdate:
     # With sink tokens: bf16 bits [L, B, min(T, n), Hkv, Dh] of each row's first new tokens.
     sink_k: jax.Array | None = None
     sink_v: jax.Array | None = None
+    # With `mass_layers`: [B, pages read] the softmax mass the new tokens put on each page
+    # (`page_attention_mass`, averaged over those layers); not written anywhere.
+    attention_mass: jax.Array | None = None
 
 
 def forward(
@@ -158,6 +162,7 @@ def forward(
     taps: tuple[int, ...] = (),
     shared_pages: int = 0,
     tree: tuple[jax.Array, jax.Array] | None = None,
+    mass_layers: tuple[int, ...] = (),
 ) -> tuple[jax.Array, KVUpdate, jax.Array | None]:
     """Runs T new tokens per row through the model; reads the cache, returns what to write.
 
@@ -184,6 +189,10 @@ def forward(
             token. The update still stores entry j at position start + j, so the caller
             reorders its entries into the accepted path (`compact_update`) before writing.
             None: a chain, as usual.
+        mass_layers: layers whose attention mass per page the update carries
+            (`KVUpdate.attention_mass`, for the eviction advisor): computed beside the
+            layer's attention from its decoded keys over every page the row holds, by
+            `page_attention_mass`, whichever path the attention itself takes.
 
     Returns:
         (logits float32, the new tokens' keys/values and where they go).
@@ -212,7 +221,7 @@ def forward(
 
     transposed = _transposed_stream(b * t)
     x = _to_stream(embed(weights, tokens, cfg).reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
-    new_k, new_v, sink_k, sink_v, tapped = [], [], [], [], []
+    new_k, new_v, sink_k, sink_v, tapped, masses = [], [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
             window = cfg.window(idx)
@@ -223,6 +232,14 @@ def forward(
             if cache.key_transform is not None:  # the -pc formats: q . k unchanged, keys reshaped
                 q, k = _transform_query_key(q, k, cache.query_transform[idx], cache.key_transform[idx])
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
+            if idx in mass_layers:
+                k_held, _ = cache.read(table[:, : shared_pages + num_pages], idx)
+                masses.append(
+                    page_attention_mass(
+                        q, cache.decode(k_store, v_store, idx)[0], k_held, batch.start, batch.num_new, page_size,
+                        new_mask=new_mask, window=window, positions=positions,
+                    )
+                )  # fmt: skip
             sinks = None
             if cache.num_sinks:
                 # Sink positions are kept in bf16: the bits go to the per-slot buffer, and a
@@ -313,6 +330,7 @@ def forward(
         seq_lens=batch.start + batch.num_new,
         sink_k=jnp.stack(sink_k) if sink_k else None,
         sink_v=jnp.stack(sink_v) if sink_v else None,
+        attention_mass=sum(masses) / len(masses) if masses else None,
     )
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 

@@ -131,25 +131,11 @@ def paged_attention_reference(
     scale = dh**-0.5 if scale is None else scale
     prec = dot_precision(q.dtype)
 
-    ctx_valid = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)[None, :] < ctx_lens[:, None]  # [B, Sctx]
-    new_valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]  # [B, T]
-    kv_valid = jnp.concatenate([ctx_valid, new_valid], axis=1)  # [B, Sctx + T]
+    mask, kv_valid = _visible(ctx_lens, num_new, k_ctx.shape[1], t, new_mask, window, positions)
     # Masked scores are replaced below, NaN or not, so keys need no zeroing; values do, since
     # a zero weight times NaN is NaN.
     k = jnp.concatenate([k_ctx.astype(q.dtype), k_new], axis=1)
     v = jnp.where(kv_valid[:, :, None, None], jnp.concatenate([v_ctx.astype(q.dtype), v_new], axis=1), 0)
-
-    among_new = causal_mask(t)[None] if new_mask is None else new_mask  # [B or 1, T, T]
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(ctx_valid[:, None, :], (b, t, ctx_valid.shape[1])), among_new & new_valid[:, None, :]],
-        axis=2,
-    )  # [B, T, Sctx + T]
-    if window is not None:
-        if positions is None:
-            positions = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        ctx_pos = jnp.broadcast_to(jnp.arange(k_ctx.shape[1], dtype=jnp.int32)[None, :], (b, k_ctx.shape[1]))
-        key_pos = jnp.concatenate([ctx_pos, positions], axis=1)  # [B, Sctx + T]
-        mask &= positions[:, :, None] - key_pos[:, None, :] < window
 
     g = hq // hkv
     qg = jnp.moveaxis(q.reshape(b, t, hkv, g, dh), 1, 3).reshape(b, hkv, g * t, dh)  # rows (g, t)
@@ -162,6 +148,59 @@ def paged_attention_reference(
         return out
     lse = jax.nn.logsumexp(s, axis=-1)  # [B, Hkv, G, T]
     return out, jnp.moveaxis(lse, 3, 1).reshape(b, t, hq)
+
+
+def _visible(ctx_lens, num_new, num_ctx: int, t: int, new_mask, window, positions):
+    """(mask [B, T, Sctx + T]: which keys each new token sees, kv_valid [B, Sctx + T]) for
+    `paged_attention_reference`'s arguments."""
+    b = ctx_lens.shape[0]
+    ctx_valid = jnp.arange(num_ctx, dtype=jnp.int32)[None, :] < ctx_lens[:, None]  # [B, Sctx]
+    new_valid = jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]  # [B, T]
+    kv_valid = jnp.concatenate([ctx_valid, new_valid], axis=1)  # [B, Sctx + T]
+    among_new = causal_mask(t)[None] if new_mask is None else new_mask  # [B or 1, T, T]
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(ctx_valid[:, None, :], (b, t, num_ctx)), among_new & new_valid[:, None, :]], axis=2
+    )  # [B, T, Sctx + T]
+    if window is not None:
+        if positions is None:
+            positions = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        ctx_pos = jnp.broadcast_to(jnp.arange(num_ctx, dtype=jnp.int32)[None, :], (b, num_ctx))
+        key_pos = jnp.concatenate([ctx_pos, positions], axis=1)  # [B, Sctx + T]
+        mask &= positions[:, :, None] - key_pos[:, None, :] < window
+    return mask, kv_valid
+
+
+def page_attention_mass(
+    q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens
+    k_new: jax.Array,  # [B, T, Hkv, Dh] their keys
+    k_ctx: jax.Array,  # [B, Sctx, Hkv, Dh] stored keys, Sctx a whole number of pages
+    ctx_lens: jax.Array,  # [B]
+    num_new: jax.Array,  # [B]
+    page_size: int,
+    *,
+    scale: float | None = None,
+    new_mask: jax.Array | None = None,
+    window: int | None = None,
+    positions: jax.Array | None = None,
+) -> jax.Array:  # [B, Sctx // page_size] float32
+    """The softmax mass each row's new tokens put on each stored page: the attention weights
+    of `paged_attention_reference` (same arguments, same masks) on the page's keys, summed over
+    the page and averaged over the query heads and the row's valid new tokens, so a row's
+    masses sum to its share of attention on stored keys (at most 1; the rest fell on the new
+    tokens themselves). Rows with no new tokens get zeros."""
+    b, t, hq, dh = q.shape
+    hkv, num_ctx = k_new.shape[2], k_ctx.shape[1]
+    scale = dh**-0.5 if scale is None else scale
+    mask, _ = _visible(ctx_lens, num_new, num_ctx, t, new_mask, window, positions)
+    k = jnp.concatenate([k_ctx.astype(jnp.float32), k_new.astype(jnp.float32)], axis=1)
+    g = hq // hkv
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, g, dh)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+    s = jnp.where(mask[:, None, None], s, MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)[..., :num_ctx]  # [B, Hkv, G, T, Sctx]
+    per_page = p.reshape(b, hkv, g, t, num_ctx // page_size, page_size).sum(axis=(1, 2, 5)) / hq  # [B, T, NP]
+    valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None]).astype(jnp.float32)
+    return (per_page * valid[:, :, None]).sum(1) / jnp.maximum(num_new, 1)[:, None].astype(jnp.float32)
 
 
 def shared_prefix_attention(

@@ -138,6 +138,8 @@ class Engine:
             shared_prefix_attention=shared_prefix_attention, num_scheduler_steps=num_scheduler_steps,
             taps=drafter.taps if drafter else (),
         )  # fmt: skip
+        if self.scheduler.policy.name == "advisor":  # plain steps report attention mass per page
+            self.runner.mass_layers = (max(i for i in range(cfg.num_layers) if cfg.window(i) is None),)
         self.output = OutputProcessor(model.tokenizer)
         self.spec_counters = SpecCounters(self.num_speculative_tokens)
         self.speculator = None
@@ -326,9 +328,11 @@ class Engine:
         want_logprobs = any(s.num_logprobs is not None for s, _ in rows)
         rec = self.recorder
         taps, top_k = (rec.taps, rec.top_k) if rec else (self.runner.taps, 0)
-        next_tokens, logits, hidden, batch = self.runner.run(
+        next_tokens, logits, hidden, batch, mass = self.runner.run(
             rows, return_logits="last" if want_logprobs or top_k else "none", taps=taps, host_logits=not top_k
         )
+        if mass is not None:  # the eviction advisor's attention signal, before new pages are named
+            self.scheduler.attended(rows, mass)
         if rec is not None:
             rec.keep(rows, hidden, logits)
             logits = np.asarray(logits) if want_logprobs else None

@@ -65,6 +65,7 @@ class ModelRunner:
         self.page_size = scheduler.page_size
         self.num_scheduler_steps = num_scheduler_steps
         self.taps = taps  # the layers a DFlash draft reads (its context features)
+        self.mass_layers: tuple[int, ...] = ()  # layers whose attention mass per page steps return
         # Decode steps whose rows share cached prefix pages read them once for the whole batch
         # (see `models.llama.forward`); counted in num_shared_prefix_steps. Not with sliding-
         # window layers (Gemma), whose shared part would need the window too.
@@ -167,12 +168,13 @@ class ModelRunner:
         tokens, batch, sampling, num_pages, greedy_only, shared = self.pack(
             rows, all_logits=return_logits == "all", share_prefix=True
         )
-        next_tokens, logits, hidden = self.dispatch(
+        next_tokens, logits, hidden, mass = self.dispatch(
             tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared
         )
         if logits is not None and host_logits:
             logits = np.asarray(logits)
-        return np.asarray(next_tokens)[: len(rows)], logits, hidden, batch
+        mass = None if mass is None else np.asarray(mass)[: len(rows)]
+        return np.asarray(next_tokens)[: len(rows)], logits, hidden, batch, mass
 
     def dispatch(
         self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
@@ -188,8 +190,8 @@ class ModelRunner:
         args, static = self.forward_args(
             tokens, batch, sampling, num_pages, return_logits, greedy_only, taps=taps, shared_pages=shared_pages
         )
-        next_tokens, logits, self.cache, hidden = model_step(*args, **static)
-        return next_tokens, logits, hidden
+        next_tokens, logits, self.cache, hidden, mass = model_step(*args, **static)
+        return next_tokens, logits, hidden, mass
 
     def steps(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool):
         """Runs `decode_steps`; returns its tokens [B, num_scheduler_steps] (a device array)."""
@@ -239,6 +241,8 @@ class ModelRunner:
         self, tokens, batch, sampling, num_pages: int, return_logits: str, greedy_only: bool, *, taps=(), shared_pages=0
     ):
         static = dict(num_pages=num_pages, return_logits=return_logits, greedy_only=greedy_only)
+        if self.mass_layers:
+            static["mass_layers"] = self.mass_layers
         return self.step_args(tokens, batch, sampling, taps=taps, shared_pages=shared_pages, **static)
 
     def steps_args(self, tokens, batch, sampling, limits, num_pages: int, greedy_only: bool) -> tuple[tuple, dict]:

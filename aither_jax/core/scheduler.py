@@ -405,6 +405,16 @@ class Scheduler:
             done += n
         return done
 
+    def attended(self, rows, mass) -> None:
+        """Hands the eviction policy each row's attention mass per page held ([rows, pages
+        read], `models.llama.forward`'s `mass_layers`)."""
+        blocks = self.allocator.blocks
+        per_row = []
+        for (seq, _), row in zip(rows, mass, strict=False):
+            if seq.slot >= 0:
+                per_row.append([(blocks[p], float(m)) for p, m in zip(seq.pages, row, strict=False)])
+        self.policy.attended(per_row)
+
     MAX_NEIGHBOURS = 8  # spilled neighbours promoted after one step's promotions
 
     def _prefetch_neighbours(self, tiers, room: int) -> int:

@@ -50,7 +50,9 @@ def forward_ids(
         while seq.num_cached < len(ids):
             n = min(len(ids) - seq.num_cached, runner.max_prefill_chunk)
             rows = [(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])]
-            _, out, h, _ = runner.run(rows, return_logits="all" if logits else "none", taps=taps, host_logits=not top_k)
+            _, out, h, _, _ = runner.run(
+                rows, return_logits="all" if logits else "none", taps=taps, host_logits=not top_k
+            )
             if taps:
                 hidden.append(np.asarray(h[0, :n], np.float32))
             if logits:

@@ -94,7 +94,7 @@ class Compiler:
             if r.num_scheduler_steps > 1:
                 tokens = r.steps(tokens, batch, params, np.zeros(num_rows, np.int32), num_pages, greedy_only)
             else:
-                tokens, _, hidden = r.dispatch(tokens, batch, params, num_pages, "none", greedy_only, taps=r.taps)
+                tokens, _, hidden, _ = r.dispatch(tokens, batch, params, num_pages, "none", greedy_only, taps=r.taps)
                 r.write_draft_context(hidden, batch)
             if self.num_speculative_tokens:
                 self._warm_speculative(batch, params, num_pages, greedy_only)

@@ -25,7 +25,18 @@ from models.llama import KVUpdate, StepBatch, compact_update, forward, tree_dept
 from models.weights import ModelWeights
 
 
-@step_jit(static_argnames=("cfg", "num_pages", "return_logits", "greedy_only", "attention", "taps", "shared_pages"))
+@step_jit(
+    static_argnames=(
+        "cfg",
+        "num_pages",
+        "return_logits",
+        "greedy_only",
+        "attention",
+        "taps",
+        "shared_pages",
+        "mass_layers",
+    )
+)
 def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
@@ -40,9 +51,10 @@ def forward_step(
     attention: str = "reference",
     taps: tuple[int, ...] = (),
     shared_pages: int = 0,
+    mass_layers: tuple[int, ...] = (),
 ) -> tuple[jax.Array, jax.Array | None, KVUpdate, jax.Array | None]:
     """Samples the token after each row's last new token (`models.llama.forward` explains
-    `num_pages` and `shared_pages`).
+    `num_pages`, `shared_pages` and `mass_layers`).
 
     Returns:
         next_tokens [B] int32; logits float32 by `return_logits`: None ("none"), each row's
@@ -51,8 +63,9 @@ def forward_step(
     """
     all_logits = return_logits == "all"
     static = dict(
-        cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps, shared_pages=shared_pages
-    )
+        cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps, shared_pages=shared_pages,
+        mass_layers=mass_layers,
+    )  # fmt: skip
     logits, update, hidden = forward(weights, cache, tokens, batch, **static)
     if all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
@@ -233,11 +246,13 @@ def model_step(
     batch: StepBatch,
     sampling: SamplingBatch,
     **static,
-) -> tuple[jax.Array, jax.Array | None, PagedKVCache, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, PagedKVCache, jax.Array | None, jax.Array | None]:
     """One full step: `forward_step` (which takes the keyword arguments `static`) then
-    `write_step`. Returns (next_tokens, logits, cache, tapped hidden states or None)."""
+    `write_step`. Returns (next_tokens, logits, cache, tapped hidden states or None, attention
+    mass per page read or None)."""
     next_tokens, logits, update, hidden = forward_step(weights, cache, tokens, batch, sampling, **static)
-    return next_tokens, logits, write_step(cache, update), hidden
+    mass = update.attention_mass
+    return next_tokens, logits, write_step(cache, update.replace(attention_mass=None)), hidden, mass
 
 
 @step_jit(static_argnames=("axis",))

@@ -50,6 +50,9 @@ class LRUPolicy:
     def forgotten(self, blocks: Sequence[Block]) -> None:
         pass
 
+    def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
+        pass
+
     def preemption_victim(self, running: Sequence, blocks) -> object:
         """The newest running sequence: the least computed work to lose."""
         return running[-1]
@@ -270,6 +273,25 @@ class AdvisorPolicy:
         for b in blocks:
             if b.name is not None:
                 self.graph.remove(b.name)
+
+    MASS_SMOOTHING = 0.3  # weight of a step's mass in a page's moving average
+    CO_ATTEND_THRESHOLD = 0.05  # share of a row's attention that makes a page "attended"
+
+    def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
+        """One step's attention: each row's (page record, mass) pairs. Folds the mass into each
+        page's moving average and its last-attended time, and counts the row's heavily
+        attended named pages as co-attending (CO_ATTEND edges)."""
+        now, a = self.clock(), self.MASS_SMOOTHING
+        for row in rows:
+            heavy = {}
+            for block, mass in row:
+                block.attention_mass = (1 - a) * block.attention_mass + a * mass
+                if mass >= self.CO_ATTEND_THRESHOLD:
+                    block.attended_at = now
+                    if block.name is not None:
+                        heavy[block.name] = mass
+            if len(heavy) > 1:
+                self.graph.co_attend(heavy, self.CO_ATTEND_THRESHOLD)
 
     def preemption_victim(self, running: Sequence, blocks) -> object:
         """The running sequence whose pages matter least (lowest mean importance; the newest

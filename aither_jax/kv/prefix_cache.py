@@ -67,6 +67,10 @@ class EvictionPolicy(Protocol):
         """`blocks` are leaving the device with no lower tier to go to."""
         ...
 
+    def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
+        """One step's attention mass: per row, (page record, mass) of each page it holds."""
+        ...
+
 
 class PrefixCache:
     """Maps page names to page ids; owns one allocator reference per named page. What it knows

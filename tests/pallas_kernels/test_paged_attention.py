@@ -173,3 +173,44 @@ def test_merge_attention_weights_parts_by_their_log_sum_exp():
     np.testing.assert_allclose(np.asarray(merge_attention(halves)), np.asarray(whole), rtol=1e-5, atol=1e-6)
     swapped = [(halves[0][0], halves[1][1]), (halves[1][0], halves[0][1])]
     assert not np.allclose(np.asarray(merge_attention(swapped)), np.asarray(whole), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_page_attention_mass_is_the_softmax_weight_on_each_page(window):
+    """Against the weights written out in numpy: per row, query and head, a softmax over the
+    stored keys it sees and the new keys up to itself; summed per page, averaged over heads
+    and the row's valid queries. Unused slots hold NaN."""
+    from pallas_kernels.paged_attention import page_attention_mass
+
+    rng = np.random.default_rng(3)
+    b, t, hq, hkv, d, page, num_pages = 3, 4, 6, 2, 8, 4, 5
+    ctx_lens, num_new = np.array([13, 0, 20]), np.array([3, 4, 0])
+    q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
+    k_new = rng.standard_normal((b, t, hkv, d)).astype(np.float32)
+    k_ctx = rng.standard_normal((b, num_pages * page, hkv, d)).astype(np.float32)
+    for r in range(b):
+        k_ctx[r, ctx_lens[r] :] = np.nan
+        k_new[r, num_new[r] :] = np.nan
+    got = np.asarray(
+        page_attention_mass(
+            jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(k_ctx), jnp.asarray(ctx_lens), jnp.asarray(num_new), page,
+            window=window,
+        )
+    )  # fmt: skip
+    want = np.zeros((b, num_pages))
+    for r in range(b):
+        for i in range(num_new[r]):
+            pos = ctx_lens[r] + i
+            keys = [(j, k_ctx[r, j]) for j in range(ctx_lens[r])]
+            keys += [(ctx_lens[r] + u, k_new[r, u]) for u in range(i + 1)]
+            keys = [(p, kk) for p, kk in keys if window is None or pos - p < window]
+            for h in range(hq):
+                scores = np.array([q[r, i, h] @ kk[h // (hq // hkv)] for _, kk in keys]) / np.sqrt(d)
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                for (p, _), wi in zip(keys, w, strict=True):
+                    if p < ctx_lens[r]:
+                        want[r, p // page] += wi / hq / num_new[r]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert got[1].sum() == 0 and got[2].sum() == 0  # nothing stored; no new tokens
+    assert 0 < got[0].sum() < 1  # the rest fell on the new tokens

@@ -72,3 +72,37 @@ def test_chat_pages_carry_their_message_role(runs):
 def test_an_advisor_without_prefix_caching_is_refused():
     with pytest.raises(ValueError, match="needs prefix caching"):
         aj.LLM(MODEL, **{**SETTINGS, "enable_prefix_caching": False}, eviction_policy="advisor")
+
+
+def mass_by_name(llm: aj.LLM) -> dict[bytes, float]:
+    return {b.name: b.attention_mass for b in llm.engine.scheduler.prefix_cache.cached_blocks() if b.name is not None}
+
+
+@pytest.mark.parametrize("kv", ["fp32", "tq4"])
+def test_attention_mass_is_the_same_whichever_path_attention_takes(kv):
+    """Pages' attention mass (the advisor's signal) with the rotated-domain path against the
+    reference path that decodes every page: the same up to the paths' rounding."""
+    params = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    masses = {}
+    for attention in ("reference", "xla"):
+        llm = aj.LLM(
+            MODEL, num_pages=40, eviction_policy="advisor", attention=attention, **{**SETTINGS, "kv_cache_dtype": kv}
+        )
+        llm.chat(chats(2), params)
+        masses[attention] = mass_by_name(llm)
+    assert masses["reference"].keys() == masses["xla"].keys() and len(masses["xla"]) >= 5
+    ref, xla = (np.array([m[n] for n in sorted(masses["xla"])]) for m in (masses["reference"], masses["xla"]))
+    assert ref.max() > 0.01  # attended pages carry mass
+    np.testing.assert_allclose(xla, ref, rtol=2e-2, atol=1e-4)
+
+
+def test_heavily_co_attended_pages_are_linked():
+    llm = aj.LLM(MODEL, num_pages=40, eviction_policy="advisor", **SETTINGS)
+    params = aj.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm.chat(chats(1), params)
+    policy = llm.engine.scheduler.policy
+    from aither_jax.eviction.graph import EdgeType
+
+    assert policy.graph.num_edges(EdgeType.CO_ATTEND) > 0
+    blocks = llm.engine.scheduler.prefix_cache.cached_blocks()
+    assert all(0 <= b.attention_mass <= 1 for b in blocks) and any(b.attended_at > 0 for b in blocks)
