@@ -318,6 +318,11 @@ class Engine:
                 self.tiers.cost.observe_prefill(sum(len(t) for _, t in plan.prefill), time.perf_counter() - start)
         self.num_steps += 1
         finished = self.scheduler.finish()
+        if self.scheduler.named:  # the advisor's SEMANTIC summaries of the pages this step named
+            named, self.scheduler.named = self.scheduler.named, []
+            vectors = self.store.key_summaries([p for _, p in named], self.runner.mass_layers[0])
+            for (name, _), vector in zip(named, vectors, strict=True):
+                self.scheduler.policy.graph.summarize(name, vector)
         self.scheduler.relieve_pressure()  # the tiers' watermarks: demote ahead of need ...
         self.scheduler.prefetch()  # ... and promote what waiting requests will need
         return finished

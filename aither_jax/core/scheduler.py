@@ -98,6 +98,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._computing: set[bytes] = set()  # names of pages that running prefills will fill
         self._promoted: list[bytes] = []  # pages promoted at admission whose graph neighbours may follow
+        self.named: list[tuple[bytes, int]] = []  # (name, page) of pages named since the engine last took them
         self.lookahead = 0  # draft tokens a decoding row may carry (speculative decoding)
         # Counters (tokens unless named otherwise), read by the metrics.
         self.num_prefix_queries = 0
@@ -357,9 +358,10 @@ class Scheduler:
                 block = self.allocator.blocks[seq.pages[i]]
                 block.tenant, block.token_range = seq.salt, (i * self.page_size, (i + 1) * self.page_size)
                 block.created_at = block.touched_at
-            if graph is not None and i:
-                kind = EdgeType.PREFIX_SHARE if seq.fork == parent else EdgeType.TEMPORAL
-                graph.add(parent, name, kind)
+            if graph is not None:
+                self.named.append((name, seq.pages[i]))
+                if i:
+                    graph.add(parent, name, EdgeType.PREFIX_SHARE if seq.fork == parent else EdgeType.TEMPORAL)
         if graph is not None and seq.sections and seq.num_cached >= len(seq.prompt_ids) > seq.num_cached - num_new:
             self._link_memories(seq)
         if seq.pin_tokens and seq.num_pinned_pages is None and seq.num_cached >= seq.pin_tokens:

@@ -255,6 +255,15 @@ def model_step(
     return next_tokens, logits, write_step(cache, update.replace(attention_mass=None)), hidden, mass
 
 
+@step_jit(static_argnames=("layer",))
+def page_key_summaries(cache: PagedKVCache, pages: jax.Array, *, layer: int) -> jax.Array:
+    """The mean key of each of `pages` ([N] int32) at `layer`, decoded, heads concatenated:
+    [N, Hkv * Dh] float32 (the eviction advisor's SEMANTIC summaries)."""
+    k, _ = cache.read(pages[None], layer)  # [1, N * S, Hkv, Dh]
+    n = pages.shape[0]
+    return k.astype(jnp.float32).reshape(n, cache.page_size, -1).mean(axis=1)
+
+
 @step_jit(static_argnames=("axis",))
 def read_pages(pools: Any, pages: jax.Array, *, axis: int = 0) -> list[jax.Array]:
     """The stored bytes of `pages` ([N] int32) from every leaf of `pools`, whose page axis is

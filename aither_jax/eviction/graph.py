@@ -9,7 +9,8 @@ real event:
 - CO_ATTEND: pages that carry high attention mass in the same steps; counted for every pair
   of the step's highest-mass pages (chosen by mass, never by id), an edge from the third
   co-occurrence on, its weight growing with each further one.
-- SEMANTIC: two pages whose mean-key summaries have cosine similarity of at least 0.8.
+- SEMANTIC: two pages whose mean-key summaries (centred on their running mean) have cosine
+  similarity of at least 0.8.
 - TEMPORAL: consecutive pages of one sequence (a page and the one computed after it).
 - SPILL_LINK: a page demoted below the device and the device pages of its chain it leaves
   behind, so that promoting one brings its spilled neighbours along.
@@ -46,6 +47,7 @@ class EdgeType(enum.Enum):
 
 CO_ATTEND_MIN = 3  # co-occurrences before a CO_ATTEND edge exists
 SEMANTIC_MIN_COSINE = 0.8
+SEMANTIC_WINDOW = 2048  # the most recent summaries a new one is compared with
 
 
 def _pair(a: bytes, b: bytes) -> tuple[bytes, bytes]:
@@ -77,6 +79,8 @@ class BlockGraph:
         self._adj: dict[bytes, set[tuple[bytes, EdgeType]]] = collections.defaultdict(set)
         self._co_counts: collections.OrderedDict[tuple[bytes, bytes], int] = collections.OrderedDict()
         self._summaries: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self._mean: np.ndarray | None = None  # running mean of the summaries
+        self._num_summaries = 0
         self.num_pruned = 0
 
     # -- edges --------------------------------------------------------------------------------
@@ -186,24 +190,32 @@ class BlockGraph:
         return done
 
     def summarize(self, name: bytes, summary: np.ndarray) -> int:
-        """Records a page's mean-key summary and links it SEMANTIC to every recorded page whose
-        summary has cosine >= SEMANTIC_MIN_COSINE (weight: the cosine). Returns the links."""
+        """Records a page's mean-key summary and links it SEMANTIC to each of the last
+        SEMANTIC_WINDOW recorded pages whose summary has cosine >= SEMANTIC_MIN_COSINE with it
+        (weight: the cosine). Summaries are compared centred on their running mean: keys share
+        a large common direction, so raw mean keys would all look alike. Returns the links."""
         v = np.asarray(summary, np.float32).ravel()
-        norm = float(np.linalg.norm(v))
-        if norm == 0 or not np.isfinite(norm):
+        if not np.isfinite(v).all() or not v.any():
             return 0
-        v = v / norm
         with self._lock:
             now = self.clock()
-            others = [(n, s) for n, s in self._summaries.items() if n != name and s.shape == v.shape]
+            if self._mean is None or self._mean.shape != v.shape:
+                self._mean, self._num_summaries = np.zeros_like(v), 0
+            self._num_summaries += 1
+            self._mean += (v - self._mean) / min(self._num_summaries, 1000)
+            others = [(n, s) for n, s in list(self._summaries.items())[-SEMANTIC_WINDOW:] if n != name]
             self._summaries[name] = v
             self._summaries.move_to_end(name)
             while len(self._summaries) > self.max_nodes:
                 self._summaries.popitem(last=False)
-            if not others:
+            centred = v - self._mean
+            norm = float(np.linalg.norm(centred))
+            others = [(n, s) for n, s in others if s.shape == v.shape]
+            if not others or norm == 0:
                 return 0
             names, matrix = zip(*others, strict=True)
-            cosines = np.stack(matrix) @ v
+            rest = np.stack(matrix) - self._mean
+            cosines = rest @ centred / np.maximum(np.linalg.norm(rest, axis=1) * norm, 1e-30)
             linked = 0
             for other, cos in zip(names, cosines, strict=True):
                 if cos >= SEMANTIC_MIN_COSINE:

@@ -15,7 +15,7 @@ import numpy as np
 
 from aither_jax.compile.buckets import bucket
 from aither_jax.compile.shapes import ShapeRegistry
-from aither_jax.device.steps import copy_pages, read_pages, write_pages
+from aither_jax.device.steps import copy_pages, page_key_summaries, read_pages, write_pages
 from models.kv_cache import PagedKVCache
 
 # Bumped whenever the meaning of stored page bytes changes (part of `fingerprint`).
@@ -89,6 +89,10 @@ class PageStore:
         out = np.full(self.padded_size(len(pages)), pages[0], np.int32)
         out[: len(pages)] = pages
         return out
+
+    def key_summaries(self, pages: list[int], layer: int) -> np.ndarray:
+        """Each page's mean decoded key at `layer`: [len(pages), Hkv * Dh] float32."""
+        return np.asarray(page_key_summaries(self.cache, self._padded(pages), layer=layer))[: len(pages)]
 
     def read(self, pages: list[int]) -> list[np.ndarray]:
         """The stored bytes of device `pages`: one [len(pages), ...] host array per leaf of

@@ -96,7 +96,7 @@ def test_attention_mass_is_the_same_whichever_path_attention_takes(kv):
     np.testing.assert_allclose(xla, ref, rtol=2e-2, atol=1e-4)
 
 
-def test_heavily_co_attended_pages_are_linked():
+def test_heavily_co_attended_pages_are_linked_and_named_pages_summarized():
     llm = aj.LLM(MODEL, num_pages=40, eviction_policy="advisor", **SETTINGS)
     params = aj.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     llm.chat(chats(1), params)
@@ -105,4 +105,6 @@ def test_heavily_co_attended_pages_are_linked():
 
     assert policy.graph.num_edges(EdgeType.CO_ATTEND) > 0
     blocks = llm.engine.scheduler.prefix_cache.cached_blocks()
+    named = {b.name for b in blocks if b.name is not None}
+    assert named and named <= set(policy.graph._summaries)  # every named page's mean key, for SEMANTIC edges
     assert all(0 <= b.attention_mass <= 1 for b in blocks) and any(b.attended_at > 0 for b in blocks)
