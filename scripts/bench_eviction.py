@@ -33,6 +33,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
+from bench_tiers import decode_rate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICIES = ("lru", "advisor")
@@ -123,31 +124,6 @@ def run_pass(llm, args, seed: int, *, timed: bool) -> dict:
         "system_tokens_recomputed": system_tokens_recomputed,
         "turns": turn,
     }
-
-
-def decode_rate(llm) -> float:
-    """Decode tok/s of 4 fresh 128-token prompts x 64 tokens, one at a time."""
-    import numpy as np
-
-    import aither_jax as aj
-
-    rng = np.random.default_rng(2)
-    vocab = llm.config.vocab_size
-
-    def run(n: int) -> float:
-        prompts = [rng.integers(100, vocab - 100, 128).tolist() for _ in range(4)]
-        params = aj.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        for prompt in prompts:
-            llm.generate([prompt], params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    run(1), run(65)
-    rates = []
-    for _ in range(3):
-        t1, t65 = run(1), run(65)
-        rates.append(4 * 64 / (t65 - t1))
-    return statistics.median(rates)
 
 
 def bench_policy(args, policy: str) -> dict:
