@@ -104,6 +104,15 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--kv-cache-dir", "/tmp", "--no-enable-prefix-caching"], "need prefix caching"),
         (["--kv-offloading-size", "1e-9", "--kv-cache-dtype", "fp32"], "holds less than one KV page"),
         (["--kv-cache-dir", "/proc/none"], "--kv-cache-dir: /proc/none cannot be created"),
+        (["--kv-low-watermark", "1.5"], "--kv-low-watermark must be in [0, 1]"),
+        (
+            ["--kv-offloading-size", "1", "--kv-high-watermark", "0.3", "--kv-low-watermark", "0.5"],
+            "low_watermark (0.5) must not exceed high_watermark (0.3)",
+        ),
+        (["--eviction-policy", "graph"], "invalid choice: 'graph'"),
+        (["--max-protected-fraction", "2"], "--max-protected-fraction must be in [0, 1]"),
+        (["--eviction-policy", "advisor", "--no-enable-prefix-caching"], "needs prefix caching"),
+        (["--eviction-policy", "advisor", "--kv-cache-dtype", "fp32"], "leaving less than one request's 512"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_the_problem(argv, message, capsys, monkeypatch):
