@@ -102,6 +102,9 @@ class LLM:
             pages go first). Needs prefix caching.
         max_protected_fraction: with the advisor, most of the page pool that idle protected
             pages may hold (beyond it the least recently used of them may go too).
+        advisor_weights: the advisor's score weights that differ from the defaults, as a dict
+            (or JSON object) of `aither_jax.eviction.policy.AdvisorWeights` fields, such as
+            {"age": 1.0}.
         kv_offloading_size: GiB of host memory for KV pages evicted from the device pool (the
             warm tier; vLLM's --kv-offloading-size): a later prompt that starts with them gets
             them back instead of recomputing them. 0 (the default) drops evicted pages.
@@ -152,6 +155,7 @@ class LLM:
         max_pinned_fraction: float = 0.5,
         eviction_policy: str = "lru",
         max_protected_fraction: float = 0.25,
+        advisor_weights: dict | str | None = None,
         kv_offloading_size: float = 0.0,
         kv_cache_dir: str | os.PathLike | None = None,
         kv_disk_size: float | None = None,
@@ -207,6 +211,7 @@ class LLM:
             max_pinned_fraction=max_pinned_fraction,
             eviction_policy=eviction_policy,
             max_protected_fraction=max_protected_fraction,
+            advisor_weights=advisor_weights,
             kv_cache_dtype=kv_cache_dtype,
             attention=resolve_attention(attention),
             cache_fill_value=_cache_fill_value,

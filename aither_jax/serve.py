@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.25,
         help="with the advisor, most of the page pool that idle protected pages may hold (default 0.25)",
     )
+    p.add_argument(
+        "--advisor-weights",
+        default=None,
+        metavar="JSON",
+        help="the advisor's score weights that differ from the defaults, e.g. '{\"age\": 1.0}' (fields: age, "
+        "degree, edge_weight, importance, hits, attention)",
+    )
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
     p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)
     p.add_argument(
@@ -253,6 +260,7 @@ def build_server(args: argparse.Namespace):
             max_pinned_fraction=args.max_pinned_fraction,
             eviction_policy=args.eviction_policy,
             max_protected_fraction=args.max_protected_fraction,
+            advisor_weights=args.advisor_weights,
             seed=args.seed,
             speculative=args.speculative_config,
             shared_prefix_attention=args.shared_prefix_attention,

@@ -52,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--answer-tokens", type=int, default=48)
     p.add_argument("--num-pages", type=int, default=160, help="the device pool (16-token pages)")
     p.add_argument("--host-gib", type=float, default=0.004, help="the warm tier")
+    p.add_argument("--advisor-weights", default=None, help="JSON: the advisor's weights that differ from the defaults")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_eviction.json")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
@@ -132,6 +133,7 @@ def bench_policy(args, policy: str) -> dict:
     llm = aj.LLM(
         args.model, max_model_len=1024, max_num_seqs=1, num_pages=args.num_pages, enable_prefix_caching=True,
         kv_offloading_size=args.host_gib, eviction_policy=policy, max_pinned_fraction=0.1, progress=False,
+        advisor_weights=args.advisor_weights if policy == "advisor" else None,
     )  # fmt: skip
     run_pass(llm, args, seed=100, timed=False)  # other text: compiles every shape
     start = time.perf_counter()
@@ -153,6 +155,7 @@ def bench_policy(args, policy: str) -> dict:
 def record(report: dict, command: str) -> None:
     run = {"command": command, **bench_record.provenance(report["env"])}
     c = report["config"]
+    weights = c["advisor_weights"]
     entries = []
     for r in report["policies"]:
         figures = {
@@ -167,7 +170,7 @@ def record(report: dict, command: str) -> None:
         }
         config = {
             "model": c["model"],
-            "policy": r["policy"],
+            "policy": r["policy"] + (f" {weights}" if r["policy"] == "advisor" and weights else ""),
             "workload": f"{c['personas']} personas, {c['conversations']} conversations x {c['rounds']} rounds, "
             f"{c['num_pages']} device pages, {c['host_gib']} GiB host",
         }

@@ -68,6 +68,7 @@ class Engine:
         max_pinned_fraction: float = 0.5,
         eviction_policy: str = "lru",
         max_protected_fraction: float = 0.25,
+        advisor_weights: dict | str | None = None,
         cache_fill_value: float = 0.0,
         seed: int = 0,
         speculative: SpeculativeConfig | str | dict | None = None,
@@ -105,6 +106,7 @@ class Engine:
             enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
             max_pinned_fraction=max_pinned_fraction, sink_tokens=cache.num_sinks, min_token_bucket=MIN_TOKEN_BUCKET,
             eviction_policy=eviction_policy, max_protected_fraction=max_protected_fraction,
+            advisor_weights=advisor_weights,
         )  # fmt: skip
         if self.scheduler.policy.name == "advisor":  # ranks the cached pages on its own thread
             self.scheduler.policy.start(self.scheduler.prefix_cache.cached_blocks)

@@ -59,6 +59,7 @@ class Scheduler:
         min_token_bucket: int = 1,
         eviction_policy: str = "lru",
         max_protected_fraction: float = MAX_PROTECTED_FRACTION,
+        advisor_weights: dict | str | None = None,
     ):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
@@ -75,7 +76,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_token_bucket = min_token_bucket
         self.allocator = PageAllocator(num_pages)
-        self.policy = make_policy(eviction_policy, max_protected_pages=int(max_protected_fraction * (num_pages - 1)))
+        self.policy = make_policy(
+            eviction_policy, max_protected_pages=int(max_protected_fraction * (num_pages - 1)), weights=advisor_weights
+        )
         self.prefix_cache = None
         if enable_prefix_caching:
             max_pinned = int(max_pinned_fraction * (num_pages - 1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import threading
 import time
@@ -71,6 +72,28 @@ class AdvisorWeights:
     importance: float = 20.0
     hits: float = 3.0
     attention: float = 10.0
+
+    @classmethod
+    def parse(cls, spec: dict | str | None) -> AdvisorWeights:
+        """Weights from a dict (or a JSON object) of some of the fields; the rest keep their
+        defaults. Raises ValueError naming an unknown field or a value that is not a finite
+        number."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError as e:
+                raise ValueError(f"advisor weights must be a JSON object: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"advisor weights must be an object of weights, got {spec!r}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        for key, value in spec.items():
+            if key not in fields:
+                raise ValueError(f"unknown advisor weight {key!r}; the weights are {', '.join(fields)}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"advisor weight {key!r} must be a finite number, got {value!r}")
+        return cls(**{k: float(v) for k, v in spec.items()})
 
 
 def _key(block: Block) -> tuple:
@@ -310,10 +333,13 @@ class AdvisorPolicy:
 POLICIES = ("lru", "advisor")
 
 
-def make_policy(name: str, *, max_protected_pages: int = 0, **kwargs):
-    """The policy registered under `name` (ValueError naming the choices otherwise)."""
+def make_policy(name: str, *, max_protected_pages: int = 0, weights: dict | str | None = None, **kwargs):
+    """The policy registered under `name` (ValueError naming the choices otherwise); `weights`:
+    the advisor's score weights that differ from the defaults (`AdvisorWeights.parse`)."""
     if name == "lru":
+        if weights:
+            raise ValueError("advisor weights apply to the advisor only (eviction policy 'advisor')")
         return LRUPolicy()
     if name == "advisor":
-        return AdvisorPolicy(max_protected_pages=max_protected_pages, **kwargs)
+        return AdvisorPolicy(max_protected_pages=max_protected_pages, weights=AdvisorWeights.parse(weights), **kwargs)
     raise ValueError(f"eviction policy must be one of {list(POLICIES)}, got {name!r}")

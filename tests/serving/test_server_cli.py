@@ -113,6 +113,8 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--max-protected-fraction", "2"], "--max-protected-fraction must be in [0, 1]"),
         (["--eviction-policy", "advisor", "--no-enable-prefix-caching"], "needs prefix caching"),
         (["--eviction-policy", "advisor", "--kv-cache-dtype", "fp32"], "leaving less than one request's 512"),
+        (["--eviction-policy", "advisor", "--advisor-weights", '{"speed": 1}'], "unknown advisor weight 'speed'"),
+        (["--advisor-weights", '{"age": 1}'], "apply to the advisor only"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_the_problem(argv, message, capsys, monkeypatch):

@@ -74,6 +74,24 @@ def test_the_score_follows_the_original_weights():
     assert policy.score(important, stats, clock.now) == pytest.approx(-20 * 0.5 - 10 * 0.25)
 
 
+def test_weights_are_configurable_and_checked():
+    from aither_jax.eviction.policy import AdvisorWeights
+
+    assert AdvisorWeights.parse('{"age": 1}') == AdvisorWeights(age=1.0)
+    assert make_policy("advisor", weights={"hits": 0}).weights.hits == 0.0
+    for bad, message in [
+        ({"speed": 1}, "unknown advisor weight 'speed'"),
+        ({"age": "1"}, "must be a finite number"),
+        ({"age": float("inf")}, "must be a finite number"),
+        ("[1]", "must be an object"),
+        ("{", "must be a JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            AdvisorWeights.parse(bad)
+    with pytest.raises(ValueError, match="advisor only"):
+        make_policy("lru", weights={"age": 1})
+
+
 def test_a_stale_ranking_falls_back_to_lru_order():
     clock = Clock()
     policy = AdvisorPolicy(max_protected_pages=0, clock=clock, stale_s=2.0)
