@@ -10,7 +10,7 @@ real event:
   of the step's highest-mass pages (chosen by mass, never by id), an edge from the third
   co-occurrence on, its weight growing with each further one.
 - SEMANTIC: two pages whose mean-key summaries (centred on their running mean) have cosine
-  similarity of at least 0.8.
+  similarity of at least 0.8 (a new page links to its 3 closest such pages).
 - TEMPORAL: consecutive pages of one sequence (a page and the one computed after it).
 - SPILL_LINK: a page demoted below the device and the device pages of its chain it leaves
   behind, so that promoting one brings its spilled neighbours along.
@@ -48,6 +48,7 @@ class EdgeType(enum.Enum):
 CO_ATTEND_MIN = 3  # co-occurrences before a CO_ATTEND edge exists
 SEMANTIC_MIN_COSINE = 0.8
 SEMANTIC_WINDOW = 2048  # the most recent summaries a new one is compared with
+SEMANTIC_TOP = 3  # a new page links to at most this many of its closest summaries
 
 
 def _pair(a: bytes, b: bytes) -> tuple[bytes, bytes]:
@@ -190,10 +191,12 @@ class BlockGraph:
         return done
 
     def summarize(self, name: bytes, summary: np.ndarray) -> int:
-        """Records a page's mean-key summary and links it SEMANTIC to each of the last
-        SEMANTIC_WINDOW recorded pages whose summary has cosine >= SEMANTIC_MIN_COSINE with it
-        (weight: the cosine). Summaries are compared centred on their running mean: keys share
-        a large common direction, so raw mean keys would all look alike. Returns the links."""
+        """Records a page's mean-key summary and links it SEMANTIC to the SEMANTIC_TOP closest
+        of the last SEMANTIC_WINDOW recorded pages whose summary has cosine >=
+        SEMANTIC_MIN_COSINE with it (weight: the cosine), so that text that repeats (a small
+        vocabulary, a template) cannot make the graph dense and every page's degree alike.
+        Summaries are compared centred on their running mean: keys share a large common
+        direction, so raw mean keys would all look alike. Returns the links."""
         v = np.asarray(summary, np.float32).ravel()
         if not np.isfinite(v).all() or not v.any():
             return 0
@@ -217,11 +220,10 @@ class BlockGraph:
             rest = np.stack(matrix) - self._mean
             cosines = rest @ centred / np.maximum(np.linalg.norm(rest, axis=1) * norm, 1e-30)
             linked = 0
-            for other, cos in zip(names, cosines, strict=True):
-                if cos >= SEMANTIC_MIN_COSINE:
-                    key = (_pair(name, other), EdgeType.SEMANTIC)
-                    if key not in self._edges:
-                        self._add(name, other, EdgeType.SEMANTIC, float(cos), now)
+            for i in np.argsort(-cosines)[:SEMANTIC_TOP]:
+                if cosines[i] >= SEMANTIC_MIN_COSINE:
+                    if (_pair(name, names[i]), EdgeType.SEMANTIC) not in self._edges:
+                        self._add(name, names[i], EdgeType.SEMANTIC, float(cosines[i]), now)
                     linked += 1
         return linked
 

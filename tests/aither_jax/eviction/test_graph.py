@@ -59,6 +59,9 @@ def test_semantic_edges_link_pages_whose_key_summaries_are_close():
     assert graph.weight(name(3), name(99), EdgeType.SEMANTIC) > 0.8
     assert graph.num_edges() == graph.num_edges(EdgeType.SEMANTIC) == 1
     assert graph.summarize(name(100), np.zeros(64)) == 0  # no direction: no summary
+    for i in range(101, 106):  # five more near page 3: each links to at most its 3 closest
+        assert graph.summarize(name(i), pages[3] + 0.1 * rng.standard_normal(64)) == min(i - 99, 3)
+    assert max(d for d, _ in graph.stats().values()) <= 3 + 5
 
 
 def test_weights_decay_with_the_half_life_and_grow_from_the_decayed_value():
