@@ -26,7 +26,9 @@ from aither_jax.compile.counter import CompileCounter
 from aither_jax.compile.services import services
 from aither_jax.compile.shapes import ShapeRegistry
 from aither_jax.core.output import OutputProcessor
+from aither_jax.core.page_records import attended
 from aither_jax.core.recorder import TapRecorder
+from aither_jax.core.residency import Residency
 from aither_jax.core.runner import MIN_TOKEN_BUCKET, ModelRunner
 from aither_jax.core.scheduler import Scheduler
 from aither_jax.core.scoring import forward_ids
@@ -108,6 +110,7 @@ class Engine:
             eviction_policy=eviction_policy, max_protected_fraction=max_protected_fraction,
             advisor_weights=advisor_weights,
         )  # fmt: skip
+        self.residency = Residency(self.scheduler)
         if self.scheduler.policy.name == "advisor":  # ranks the cached pages on its own thread
             self.scheduler.policy.start(self.scheduler.prefix_cache.cached_blocks)
         self.speculative = SpeculativeConfig.parse(speculative)
@@ -325,8 +328,8 @@ class Engine:
             vectors = self.store.key_summaries([p for _, p in named], self.runner.mass_layers[0])
             for (name, _), vector in zip(named, vectors, strict=True):
                 self.scheduler.policy.graph.summarize(name, vector)
-        self.scheduler.relieve_pressure()  # the tiers' watermarks: demote ahead of need ...
-        self.scheduler.prefetch()  # ... and promote what waiting requests will need
+        self.residency.relieve_pressure()  # the tiers' watermarks: demote ahead of need ...
+        self.residency.prefetch()  # ... and promote what waiting requests will need
         return finished
 
     def _decode(self, rows: Rows) -> None:
@@ -339,7 +342,7 @@ class Engine:
             rows, return_logits="last" if want_logprobs or top_k else "none", taps=taps, host_logits=not top_k
         )
         if mass is not None:  # the eviction advisor's attention signal, before new pages are named
-            self.scheduler.attended(rows, mass)
+            attended(self.scheduler.policy, self.scheduler.allocator.blocks, rows, mass)
         if rec is not None:
             rec.keep(rows, hidden, logits)
             logits = np.asarray(logits) if want_logprobs else None

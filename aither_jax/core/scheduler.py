@@ -26,7 +26,7 @@ import collections
 import numpy as np
 
 from aither_jax.compile.buckets import bucket
-from aither_jax.context.prompt import ROLE_IMPORTANCE, SectionSpan
+from aither_jax.core.page_records import link_memories, tag_pages
 from aither_jax.core.plan import StepPlan
 from aither_jax.core.sequence import Sequence
 from aither_jax.eviction.graph import EdgeType
@@ -37,8 +37,6 @@ from models.kv_cache import NULL_PAGE
 
 MAX_PINNED_FRACTION = 0.5
 MAX_PROTECTED_FRACTION = 0.25
-# Sections whose pages came from a retrieved memory (MEMORY_REF edges to the request's page).
-MEMORY_TAGS = frozenset({"memory", "memories", "retrieved", "retrieval"})
 
 
 class Scheduler:
@@ -100,7 +98,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._computing: set[bytes] = set()  # names of pages that running prefills will fill
-        self._promoted: list[bytes] = []  # pages promoted at admission whose graph neighbours may follow
+        self.promoted: list[bytes] = []  # pages promoted at admission, whose graph neighbours may follow (Residency)
         self.named: list[tuple[bytes, int]] = []  # (name, page) of pages named since the engine last took them
         self.lookahead = 0  # draft tokens a decoding row may carry (speculative decoding)
         # Counters (tokens unless named otherwise), read by the metrics.
@@ -252,7 +250,7 @@ class Scheduler:
         parent = names[len(cached) - 1] if cached else None
         n = self.prefix_cache.promote(lower, pages, parent)
         if self.policy.graph is not None:
-            self._promoted.extend(lower[:n])
+            self.promoted.extend(lower[:n])
         if n < len(lower):
             self.allocator.free(pages[n:])
             if partial:
@@ -346,7 +344,7 @@ class Scheduler:
     def computed(self, seq: Sequence, num_new: int) -> None:
         """Records that `num_new` more tokens of `seq` are in the cache; names its full pages,
         and gives the pages its prompt's tagged sections fill their tag and importance."""
-        self._tag_pages(seq, seq.num_cached, seq.num_cached + num_new)
+        tag_pages(self.allocator.blocks, seq, seq.num_cached, seq.num_cached + num_new, self.page_size)
         seq.num_cached += num_new
         seq.num_computed += num_new
         if self.prefix_cache is None:
@@ -366,116 +364,9 @@ class Scheduler:
                 if i:
                     graph.add(parent, name, EdgeType.PREFIX_SHARE if seq.fork == parent else EdgeType.TEMPORAL)
         if graph is not None and seq.sections and seq.num_cached >= len(seq.prompt_ids) > seq.num_cached - num_new:
-            self._link_memories(seq)
+            link_memories(graph, seq, self.page_size)
         if seq.pin_tokens and seq.num_pinned_pages is None and seq.num_cached >= seq.pin_tokens:
             seq.num_pinned_pages = self.prefix_cache.pin(seq.names[: seq.pin_tokens // self.page_size])
-
-    def relieve_pressure(self) -> int:
-        """Demotes idle cached pages while more of the device pool than the tiers' high
-        watermark is in use (between steps, ahead of need); returns the pages demoted."""
-        tiers = self.prefix_cache.tiers if self.prefix_cache is not None else None
-        if tiers is None:
-            return 0
-        over = self.allocator.num_used - int(tiers.high_watermark * self.num_usable_pages)
-        return self.prefix_cache.evict(over) if over > 0 else 0
-
-    def prefetch(self, depth: int = 4) -> int:
-        """Between steps, for the first `depth` requests waiting for a slot: starts reading their
-        prompts' disk pages in the background and, while device use is below the tiers' low
-        watermark, promotes their lower-tier pages into idle cached device pages, so that their
-        admission finds them on the device. Returns the pages promoted."""
-        tiers = self.prefix_cache.tiers if self.prefix_cache is not None else None
-        if tiers is None:
-            return 0
-        room = int(tiers.low_watermark * self.num_usable_pages) - self.allocator.num_used
-        done = self._prefetch_neighbours(tiers, room) if self._promoted else 0
-        room -= done
-        for seq in list(self.waiting)[:depth]:
-            names = hash_chain(seq.salt, seq.token_slice(0, seq.num_tokens - 1), self.page_size)
-            on_device = 0
-            while on_device < len(names) and self.prefix_cache.contains(names[on_device]):
-                on_device += 1
-            lower = self.prefix_cache.match_lower(names[on_device:])
-            if not lower:
-                continue
-            tiers.stage(lower)
-            run = lower[: max(room, 0)]
-            if not run or not tiers.should_reload(run, len(run) * self.page_size, count=False):
-                continue
-            pages = self._allocate(len(run))
-            n = self.prefix_cache.promote(run, pages, names[on_device - 1] if on_device else None)
-            self.allocator.free(pages)  # the cache's own reference keeps the filled pages
-            tiers.counters.num_prefetched += n
-            room -= n
-            done += n
-        return done
-
-    def attended(self, rows, mass) -> None:
-        """Hands the eviction policy each row's attention mass per page held ([rows, pages
-        read], `models.llama.forward`'s `mass_layers`)."""
-        blocks = self.allocator.blocks
-        per_row = []
-        for (seq, _), row in zip(rows, mass, strict=False):
-            if seq.slot >= 0:
-                per_row.append([(blocks[p], float(m)) for p, m in zip(seq.pages, row, strict=False)])
-        self.policy.attended(per_row)
-
-    MAX_NEIGHBOURS = 8  # spilled neighbours promoted after one step's promotions
-
-    def _prefetch_neighbours(self, tiers, room: int) -> int:
-        """The eviction advisor's prefetch: the graph neighbours of the pages promoted since the
-        last call that are held below the device and reachable (their chain parent is on the
-        device, or they start a chain), highest edge weight + 2 importance first, while the
-        pool is below the low watermark. Returns the pages promoted."""
-        promoted, self._promoted = self._promoted, []
-        cache, ranked = self.prefix_cache, {}
-        for name in promoted:
-            for other, _, weight in self.policy.graph.neighbours(name):
-                if cache.contains(other) or not tiers.holds(other):
-                    continue
-                parent = tiers.parent(other)
-                if parent is not None and not cache.contains(parent):
-                    continue
-                importance = (tiers.meta(other) or {}).get("importance") or 0.0
-                ranked[other] = max(ranked.get(other, 0.0), weight + 2 * importance)
-        done = 0
-        for name in sorted(ranked, key=ranked.get, reverse=True)[: min(max(room, 0), self.MAX_NEIGHBOURS)]:
-            if cache.contains(name) or not tiers.holds(name):
-                continue  # came up with an earlier one
-            pages = self._allocate(1)
-            n = cache.promote([name], pages, tiers.parent(name))
-            self.allocator.free(pages)  # the cache's own reference keeps a filled page
-            tiers.counters.num_prefetched += n
-            done += n
-        return done
-
-    def _link_memories(self, seq: Sequence) -> None:
-        """MEMORY_REF: the pages of the prompt's retrieved-memory sections and the prompt's
-        last full page (the request that read them), once the prompt is computed."""
-        spans = [s for s in seq.sections if s.tag in MEMORY_TAGS]
-        if not spans or not seq.names:
-            return
-        reader = seq.names[min(len(seq.prompt_ids) // self.page_size, len(seq.names)) - 1]
-        for span in spans:
-            for i in range(span.start // self.page_size, min(-(-span.stop // self.page_size), len(seq.names))):
-                self.policy.graph.add(seq.names[i], reader, EdgeType.MEMORY_REF)
-
-    def _tag_pages(self, seq: Sequence, start: int, stop: int) -> None:
-        """Block records of the pages holding tokens [start, stop): the tag and importance of
-        the most important span with tokens on the page, where the prompt's tagged sections
-        are followed by the model's own tokens (the generation prompt and the answer), tagged
-        `assistant`."""
-        blocks = self.allocator.blocks
-        answer = max((s.stop for s in seq.sections), default=len(seq.prompt_ids))
-        spans_all = (*seq.sections, SectionSpan("assistant", ROLE_IMPORTANCE["assistant"], answer, 1 << 62))
-        for i in range(start // self.page_size, -(-stop // self.page_size)):
-            lo, hi = i * self.page_size, (i + 1) * self.page_size
-            spans = [s for s in spans_all if s.start < hi and s.stop > lo]
-            if spans and i < len(seq.pages):
-                best = max(spans, key=lambda s: s.importance)
-                block = blocks[seq.pages[i]]
-                if block.importance is None or best.importance > block.importance:
-                    block.source_tag, block.importance = best.tag, best.importance
 
     def finish(self) -> list[Sequence]:
         """Releases and returns the running sequences that have finished."""

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aither_jax.context.prompt import SectionSpan
+from aither_jax.core.residency import Residency
 from aither_jax.eviction.graph import EdgeType
 from aither_jax.eviction.policy import AdvisorPolicy, make_policy
 from aither_jax.kv.blocks import Block
@@ -363,7 +364,7 @@ def test_promoting_a_page_brings_its_spilled_neighbours_along():
     c = make_seq([*range(1, 9), 70, 71], max_tokens=2)  # a0 a1 again
     sched.add(c)
     device.step()  # admission promotes a0 and a1; after the step their neighbours follow
-    assert sched.prefetch() == 2
+    assert Residency(sched).prefetch() == 2
     assert cache.contains(a.names[2]) and cache.contains(b.names[2])  # a1's TEMPORAL and PREFIX_SHARE neighbours
     assert cache.tiers.counters.num_prefetched == 2
     device.run_until_done()

@@ -1,0 +1,53 @@
+"""What the host learns about KV pages as sequences fill them, for their block records and the
+eviction advisor's graph: the tag and importance of the prompt span (or the model's answer)
+on each page, the pages of retrieved memories and the request that read them, and the
+attention mass each step put on each page."""
+
+from __future__ import annotations
+
+from aither_jax.context.prompt import ROLE_IMPORTANCE, SectionSpan
+from aither_jax.core.sequence import Sequence
+from aither_jax.eviction.graph import EdgeType
+from aither_jax.kv.blocks import BlockTable
+
+# Sections whose pages came from a retrieved memory (MEMORY_REF edges to the request's page).
+MEMORY_TAGS = frozenset({"memory", "memories", "retrieved", "retrieval"})
+
+
+def tag_pages(blocks: BlockTable, seq: Sequence, start: int, stop: int, page_size: int) -> None:
+    """Block records of `seq`'s pages holding tokens [start, stop): the tag and importance of
+    the most important span with tokens on the page, where the prompt's tagged sections are
+    followed by the model's own tokens (the generation prompt and the answer), tagged
+    `assistant`."""
+    answer = max((s.stop for s in seq.sections), default=len(seq.prompt_ids))
+    spans_all = (*seq.sections, SectionSpan("assistant", ROLE_IMPORTANCE["assistant"], answer, 1 << 62))
+    for i in range(start // page_size, -(-stop // page_size)):
+        lo, hi = i * page_size, (i + 1) * page_size
+        spans = [s for s in spans_all if s.start < hi and s.stop > lo]
+        if spans and i < len(seq.pages):
+            best = max(spans, key=lambda s: s.importance)
+            block = blocks[seq.pages[i]]
+            if block.importance is None or best.importance > block.importance:
+                block.source_tag, block.importance = best.tag, best.importance
+
+
+def link_memories(graph, seq: Sequence, page_size: int) -> None:
+    """MEMORY_REF: the pages of the prompt's retrieved-memory sections and the prompt's last
+    full page (the request that read them), once the prompt is computed."""
+    spans = [s for s in seq.sections if s.tag in MEMORY_TAGS]
+    if not spans or not seq.names:
+        return
+    reader = seq.names[min(len(seq.prompt_ids) // page_size, len(seq.names)) - 1]
+    for span in spans:
+        for i in range(span.start // page_size, min(-(-span.stop // page_size), len(seq.names))):
+            graph.add(seq.names[i], reader, EdgeType.MEMORY_REF)
+
+
+def attended(policy, blocks: BlockTable, rows, mass) -> None:
+    """Hands the eviction policy each row's attention mass per page held (`mass`: [rows,
+    pages read], `models.llama.forward`'s `mass_layers`)."""
+    per_row = []
+    for (seq, _), row in zip(rows, mass, strict=False):
+        if seq.slot >= 0:
+            per_row.append([(blocks[p], float(m)) for p, m in zip(seq.pages, row, strict=False)])
+    policy.attended(per_row)
