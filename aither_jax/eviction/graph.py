@@ -31,7 +31,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -226,13 +226,6 @@ class BlockGraph:
                         self._add(name, names[i], EdgeType.SEMANTIC, float(cosines[i]), now)
                     linked += 1
         return linked
-
-    def link_chain(self, names: Sequence[bytes], kind: EdgeType) -> None:
-        """Links each consecutive pair of `names` (a sequence's pages in order)."""
-        with self._lock:
-            now = self.clock()
-            for a, b in itertools.pairwise(names):
-                self._add(a, b, kind, 1.0, now)
 
     # -- inspection ---------------------------------------------------------------------------
 

@@ -205,7 +205,7 @@ class AdvisorPolicy:
 
     def start(self, source: Callable[[], Sequence[Block]]) -> None:
         """Ranks `source()` (the cached pages' records; a bound method, held weakly) every
-        `refresh_s` on a daemon thread, until `stop` or until this policy or the source's
+        `refresh_s` on a daemon thread, until this policy or the source's
         owner is garbage collected."""
         if self._thread is not None:
             return
@@ -231,12 +231,6 @@ class AdvisorPolicy:
 
         self._thread = threading.Thread(target=loop, name="kv-advisor", daemon=True)
         self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
 
     def __del__(self):
         self._stop.set()

@@ -91,7 +91,8 @@ def test_the_graph_keeps_at_most_max_edges_dropping_the_weakest():
 
 def test_the_dump_lists_nodes_and_edges_by_type():
     graph = BlockGraph(clock=Clock())
-    graph.link_chain([name(1), name(2), name(3)], EdgeType.TEMPORAL)
+    graph.add(name(1), name(2), EdgeType.TEMPORAL)
+    graph.add(name(2), name(3), EdgeType.TEMPORAL)
     graph.add(name(3), name(9), EdgeType.MEMORY_REF)
     dump = graph.to_json(lambda n: {"tag": "x"})
     assert dump["num_edges"]["temporal"] == 2 and dump["num_edges"]["memory_ref"] == 1
