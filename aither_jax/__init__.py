@@ -6,8 +6,9 @@ out = llm.generate(["Once upon a time"], aj.SamplingParams(max_tokens=32, temper
 """
 
 from aither_jax.device.sampling import SamplingParams
+from aither_jax.fleet.fleet import Fleet
 from aither_jax.llm import LLM, RequestOutput
 from models.registry import MODELS, resolve_model
 
-__all__ = ["LLM", "MODELS", "RequestOutput", "SamplingParams", "resolve_model"]
+__all__ = ["LLM", "MODELS", "Fleet", "RequestOutput", "SamplingParams", "resolve_model"]
 __version__ = "0.1.0"

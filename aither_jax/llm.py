@@ -66,6 +66,7 @@ class RequestOutput:
     num_spec_steps: int = 0  # verify passes that carried drafts
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (any tier)
     time_to_first_token: float | None = None  # seconds from being queued to the first token
+    model: str | None = None  # the model that served it (set by `aj.Fleet`)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,19 +18,70 @@ import time
 
 import uvicorn
 
-from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec, speculative_config
+from aither_jax.cli_args import float_in, int_in, kv_spec, speculative_config
+from models.registry import DEFAULT_MODEL, MODELS
 
 log = logging.getLogger("aither_jax.serve")
+
+
+class _ModelsAction(argparse.Action):
+    """`--model`, repeatable: the first use replaces the default, later ones add models."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = getattr(namespace, "_models_given", False)
+        models = list(getattr(namespace, self.dest)) if given else []
+        namespace._models_given = True
+        setattr(namespace, self.dest, [*models, value])
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m aither_jax.serve", description="Serve a GGUF model over an OpenAI-compatible HTTP API."
     )
-    add_model_argument(p)
+    p.add_argument(
+        "--model",
+        action=_ModelsAction,
+        default=[DEFAULT_MODEL],
+        help=f"registered name ({', '.join(sorted(MODELS))}) or a .gguf path (default {DEFAULT_MODEL}); give it twice "
+        "to serve two models from one process and one device (the first is the default; see --memory-budget)",
+    )
+    p.add_argument(
+        "--model-options",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help='one model\'s own settings over the shared flags, e.g. \'gemma3-270m={"kv_cache_dtype": "bf16"}\' '
+        f"(keys: {', '.join(sorted(MODEL_OPTIONS))})",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float_in("--memory-budget", 0.0, 1 << 20, low_open=True),
+        default=None,
+        metavar="GIB",
+        help="device memory to plan for every model's weights, KV pool, draft and headroom (required for several "
+        "models on CPU; on an accelerator --gpu-memory-utilization may give it instead)",
+    )
+    p.add_argument(
+        "--default-model",
+        default=None,
+        help="the model for requests that name none: a served model, or 'auto' to route them by effort "
+        "(default: the first --model)",
+    )
+    p.add_argument(
+        "--route-heavy",
+        default=None,
+        metavar="NAME",
+        help="with several models, the one requests of high effort go to (default: the one with most parameters)",
+    )
+    p.add_argument(
+        "--route-threshold",
+        type=int_in("--route-threshold", 1, 5),
+        default=3,
+        help="effort (1-5) from which model 'auto' routes to the heavy model (default 3)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000, help="0 picks a free port")
-    p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model)")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model; one model)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     p.add_argument("--max-model-len", type=int_in("--max-model-len", 2), default=None)
     p.add_argument("--max-num-seqs", type=int_in("--max-num-seqs", 1, 1024), default=16)
@@ -195,6 +246,10 @@ def _chat_template(value: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if len(set(args.model)) != len(args.model):
+        parser.error(f"--model: each model once, got {args.model}")
+    if args.compile_shapes is not None and len(args.model) > 1:
+        parser.error("--compile-shapes records one model's shapes: serve one --model with it")
     if args.api_key is None and os.environ.get("AITHER_API_KEY") is not None:
         args.api_key = os.environ["AITHER_API_KEY"].split(",")
     if args.api_key is not None and not all(k.strip() for k in args.api_key):
@@ -232,84 +287,128 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# What `--model-options` may set for one model: LLM keyword arguments, and the served name.
+MODEL_OPTIONS = {
+    "kv_cache_dtype": str,
+    "chat_template": str,
+    "speculative_config": (str, dict),
+    "num_pages": int,
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "kv_share": (int, float),
+    "served_model_name": str,
+}
+
+
+def model_options(args: argparse.Namespace) -> dict[str, dict]:
+    """Each served model's own options from `--model-options NAME=JSON`. Raises ValueError
+    for a malformed value, an unknown key or a model not served."""
+    import json
+
+    names = args.model
+    out: dict[str, dict] = {name: {} for name in names}
+    for item in args.model_options:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--model-options takes NAME=JSON, got {item!r}")
+        if name not in out:
+            raise ValueError(f"--model-options: {name!r} is not a served --model ({', '.join(names)})")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model-options {name}: not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--model-options {name}: expected a JSON object")
+        for key, v in value.items():
+            kind = MODEL_OPTIONS.get(key)
+            if kind is None:
+                raise ValueError(
+                    f"--model-options {name}: unknown key {key!r} (keys: {', '.join(sorted(MODEL_OPTIONS))})"
+                )
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise ValueError(f"--model-options {name}: {key} has the wrong type ({type(v).__name__})")
+        if "kv_cache_dtype" in value and value["kv_cache_dtype"] != "auto":
+            kv_spec(value["kv_cache_dtype"])
+        if "speculative_config" in value:
+            value["speculative_config"] = speculative_config(json.dumps(value["speculative_config"]))
+        out[name].update(value)
+    return out
+
+
 def build_server(args: argparse.Namespace):
-    """The uvicorn server for parsed flags. Raises ValueError for flags the model rejects."""
+    """The uvicorn server for parsed flags. Raises ValueError for flags the models reject."""
     import secrets
 
     from aither_jax.context.prompt import text_prompt
     from aither_jax.kv.disk import tenant_secret
-    from aither_jax.llm import LLM, resolve_dtype
-    from models.gguf_file import GGUFError
-    from models.tokenizer import ChatTemplateError
-    from serving.api import ServerConfig, build_app
+    from serving.api import ServedModel, ServerConfig, build_app
     from serving.async_engine import AsyncEngine
     from serving.metrics import Metrics
 
-    num_pages = args.num_pages
-    try:
-        llm = LLM(
-            args.model,
-            resolve_dtype(args.dtype),
-            kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            num_pages=num_pages if args.gpu_memory_utilization is None else _pages_for_memory(args),
-            max_prefill_chunk=_power_of_two(args.max_prefill_chunk, "--max-prefill-chunk"),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=args.enable_prefix_caching,
-            max_pinned_fraction=args.max_pinned_fraction,
-            eviction_policy=args.eviction_policy,
-            max_protected_fraction=args.max_protected_fraction,
-            advisor_weights=args.advisor_weights,
-            seed=args.seed,
-            speculative=args.speculative_config,
-            shared_prefix_attention=args.shared_prefix_attention,
-            num_scheduler_steps=args.num_scheduler_steps,
-            kv_offloading_size=args.kv_offloading_size,
-            kv_cache_dir=args.kv_cache_dir,
-            kv_disk_size=args.kv_disk_size,
-            kv_high_watermark=args.kv_high_watermark,
-            kv_low_watermark=args.kv_low_watermark,
-            progress=True,
-        )
-        if args.chat_template is not None:
-            llm.tokenizer.set_chat_template(_chat_template(args.chat_template))
-    except (GGUFError, ChatTemplateError) as e:
-        raise ValueError(str(e)) from None
+    names = args.model
+    own = model_options(args)
+    served_names = [
+        own[n].get("served_model_name") or (args.served_model_name if len(names) == 1 else None) or n for n in names
+    ]
+    if len(set(served_names)) != len(served_names):
+        raise ValueError(f"served model names must differ: {served_names}")
+    if args.default_model not in (None, "auto", *served_names):
+        raise ValueError(f"--default-model {args.default_model!r} is not a served model ({', '.join(served_names)})")
+    if args.default_model == "auto" and len(names) == 1:
+        raise ValueError("--default-model auto routes between several models: give --model twice")
+    if args.route_heavy is not None and args.route_heavy not in names:
+        raise ValueError(f"--route-heavy {args.route_heavy!r} is not a served --model")
+    llms, plan, router = _load(args, own)
     if args.compile_shapes is not None:
-        _use_shape_file(llm, args)
-    if args.compile_first_requests:
-        start = time.perf_counter()
-        n = llm.engine.precompile(llm.engine.compiler.first_request_shapes(), progress=True)
-        log.info(
-            "compiled the %d step shapes of a first request and its follow-up in %.1f s", n, time.perf_counter() - start
-        )
-    if args.warmup:
-        llm.warmup()
-    name = args.served_model_name or args.model
-    metrics = Metrics(name)
+        _use_shape_file(next(iter(llms.values())), args)
+    for llm in llms.values():
+        if args.compile_first_requests:
+            start = time.perf_counter()
+            n = llm.engine.precompile(llm.engine.compiler.first_request_shapes(), progress=True)
+            log.info(
+                "%s: compiled the %d step shapes of a first request and its follow-up in %.1f s",
+                llm.model_name, n, time.perf_counter() - start,
+            )  # fmt: skip
+        if args.warmup:
+            llm.warmup()
     max_queue = 4 * args.max_num_seqs if args.max_queue is None else args.max_queue
-    engine = AsyncEngine(llm.engine, metrics, max_waiting=max_queue)
     keys = tuple(dict.fromkeys(args.api_key or ()))
     # Tenants' chain names must stay the same across restarts for the disk tier to serve them.
     secret = tenant_secret(args.kv_cache_dir) if args.kv_cache_dir else secrets.token_bytes(32)
-    config = ServerConfig(name, llm.engine.max_model_len, keys, args.max_body_bytes, secret)
-    app = build_app(engine, llm.tokenizer, config)
+    default = args.default_model
+    config = ServerConfig(keys, args.max_body_bytes, secret, default_model=default)
+    served = []
+    for name, llm in zip(served_names, llms.values(), strict=True):
+        metrics = Metrics(name)
+        if plan is not None:
+            _zone_metrics(metrics, plan, llm.model_name)
+        served.append(
+            ServedModel(
+                name, AsyncEngine(llm.engine, metrics, max_waiting=max_queue), llm.tokenizer, llm.engine.max_model_len
+            )
+        )
+    if router is not None:  # the router speaks of models by their served names
+        router.light, router.heavy = (served_names[names.index(m)] for m in (router.light, router.heavy))
+    app = build_app(served, config, router=router, plan=plan)
     pin_text = args.pin_prompt_file.read_text(encoding="utf-8") if args.pin_prompt_file else None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        engine.start()
+        for m in served:
+            m.engine.start()
         if pin_text:
-            # Pinned for requests without a tenant header, under every key.
-            ids = text_prompt(llm.tokenizer, pin_text, pin=True).pinned_ids
-            for salt in config.root_salts():
-                pinned = await engine.pin(ids, salt)
-                log.info("pinned %d pages (%d tokens) of %s", pinned, len(ids), args.pin_prompt_file)
+            # Pinned for requests without a tenant header, under every key, on every model.
+            for m in served:
+                ids = text_prompt(m.tokenizer, pin_text, pin=True).pinned_ids
+                for salt in config.root_salts(m.name):
+                    pinned = await m.engine.pin(ids, salt)
+                    log.info("%s: pinned %d pages (%d tokens) of %s", m.name, pinned, len(ids), args.pin_prompt_file)
         yield
-        engine.stop()
-        if llm.engine.tiers is not None and llm.engine.tiers.disk is not None:
-            log.info("wrote %d cached KV pages to %s", llm.engine.persist(), args.kv_cache_dir)
+        for m in served:
+            m.engine.stop()
+            tiers = m.engine.engine.tiers
+            if tiers is not None and tiers.disk is not None:
+                log.info("%s: wrote %d cached KV pages to %s", m.name, m.engine.engine.persist(), tiers.disk.root)
 
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(
@@ -322,6 +421,98 @@ def build_server(args: argparse.Namespace):
         access_log=False,
     )
     return DrainingServer(uv_config, app)
+
+
+def _load(args: argparse.Namespace, own: dict[str, dict]):
+    """({model: LLM}, the memory plan or None, the router or None). One model without a
+    budget is sized as before (--num-pages, --gpu-memory-utilization, or the default); a
+    budget, or several models, go through the planner (aither_jax/fleet)."""
+    from aither_jax.fleet.fleet import Fleet
+    from aither_jax.llm import LLM, resolve_dtype
+    from models.gguf_file import GGUFError
+    from models.tokenizer import ChatTemplateError
+
+    names = args.model
+    several = len(names) > 1
+    common = dict(
+        dtype=resolve_dtype(args.dtype),
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_chunk=_power_of_two(args.max_prefill_chunk, "--max-prefill-chunk"),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_pinned_fraction=args.max_pinned_fraction,
+        eviction_policy=args.eviction_policy,
+        max_protected_fraction=args.max_protected_fraction,
+        advisor_weights=args.advisor_weights,
+        seed=args.seed,
+        speculative=args.speculative_config,
+        shared_prefix_attention=args.shared_prefix_attention,
+        num_scheduler_steps=args.num_scheduler_steps,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_disk_size=args.kv_disk_size,
+        kv_high_watermark=args.kv_high_watermark,
+        kv_low_watermark=args.kv_low_watermark,
+        progress=True,
+    )
+    per_model, templates = {}, {}
+    for name in names:
+        opts = dict(own[name])
+        opts.pop("served_model_name", None)
+        if "chat_template" in opts:
+            templates[name] = _chat_template(opts.pop("chat_template"))
+        elif args.chat_template is not None:
+            templates[name] = _chat_template(args.chat_template)
+        if "speculative_config" in opts:
+            opts["speculative"] = opts.pop("speculative_config")
+        if args.kv_cache_dir is not None:  # several models: a directory each (their pages never mix)
+            opts["kv_cache_dir"] = args.kv_cache_dir / _safe_name(name) if several else args.kv_cache_dir
+        per_model[name] = opts
+    if several and args.num_pages is not None:
+        raise ValueError(
+            "--num-pages sizes one model's pool: with several models, give each its own with "
+            "--model-options NAME='{\"num_pages\": N}' (or let --memory-budget share the memory)"
+        )
+    plan = router = None
+    try:
+        if not several and args.memory_budget is None:
+            name = names[0]
+            pages = per_model[name].pop("num_pages", args.num_pages)
+            if args.gpu_memory_utilization is not None and pages is None:
+                pages = _pages_for_memory(args, name, {**common, **per_model[name]})
+            llms = {name: LLM(name, **{**common, **per_model[name], "num_pages": pages})}
+        else:
+            if not several and args.num_pages is not None:
+                per_model[names[0]].setdefault("num_pages", args.num_pages)
+            fleet = Fleet(
+                per_model, memory_budget_gib=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
+                heavy=args.route_heavy, threshold=args.route_threshold, **common,
+            )  # fmt: skip
+            llms, plan = fleet.llms, fleet.plan
+            router = fleet.router if several else None
+            log.info("memory plan:\n%s", plan.table())
+        for name, template in templates.items():
+            llms[name].tokenizer.set_chat_template(template)
+    except (GGUFError, ChatTemplateError) as e:
+        raise ValueError(str(e)) from None
+    return llms, plan, router
+
+
+def _safe_name(name: str) -> str:
+    import hashlib
+
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(name))[:64]
+    return f"{stem}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def _zone_metrics(metrics, plan, model: str) -> None:
+    metrics.gauge_series(
+        "aither:memory_zone_bytes",
+        "Bytes the memory plan gives each of this model's zones (weights, kv_pool, draft_weights, draft_pool, "
+        "activations on the device; host_tier in host memory).",
+        lambda: [({"zone": z.name}, float(z.bytes)) for z in plan.zones if z.owner == model],
+    )
 
 
 def _use_shape_file(llm, args: argparse.Namespace) -> None:
@@ -347,7 +538,7 @@ def _use_shape_file(llm, args: argparse.Namespace) -> None:
                 "compiled %d of the %d step shapes of %s in %.1f s", n, len(shapes), path, time.perf_counter() - start
             )
     settings = {
-        "model": args.model,
+        "model": args.model[0],
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_model_len": llm.engine.max_model_len,
@@ -369,7 +560,7 @@ def _power_of_two(value: int, flag: str) -> int:
     return value
 
 
-def _pages_for_memory(args: argparse.Namespace) -> int:
+def _pages_for_memory(args: argparse.Namespace, model: str, options: dict) -> int:
     import jax
 
     from aither_jax.llm import resolve_dtype
@@ -385,9 +576,10 @@ def _pages_for_memory(args: argparse.Namespace) -> int:
             f"--gpu-memory-utilization needs an accelerator with memory statistics "
             f"(this is {jax.default_backend()}); pass --num-pages instead"
         )
-    cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
-    kv = default_kv_cache_dtype(args.model) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    gguf = GGUFFile(resolve_model(args.model))
+    cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(model)))
+    kv_cache_dtype = options.get("kv_cache_dtype", "auto")
+    kv = default_kv_cache_dtype(model) if kv_cache_dtype == "auto" else kv_cache_dtype
+    gguf = GGUFFile(resolve_model(model))
     num_params = sum(t.num_elements for t in gguf.tensors.values())
     weight_bytes = num_params * (4 if resolve_dtype(args.dtype) == "float32" else 2)
     free = args.gpu_memory_utilization * limit - stats.get("bytes_in_use", 0) - weight_bytes

@@ -19,6 +19,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from models.chat_templates import FAMILY_TEMPLATES
 from models.gguf_file import GGUFError, GGUFFile
 
 TOKEN_TYPE_CONTROL = 3
@@ -63,8 +64,10 @@ class Tokenizer:
     Attributes:
         vocab_size: number of token ids.
         bos_token_id / eos_token_id: ids from the GGUF (None when absent).
-        stop_token_ids: ids that end generation by default (end-of-sequence and end-of-turn).
-        chat_template: the jinja2 source, or None.
+        stop_token_ids: ids that end generation by default (end-of-sequence and end-of-turn,
+            and the turn end of the family template a file without a template gets).
+        chat_template: the jinja2 source: the file's, else its architecture's
+            (models/chat_templates.py), else None.
     """
 
     def __init__(
@@ -74,13 +77,15 @@ class Tokenizer:
         special: dict[str, int | None],
         chat_template: str | None,
         add_bos: bool = False,
+        extra_stop_ids: tuple[int, ...] = (),
     ):
         self.hf = hf
         self.add_bos = bool(add_bos) and special.get("bos") is not None
         self.vocab_size = vocab_size
         self.bos_token_id = special.get("bos")
         self.eos_token_id = special.get("eos")
-        self.stop_token_ids = tuple(sorted({i for k in ("eos", "eot") if (i := special.get(k)) is not None}))
+        ends = {i for k in ("eos", "eot") if (i := special.get(k)) is not None}
+        self.stop_token_ids = tuple(sorted(ends | set(extra_stop_ids)))
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
 
@@ -117,7 +122,12 @@ class Tokenizer:
         special = {k: special_id(k) for k in ("bos", "eos", "eot", "padding")}
         template = gguf.get("tokenizer.chat_template")
         add_bos = gguf.get("tokenizer.ggml.add_bos_token") is True
-        return cls(hf, len(tokens), special, template if isinstance(template, str) else None, add_bos)
+        family = FAMILY_TEMPLATES.get(gguf.get("general.architecture"))
+        if isinstance(template, str) or family is None:
+            return cls(hf, len(tokens), special, template if isinstance(template, str) else None, add_bos)
+        # No template in the file: its family's turn format, whose end-of-turn token stops generation.
+        turn_ends = tuple(i for t in family.stop_tokens if (i := hf.token_to_id(t)) is not None)
+        return cls(hf, len(tokens), special, family.source, add_bos, extra_stop_ids=turn_ends)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in the text map to their ids; no BOS added."""

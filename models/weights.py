@@ -161,9 +161,9 @@ def load_weights(gguf: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", prog
 def random_weights(cfg: ModelConfig, dtype: str = "float32", seed: int = 0) -> ModelWeights:
     """Weights drawn at random (projections scaled by 1/sqrt(fan-in), unit norms) in `cfg`'s
     shapes: a model whose outputs mean nothing but depend on every token of the context, for
-    tests of the engine rather than of the model (llama architecture)."""
-    if cfg.arch != "llama":
-        raise ValueError(f"random weights are made for the llama architecture, got {cfg.arch!r}")
+    tests of the engine rather than of the model (llama and gemma3 architectures)."""
+    if cfg.arch not in ("llama", "gemma3"):
+        raise ValueError(f"random weights are made for the llama and gemma3 architectures, got {cfg.arch!r}")
     rng = np.random.default_rng(seed)
     jdtype = DTYPES[dtype]
     d, f, dh = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
@@ -172,6 +172,10 @@ def random_weights(cfg: ModelConfig, dtype: str = "float32", seed: int = 0) -> M
         return jnp.asarray(rng.standard_normal((out, fan_in), np.float32) / np.sqrt(fan_in), jdtype)
 
     ones = jnp.ones(d, jnp.float32)
+    # Gemma 3's per-head query and key norms (x2 each) take the place of the 4x larger
+    # projections below, which they would normalize away; its output norms are plain.
+    head_norm = 2 * jnp.ones(dh, jnp.float32) if cfg.qk_norm else None
+    post = ones if cfg.post_norms else None
     layers = tuple(
         LayerWeights(
             attn_norm=ones,
@@ -181,6 +185,10 @@ def random_weights(cfg: ModelConfig, dtype: str = "float32", seed: int = 0) -> M
             mlp_norm=ones,
             w_gate_up=mat(2 * f, d),
             w_down=mat(d, f),
+            q_norm=head_norm,
+            k_norm=head_norm,
+            post_attn_norm=post,
+            post_mlp_norm=post,
         )
         for _ in range(cfg.num_layers)
     )

@@ -1,7 +1,10 @@
 """The HTTP layer: OpenAI-compatible routes over the engine loop (FastAPI).
 
 Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE), `/v1/unpin`
-(ours: releases a `pin_prefix` pin), `/health`, `/metrics`. Everything a client sends is
+(ours: releases a `pin_prefix` pin), `/health`, `/metrics`, `/debug/memory` (the memory plan's
+zones), `/debug/kv_graph` (the eviction advisor's graph). Several models may be served: a
+request names one (`model`), or `auto` to be routed by effort (aither_jax/fleet/router.py),
+or none for the server's default; the response's `model` names the model that served it. Everything a client sends is
 validated here: bad parameters and prompts over the context limit get 400 with an OpenAI error
 body, oversized bodies 413, a full queue 503 with Retry-After, a wrong or missing API key 401.
 The tenant (API key and `X-Tenant-Id`) salts the prefix cache. A client that goes away aborts
@@ -19,7 +22,7 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 from fastapi import FastAPI, Request
@@ -31,10 +34,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.context.sections import Context, sections_from_messages
 from aither_jax.device.sampling import SamplingParams
+from aither_jax.fleet.planner import MemoryPlan
+from aither_jax.fleet.router import Router
 from aither_jax.kv.prefix_cache import tenant_salt
 from models.tokenizer import Tokenizer
 from serving import protocol
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Update
+from serving.metrics import render_metrics
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +54,39 @@ DISCONNECT_POLL_SECONDS = 0.25
 
 @dataclasses.dataclass
 class ServerConfig:
-    model_name: str
-    max_model_len: int
     api_keys: tuple[str, ...] = ()  # none: no authentication
     max_body_bytes: int = 4 << 20
     secret: bytes = b""  # salts tenants' prefix-cache chains; random per process
+    default_model: str | None = None  # a served model's name, "auto" (route), or None: the first
 
-    def salt(self, tenant: str, key_index: int | None = None) -> bytes:
-        """The prefix-cache root of a tenant: the API key a request authenticated with (its
-        index in `api_keys`; None without keys) and its `X-Tenant-Id` value ("" when absent).
-        Requests under different keys never share pages, whatever tenant header they send."""
+    def salt(self, tenant: str, key_index: int | None = None, model: str = "") -> bytes:
+        """The prefix-cache root of a tenant on a model: the API key a request authenticated
+        with (its index in `api_keys`; None without keys) and its `X-Tenant-Id` value (""
+        when absent). Requests under different keys never share pages, whatever tenant header
+        they send, and chains are named per model."""
         key = "" if key_index is None else hashlib.sha256(self.api_keys[key_index].encode()).hexdigest()
-        return tenant_salt(self.secret, f"{key}\x00{tenant}")
+        return tenant_salt(self.secret, f"{model}\x00{key}\x00{tenant}")
 
-    def root_salts(self) -> list[bytes]:
+    def root_salts(self, model: str = "") -> list[bytes]:
         """The salt of each key's requests without a tenant header (one salt without keys)."""
-        return [self.salt("", i) for i in range(len(self.api_keys))] if self.api_keys else [self.salt("")]
+        keys = range(len(self.api_keys)) if self.api_keys else [None]
+        return [self.salt("", i, model) for i in keys]
+
+
+@dataclasses.dataclass(eq=False)
+class ServedModel:
+    """One model the server serves: its engine loop, tokenizer and context pipelines."""
+
+    name: str
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    max_model_len: int
+    # Context pipelines by (tenant salt, prompt_cache_key): each remembers its stable prefixes.
+    contexts: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+
+    @property
+    def speculative(self) -> bool:
+        return self.engine.engine.speculative is not None
 
 
 class HTTPError(Exception):
@@ -209,12 +232,26 @@ class _Job:
         return self.prompt.ids
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
-    """The FastAPI application serving `engine`."""
+def build_app(
+    models: Sequence[ServedModel],
+    config: ServerConfig,
+    *,
+    router: Router | None = None,
+    plan: MemoryPlan | None = None,
+) -> FastAPI:
+    """The FastAPI application serving `models` (the first is the default), routing requests
+    for `auto` with `router` and showing `plan` at /debug/memory."""
+    if not models:
+        raise ValueError("build_app needs at least one model")
+    by_name = {m.name: m for m in models}
+    if len(by_name) != len(models):
+        raise ValueError("served model names must differ")
+    if config.default_model not in (None, "auto", *by_name):
+        raise ValueError(f"the default model {config.default_model!r} is not served")
+    if config.default_model == "auto" and router is None:
+        raise ValueError("the default model 'auto' needs a router")
     app = FastAPI(title="aither-jax", version="0.1.0")
     app.state.draining = False
-    metrics = engine.metrics
-    speculative = engine.engine.speculative is not None
     # The last added is the outermost: the gate (auth, request id) sees every response, 413s included.
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(RequestGate, api_keys=config.api_keys)
@@ -237,81 +274,119 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
 
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return _error(503, f"the engine has stopped: {engine.error!r}")
-        return Response(status_code=200)
+        """200 while every model's engine runs; 503 naming the stopped ones (the others keep
+        serving)."""
+        status = {m.name: "alive" if m.engine.alive else f"stopped: {m.engine.error!r}" for m in models}
+        code = 200 if all(m.engine.alive for m in models) else 503
+        return JSONResponse({"models": status}, status_code=code)
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        text = render_metrics([m.engine.metrics for m in models])
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/memory")
+    async def memory():
+        """The memory plan: each model's zones (weights, KV pool, draft, activations, host tier)."""
+        if plan is None:
+            return _error(404, "no memory plan: start the server with --memory-budget or several --model")
+        return plan.to_json()
 
     @app.get("/debug/kv_graph")
-    async def kv_graph():
+    async def kv_graph(model: str | None = None):
         """The eviction advisor's block graph: nodes (what each page is, where it is) and edges
         by type."""
-        cache = engine.engine.scheduler.prefix_cache
-        graph = engine.engine.scheduler.policy.graph
+        served = _named(model)
+        cache = served.engine.engine.scheduler.prefix_cache
+        graph = served.engine.engine.scheduler.policy.graph
         if graph is None:
             return _error(404, "the eviction advisor is off (start the server with --eviction-policy advisor)")
         return graph.to_json(cache.describe)
 
     @app.get("/v1/models")
-    async def models():
-        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "aither-jax"}
-        card["max_model_len"] = config.max_model_len
-        return {"object": "list", "data": [card]}
+    async def list_models():
+        cards = []
+        for m in models:
+            cards.append({"id": m.name, "object": "model", "created": 0, "owned_by": "aither-jax"})
+            cards[-1]["max_model_len"] = m.max_model_len
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
-        _check_model(body.model)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        jobs = _jobs([text_prompt(tokenizer, p, pin=body.pin_prefix) for p in prompts], body, body.max_tokens)
-        return await _serve(request, body, jobs, "text_completion", body.logprobs, chat=False)
+        text = prompts[0] if prompts and isinstance(prompts[0], str) else ""
+        served = _pick(body.model, lambda: router.route_text(text, reasoning_effort=body.reasoning_effort))
+        assembled = [text_prompt(served.tokenizer, p, pin=body.pin_prefix) for p in prompts]
+        jobs = _jobs(served, assembled, body, body.max_tokens)
+        return await _serve(served, request, body, jobs, "text_completion", body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
-        _check_model(body.model)
+        conversation = body.user if body.user is not None else request.headers.get("x-session-id")
+        messages = body.conversation()
+        route = lambda: router.route(messages, reasoning_effort=body.reasoning_effort, conversation=conversation)  # noqa: E731
+        served = _pick(body.model, route)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             if body.sectioned:
-                prompt = _context_prompt(body, _salt(request), max_tokens)
+                prompt = _context_prompt(served, body, _salt(request, served), max_tokens)
             else:
-                prompt = chat_prompt(tokenizer, body.conversation(), pin_system=body.pin_prefix)
+                prompt = chat_prompt(served.tokenizer, messages, pin_system=body.pin_prefix)
         except ValueError as e:
             raise HTTPError(400, str(e), "messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = _jobs([prompt], body, max_tokens)
-        return await _serve(request, body, jobs, "chat.completion", top, chat=True)
+        jobs = _jobs(served, [prompt], body, max_tokens)
+        return await _serve(served, request, body, jobs, "chat.completion", top, chat=True)
 
     @app.post("/v1/unpin")
     async def unpin(body: protocol.UnpinRequest, request: Request):
         """Drops the pin a `pin_prefix` request with the same prompt or messages (and tenant)
         took; pages pinned twice need two calls. Answers with the pages unpinned."""
-        _check_model(body.model)
+        served = _named(body.model)
         if body.messages is not None:
             try:
-                pinned = chat_prompt(tokenizer, protocol.template_messages(body.messages), pin_system=True)
+                messages = protocol.template_messages(body.messages)
+                pinned = chat_prompt(served.tokenizer, messages, pin_system=True)
             except ValueError as e:
                 raise HTTPError(400, str(e), "messages") from None
         else:
-            pinned = text_prompt(tokenizer, body.prompt, pin=True)
+            pinned = text_prompt(served.tokenizer, body.prompt, pin=True)
         try:
-            pages = await engine.unpin(pinned.pinned_ids, _salt(request))
+            pages = await served.engine.unpin(pinned.pinned_ids, _salt(request, served))
         except (EngineDeadError, ValueError) as e:
             raise _as_http(e) from None
         return {"object": "unpin", "pages": pages}
 
-    def _check_model(name: str | None) -> None:
-        if name is not None and name != config.model_name:
-            message = f"The model `{name}` does not exist; this server serves `{config.model_name}`."
-            raise HTTPError(404, message, "model")
+    def _named(name: str | None) -> ServedModel:
+        """The model a request names (None: the first); 404 for any other name."""
+        if name is None:
+            return models[0]
+        if name not in by_name:
+            served = ", ".join(f"`{m}`" for m in by_name)
+            more = " or `auto`" if router is not None else ""
+            raise HTTPError(404, f"The model `{name}` does not exist; this server serves {served}{more}.", "model")
+        return by_name[name]
 
-    def _jobs(prompts: list[Prompt], body, max_tokens: int | None) -> list[_Job]:
+    def _pick(name: str | None, route) -> ServedModel:
+        """The model that serves a request: the one it names, the routed one for `auto`,
+        else the server's default."""
+        name = config.default_model if name is None else name
+        if name == "auto" and router is not None:
+            chosen = route()
+            served = by_name[chosen.model]
+            served.engine.metrics.inc("aither:routed_requests_total", effort=str(chosen.effort), reason=chosen.reason)
+            return served
+        if name == "auto" and len(models) == 1:
+            return models[0]
+        return _named(name)
+
+    def _jobs(served: ServedModel, prompts: list[Prompt], body, max_tokens: int | None) -> list[_Job]:
         """`body.n` choices of each prompt; only the first choice of a prompt takes its pin."""
         if len(prompts) * body.n > protocol.MAX_CHOICES:
             raise HTTPError(400, f"prompts x n must be at most {protocol.MAX_CHOICES}", "n")
+        tokenizer = served.tokenizer
         jobs = []
         for i, prompt in enumerate(prompts):
             prompt_ids = prompt.ids
@@ -319,9 +394,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                 raise HTTPError(400, "the prompt is empty", "prompt")
             if max(prompt_ids) >= tokenizer.vocab_size:
                 raise HTTPError(400, f"prompt token ids must be below the vocabulary size {tokenizer.vocab_size}")
-            remaining = config.max_model_len - len(prompt_ids)
+            remaining = served.max_model_len - len(prompt_ids)
             try:
-                engine.engine.check_prompt(len(prompt_ids), max_tokens)
+                served.engine.engine.check_prompt(len(prompt_ids), max_tokens)
                 for j in range(body.n):
                     seed = None if body.seed is None else (body.seed + j) % 2**32
                     params = SamplingParams(
@@ -340,10 +415,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                 raise HTTPError(400, str(e)) from None
         return jobs
 
-    # Context pipelines by (tenant salt, prompt_cache_key): each remembers its stable prefixes.
-    contexts: collections.OrderedDict[tuple[bytes, str], Context] = collections.OrderedDict()
-
-    def _context_prompt(body: protocol.ChatCompletionRequest, salt: bytes, max_tokens: int | None) -> Prompt:
+    def _context_prompt(
+        served: ServedModel, body: protocol.ChatCompletionRequest, salt: bytes, max_tokens: int | None
+    ) -> Prompt:
         """A sectioned chat request through the context pipeline (ContextError is a ValueError)."""
         options = body.context or protocol.ContextOptions()
         messages = [
@@ -352,11 +426,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
             for m in body.messages
         ]  # fmt: skip
         sections, breakpoint = sections_from_messages(messages)
-        budget = options.budget or max(1, config.max_model_len - (max_tokens or DEFAULT_ANSWER_TOKENS))
+        budget = options.budget or max(1, served.max_model_len - (max_tokens or DEFAULT_ANSWER_TOKENS))
         key = (salt, body.prompt_cache_key or "")
+        contexts = served.contexts
         ctx = contexts.get(key)
         if ctx is None:
-            ctx = contexts[key] = Context(tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
+            ctx = Context(served.tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
+            contexts[key] = ctx
         else:  # the stable prefixes seen still count under this request's budgets
             ctx.context_budget, ctx.prefill_budget = budget, options.prefill_budget
         contexts.move_to_end(key)
@@ -365,31 +441,32 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         prompt = ctx.assemble(sections, pinned=breakpoint)
         return prompt if options.report else dataclasses.replace(prompt, report=None)
 
-    def _salt(request: Request) -> bytes:
+    def _salt(request: Request, served: ServedModel) -> bytes:
         tenant = request.headers.get("x-tenant-id", "")
         if len(tenant) > MAX_TENANT_LEN or not tenant.isprintable():
             raise HTTPError(400, f"X-Tenant-Id must be at most {MAX_TENANT_LEN} printable characters")
-        return config.salt(tenant, request.scope["state"].get("api_key_index"))
+        return config.salt(tenant, request.scope["state"].get("api_key_index"), served.name)
 
-    async def _serve(request: Request, body, jobs: list[_Job], kind: str, num_logprobs: int | None, *, chat: bool):
+    async def _serve(served: ServedModel, request: Request, body, jobs: list[_Job], kind: str, num_logprobs, *, chat):
         if app.state.draining:
             raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        salt = _salt(request)
+        salt = _salt(request, served)
         try:
-            reservation = engine.reserve(len(jobs))
+            reservation = served.engine.reserve(len(jobs))
         except (QueueFullError, EngineDeadError) as e:
             raise _as_http(e) from None
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + request.scope["state"]["request_id"]
-        updates = _merge(engine, jobs, salt, num_logprobs, reservation)
+        updates = _merge(served.engine, jobs, salt, num_logprobs, reservation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunk_kind = kind + (".chunk" if chat else "")
-            stream = _sse(rid, chunk_kind, jobs, updates, body, num_logprobs, chat, include_usage)
+            stream = _sse(served, rid, chunk_kind, jobs, updates, body, num_logprobs, chat, include_usage)
             return SSEResponse(stream, media_type="text/event-stream")
-        return await _complete(request, rid, kind, jobs, updates, body, num_logprobs, chat)
+        return await _complete(served, request, rid, kind, jobs, updates, body, num_logprobs, chat)
 
-    async def _complete(request, rid, kind, jobs, updates, body, num_logprobs, chat):
+    async def _complete(served, request, rid, kind, jobs, updates, body, num_logprobs, chat):
+        tokenizer = served.tokenizer
         results: dict[int, list[Update]] = {job.index: [] for job in jobs}
 
         async def collect() -> None:
@@ -428,11 +505,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                 choice |= {"text": seq.text, "logprobs": lp}
             choices.append(choice)
         prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
-        seqs = [results[j.index][-1].seq for j in jobs] if speculative else None
+        seqs = [results[j.index][-1].seq for j in jobs] if served.speculative else None
         block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs, jobs[0].prompt.report)
-        return protocol.envelope(rid, kind, config.model_name, choices, block)
+        return protocol.envelope(rid, kind, served.name, choices, block)
 
-    async def _sse(rid, kind, jobs, updates, body, num_logprobs, chat, include_usage) -> AsyncIterator[str]:
+    async def _sse(served, rid, kind, jobs, updates, body, num_logprobs, chat, include_usage) -> AsyncIterator[str]:
+        tokenizer, name = served.tokenizer, served.name
         texts = {j.index: TextStream(tokenizer, j.params.stop_strings) for j in jobs}
         tokens: dict[int, list[int]] = {j.index: [] for j in jobs}
         cached = 0
@@ -440,7 +518,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         if chat:
             for job in jobs:
                 first = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                yield _event(protocol.envelope(rid, kind, config.model_name, [first | {"finish_reason": None}]))
+                yield _event(protocol.envelope(rid, kind, name, [first | {"finish_reason": None}]))
         try:
             async with contextlib.aclosing(updates) as it:
                 async for index, update in it:
@@ -463,7 +541,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
                         cached += update.seq.num_cached_prompt
                     if update.finished:
                         seqs.append(update.seq)
-                    yield _event(protocol.envelope(rid, kind, config.model_name, [choice]))
+                    yield _event(protocol.envelope(rid, kind, name, [choice]))
         except (ValueError, EngineDeadError, QueueFullError) as e:
             error = _as_http(e)
             log.warning("stream %s ended with an error event (%d): %s", rid, error.status, error.message)
@@ -473,8 +551,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig) -
         if include_usage:
             prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
             completion_tokens = sum(len(t) for t in tokens.values())
-            block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs if speculative else None)
-            yield _event(protocol.envelope(rid, kind, config.model_name, [], block))
+            block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs if served.speculative else None)
+            yield _event(protocol.envelope(rid, kind, name, [], block))
         yield "data: [DONE]\n\n"
 
     return app

@@ -375,6 +375,11 @@ class AsyncEngine:
         m.counter("vllm:generation_tokens_total", "Generated tokens.")
         m.counter("vllm:request_success_total", "Finished requests by finish reason.")
         m.counter("aither:requests_rejected_total", "Requests refused because the queue was full.")
+        m.counter(
+            "aither:routed_requests_total",
+            "Requests for model 'auto' routed to this model, by effort (1-5) and reason (scored, carried, follow-up, "
+            "reasoning_effort).",
+        )
         m.histogram("vllm:time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS)
         m.histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         m.histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS)

@@ -68,6 +68,11 @@ class Metrics:
         self._help[name] = ("counter", help_text)
         self._series[name] = read
 
+    def gauge_series(self, name: str, help_text: str, read: Callable[[], list[tuple[dict[str, str], float]]]) -> None:
+        """Declares a gauge with one series per label set, all read from their owner at once."""
+        self._help[name] = ("gauge", help_text)
+        self._series[name] = read
+
     def counter(self, name: str, help_text: str, read: Callable[[], float] | None = None) -> None:
         """Declares a counter, updated with `inc` or, with `read`, read from its owner."""
         _check_counter_name(name)
@@ -103,27 +108,46 @@ class Metrics:
         return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
 
     def render(self) -> str:
+        return render_metrics([self])
+
+    def samples(self, name: str) -> list[str]:
+        """The exposition lines of one declared series family (without HELP and TYPE)."""
+        kind = self._help[name][0]
         lines = []
         with self._lock:
-            for name, (kind, help_text) in self._help.items():
-                lines.append(f"# HELP {name} {help_text}")
-                lines.append(f"# TYPE {name} {kind}")
-                if name in self._gauges:
-                    lines.append(f"{name}{_labels(self.labels)} {_number(self._gauges[name]())}")
-                elif name in self._series:
-                    for extra, value in self._series[name]():
-                        lines.append(f"{name}{_labels({**self.labels, **extra})} {_number(value)}")
-                elif kind == "counter":
-                    for (cname, extra), value in sorted(self._counters.items()):
-                        if cname == name:
-                            lines.append(f"{name}{_labels({**self.labels, **dict(extra)})} {_number(value)}")
-                else:
-                    h = self._histograms[name]
-                    running = 0
-                    for bound, count in zip((*h.buckets, float("inf")), h.counts, strict=True):
-                        running += count
-                        le = "+Inf" if bound == float("inf") else _number(bound)
-                        lines.append(f"{name}_bucket{_labels({**self.labels, 'le': le})} {running}")
-                    lines.append(f"{name}_sum{_labels(self.labels)} {_number(h.sum)}")
-                    lines.append(f"{name}_count{_labels(self.labels)} {h.count}")
-        return "\n".join(lines) + "\n"
+            if name in self._gauges:
+                lines.append(f"{name}{_labels(self.labels)} {_number(self._gauges[name]())}")
+            elif name in self._series:
+                for extra, value in self._series[name]():
+                    lines.append(f"{name}{_labels({**self.labels, **extra})} {_number(value)}")
+            elif kind == "counter":
+                for (cname, extra), value in sorted(self._counters.items()):
+                    if cname == name:
+                        lines.append(f"{name}{_labels({**self.labels, **dict(extra)})} {_number(value)}")
+            else:
+                h = self._histograms[name]
+                running = 0
+                for bound, count in zip((*h.buckets, float("inf")), h.counts, strict=True):
+                    running += count
+                    le = "+Inf" if bound == float("inf") else _number(bound)
+                    lines.append(f"{name}_bucket{_labels({**self.labels, 'le': le})} {running}")
+                lines.append(f"{name}_sum{_labels(self.labels)} {_number(h.sum)}")
+                lines.append(f"{name}_count{_labels(self.labels)} {h.count}")
+        return lines
+
+
+def render_metrics(registries: list[Metrics]) -> str:
+    """One exposition of several registries (one per served model, told apart by their
+    `model_name` label): each family's HELP and TYPE once, then every registry's series."""
+    lines = []
+    families: dict[str, tuple[str, str]] = {}
+    for m in registries:
+        for name, meta in m._help.items():
+            families.setdefault(name, meta)
+    for name, (kind, help_text) in families.items():
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for m in registries:
+            if name in m._help:
+                lines.extend(m.samples(name))
+    return "\n".join(lines) + "\n"

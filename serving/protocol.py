@@ -54,6 +54,9 @@ class _Sampling(BaseModel):
     logit_bias: dict | None = None
     best_of: StrictInt | None = None
     user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    # With `model: "auto"`: how much reasoning the request needs (OpenAI's values); it picks
+    # the model instead of the effort scorer.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -11,7 +11,9 @@ pins, and the metadata the context pipeline fills in) and returns the victims in
   second of age since its last use; degree and summed decayed weights in the block graph,
   eviction/graph.py). Protected pages (tags `system`, `identity`, `axioms`, or importance
   1.0) are never candidates, up to `max_protected_pages` idle ones (the most recently used;
-  beyond that cap the rest rank after every other page, so the pool cannot fill with them).
+  beyond that cap the least recently used of them lose protection and go first: the cap is
+  what protection may hold, so idle system prompts nobody has used for longest, such as a
+  retired persona's, cannot crowd out the pages of live conversations).
   Rankings are computed off the engine's loop by a background thread about every 0.5 s and
   published with one atomic swap; eviction reads the latest, scoring pages newer than it
   inline, and falls back to LRU order (protection kept) when it is older than about 2 s.
@@ -157,7 +159,8 @@ class AdvisorPolicy:
         self.refresh_s = refresh_s
         self.stale_s = stale_s
         self.clock = clock
-        self._ranking: tuple[float, dict[tuple, float]] = (-math.inf, {})  # (when, key -> score)
+        # (when, page key -> score, page name -> score), published together
+        self._ranking: tuple[float, dict[tuple, float], dict[bytes, float]] = (-math.inf, {}, {})
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.evicted_by_tag: collections.Counter[str] = collections.Counter()
@@ -184,16 +187,29 @@ class AdvisorPolicy:
 
     def refresh(self, blocks: Sequence[Block]) -> None:
         """Scores `blocks` and publishes the ranking (one assignment: readers see the old one
-        or the new one, never a mix). A page never ranks before a page that continues its
-        chain: evicting a chain's middle would strand the pages after it, so each page's
-        score is below its descendants'."""
+        or the new one, never a mix).
+
+        A page never ranks before a page that continues its chain: evicting a chain's middle
+        would strand the pages after it, so each page's score is below its descendants'. And
+        a run of pages that continues into no other (one conversation's pages after the
+        prefix it shares) ranks as one: every page of it takes its best page's score (its
+        first page's, after the rule above), deeper pages a hair higher, so eviction empties
+        the least valuable run from its end before touching the next. Scored page by page,
+        eviction would trim the newest turn off every conversation instead, and each
+        follow-up would recompute its own last turn."""
         start = time.perf_counter()
         now = self.clock()
         stats = self.graph.stats()
         ranking = {_key(b): self.score(b, stats, now) for b in blocks}
-        for b, parent in _deepest_first(blocks):
+        pairs = _deepest_first(blocks)
+        for b, parent in pairs:
             ranking[_key(parent)] = min(ranking[_key(parent)], ranking[_key(b)] - CHAIN_MARGIN)
-        self._ranking = (now, ranking)
+        children = collections.Counter(_key(parent) for _, parent in pairs)
+        for b, parent in reversed(pairs):  # parents first: a run's head is settled before its pages
+            if children[_key(parent)] == 1 and b.name is not None:
+                ranking[_key(b)] = ranking[_key(parent)] + CHAIN_MARGIN
+        by_name = {b.name: ranking[_key(b)] for b in blocks if b.name is not None}
+        self._ranking = (now, ranking, by_name)
         self.num_refreshes += 1
         self.refresh_seconds += time.perf_counter() - start
 
@@ -243,12 +259,13 @@ class AdvisorPolicy:
         for b in candidates:
             (protected if self.protected(b) else open_).append(b)
         protected.sort(key=lambda b: b.last_access, reverse=True)  # the most recently used keep protection
-        return sorted(open_, key=order), sorted(protected[self.max_protected_pages :], key=order)
+        excess = protected[self.max_protected_pages :]
+        return sorted(open_, key=order), excess[::-1]  # past the cap: least recently used first
 
     def _order(self):
         """Eviction order: by the published ranking while fresh (scoring newer pages inline),
         else least recently used first."""
-        at, ranking = self._ranking
+        at, ranking, by_name = self._ranking
         now = self.clock()
         if now - at > self.stale_s:
             self.num_stale += 1
@@ -259,6 +276,9 @@ class AdvisorPolicy:
             nonlocal stats
             score = ranking.get(_key(b))
             if score is None:
+                parent = by_name.get(b.parent) if b.parent is not None else None
+                if parent is not None:  # a page newer than the ranking continues its parent's run
+                    return -(parent + CHAIN_MARGIN)
                 if stats is None:
                     stats = self.graph.stats()
                 score = self.score(b, stats, now)
@@ -268,7 +288,7 @@ class AdvisorPolicy:
 
     def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
         open_, excess = self._split(candidates, self._order())
-        chosen = (open_ + excess)[: max(n, 0)]
+        chosen = (excess + open_)[: max(n, 0)]
         for b in chosen:
             self.evicted_by_tag[b.source_tag or "untagged"] += 1
         return chosen

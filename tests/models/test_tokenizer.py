@@ -89,6 +89,35 @@ def test_template_runs_sandboxed(tokenizer):
         none.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_a_file_without_a_template_gets_its_family_turn_format():
+    """Gemma-3-270M's file has no chat template: the Gemma 3 turn format, system text opening
+    the first user turn, `<end_of_turn>` a stop token; each message's rendering extends the
+    rendering of the messages before it (role spans and system pins rely on it)."""
+    from aither_jax.context.prompt import chat_prompt
+    from models.registry import resolve_model
+
+    gemma = Tokenizer.from_gguf(GGUFFile(resolve_model("gemma3-270m")))
+    messages = [
+        {"role": "system", "content": "You are Aither. "},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "tool", "content": "42"},
+        {"role": "user", "content": "Thanks"},
+    ]
+    assert gemma.apply_chat_template(messages) == (
+        "<start_of_turn>user\nYou are Aither.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\n42<end_of_turn>\n<start_of_turn>user\nThanks<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert gemma.apply_chat_template(messages[1:2]) == "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    for k in range(1, len(messages)):
+        head = gemma.apply_chat_template(messages[:k], add_generation_prompt=False)
+        assert gemma.apply_chat_template(messages[: k + 1], add_generation_prompt=False).startswith(head)
+    assert gemma.token_text(106) == "<end_of_turn>" and 106 in gemma.stop_token_ids
+    prompt = chat_prompt(gemma, messages, pin_system=True)
+    assert prompt.ids[0] == gemma.bos_token_id and prompt.num_pinned > 0
+    assert [s.tag for s in prompt.sections] == ["system", "user", "assistant", "tool", "user"]
+
+
 def test_decode_rejects_out_of_range_ids(tokenizer):
     with pytest.raises(ValueError, match="out of range"):
         tokenizer.decode([1, 10**7])

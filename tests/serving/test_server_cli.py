@@ -42,7 +42,8 @@ def readme_blocks(language: str) -> list[str]:
 def test_make_run_serves_the_default_model_on_loopback_port_8000():
     assert make_run_argv() == ["--model", MODEL, "--host", "127.0.0.1", "--port", "8000", "--compile-first-requests"]
     defaults = serve.build_parser().parse_args([])
-    assert (defaults.model, defaults.host, defaults.port) == (MODEL, "127.0.0.1", 8000)
+    assert (defaults.model, defaults.host, defaults.port) == ([MODEL], "127.0.0.1", 8000)
+    assert serve.build_parser().parse_args(["--model", "a", "--model", "b"]).model == ["a", "b"]
 
 
 def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
@@ -115,12 +116,27 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--eviction-policy", "advisor", "--kv-cache-dtype", "fp32"], "leaving less than one request's 512"),
         (["--eviction-policy", "advisor", "--advisor-weights", '{"speed": 1}'], "unknown advisor weight 'speed'"),
         (["--advisor-weights", '{"age": 1}'], "apply to the advisor only"),
+        (["--model", "smollm2-135m", "--model", "smollm2-135m"], "each model once"),
+        (["--model-options", 'gemma3-270m={"num_pages": 8}'], "'gemma3-270m' is not a served --model"),
+        (["--model-options", 'smollm2-135m={"speed": 1}'], "unknown key 'speed'"),
+        (["--model-options", "smollm2-135m=[1]"], "expected a JSON object"),
+        (["--model-options", "smollm2-135m"], "takes NAME=JSON"),
+        (["--default-model", "auto"], "routes between several models"),
+        (["--default-model", "llama"], "'llama' is not a served model"),
+        (["--route-threshold", "9"], "--route-threshold must be in [1, 5]"),
+        (["--model", "smollm2-135m", "--model", "gemma3-270m"], "several models need a memory budget"),
+        (["--model", "smollm2-135m", "--model", "gemma3-270m", "--num-pages", "64"], "give each its own"),
+        (
+            ["--model", "smollm2-135m", "--model", "gemma3-270m", "--memory-budget", "0.1", "--kv-cache-dtype", "fp32"],
+            "does not hold the weights of smollm2-135m",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_the_problem(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("AITHER_API_KEY", raising=False)
     # A small engine where one is built before the error (flags given later win).
-    small = ["--max-num-seqs", "1"] + ([] if "--gpu-memory-utilization" in argv else ["--num-pages", "64"])
+    sized = "--gpu-memory-utilization" in argv or argv.count("--model") > 1  # sized otherwise
+    small = ["--max-num-seqs", "1"] + ([] if sized else ["--num-pages", "64"])
     try:
         code = serve.main([*small, *argv])
     except SystemExit as e:  # argparse's errors
@@ -145,12 +161,14 @@ def test_api_keys_from_the_environment(monkeypatch):
     assert seen == [["k1", "k2"], ["flag"], None]
 
 
-def test_each_api_key_is_its_own_tenant():
-    config = ServerConfig("m", 64, ("alpha", "beta"), secret=b"s" * 32)
+def test_each_api_key_is_its_own_tenant_and_each_model_names_its_own_chains():
+    config = ServerConfig(("alpha", "beta"), secret=b"s" * 32)
     salts = {config.salt("", 0), config.salt("", 1), config.salt("t", 0), config.salt("t", 1)}
     assert len(salts) == 4
     assert config.root_salts() == [config.salt("", 0), config.salt("", 1)]
-    assert ServerConfig("m", 64, secret=b"s" * 32).root_salts() == [ServerConfig("m", 64, secret=b"s" * 32).salt("")]
+    assert ServerConfig(secret=b"s" * 32).root_salts() == [ServerConfig(secret=b"s" * 32).salt("")]
+    assert config.salt("t", 0, "model-a") != config.salt("t", 0, "model-b")  # no page is shared across models
+    assert config.root_salts("model-a") == [config.salt("", 0, "model-a"), config.salt("", 1, "model-a")]
 
 
 # -- keys, tenants and a pinned prompt file on a real server -----------------------------------
@@ -284,33 +302,43 @@ def test_the_advisor_keeps_a_persona_and_shows_its_graph():
 # -- /health once the engine loop has died ----------------------------------------------------
 
 
-def test_health_answers_503_once_the_engine_loop_has_died(monkeypatch):
+def test_health_names_a_dead_engine_and_the_other_model_keeps_serving(monkeypatch):
     from starlette.testclient import TestClient
 
     import aither_jax as aj
-    from serving.api import build_app
+    from serving.api import ServedModel, build_app
     from serving.async_engine import AsyncEngine
     from serving.metrics import Metrics
 
-    llm = aj.LLM(MODEL, dtype="float32", kv_cache_dtype="fp32", max_model_len=256, max_num_seqs=2, num_pages=32)
+    settings = dict(dtype="float32", kv_cache_dtype="fp32", max_model_len=256, max_num_seqs=2, num_pages=32)
+    broken, healthy = (aj.LLM(MODEL, **settings, _num_layers=2, progress=False) for _ in range(2))
 
     def broken_step(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(llm.engine, "step", broken_step)
-    engine = AsyncEngine(llm.engine, Metrics(MODEL), max_waiting=4)
-    app = build_app(engine, llm.tokenizer, ServerConfig(MODEL, 256, secret=b"s" * 32))
-    engine.start()
+    monkeypatch.setattr(broken.engine, "step", broken_step)
+    engines = [AsyncEngine(llm.engine, Metrics(name), max_waiting=4) for llm, name in ((broken, "a"), (healthy, "b"))]
+    served = [ServedModel(name, e, broken.tokenizer, 256) for name, e in zip("ab", engines, strict=True)]
+    app = build_app(served, ServerConfig(secret=b"s" * 32))
+    for e in engines:
+        e.start()
     try:
         client = TestClient(app)
-        assert client.get("/health").status_code == 200
-        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        assert client.get("/health").json() == {"models": {"a": "alive", "b": "alive"}}
+        body = {"model": "a", "prompt": "Hello", "max_tokens": 4}
         r = client.post("/v1/completions", json=body)  # its first step raises
         assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
         health = client.get("/health")
-        assert health.status_code == 503 and "device lost" in health.json()["error"]["message"]
+        assert health.status_code == 503
+        assert "device lost" in health.json()["models"]["a"] and health.json()["models"]["b"] == "alive"
         r = client.post("/v1/completions", json=body)  # refused up front now
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
-        assert client.get("/metrics").status_code == 200  # still scrapeable
+        r = client.post("/v1/completions", json=body | {"model": "b"})  # the other model still serves
+        assert r.status_code == 200 and r.json()["model"] == "b" and r.json()["usage"]["completion_tokens"] == 4
+        metrics = client.get("/metrics").text  # still scrapeable: one family header, a series per model
+        assert metrics.count("# TYPE vllm:num_requests_running gauge") == 1
+        assert 'vllm:num_requests_running{model_name="a"}' in metrics
+        assert 'vllm:num_requests_running{model_name="b"}' in metrics
     finally:
-        engine.stop()
+        for e in engines:
+            e.stop()

@@ -52,12 +52,13 @@ def test_protected_pages_are_never_victims_up_to_the_cap():
         block(5, tag="assistant", importance=0.4, last_access=5),
     ]
     assert policy.num_evictable(blocks) == 3  # two open pages and the protected one past the cap
-    # Stale ranking (none yet): LRU among the open pages, then the least recently used protected.
-    assert [b.page for b in policy.victims(blocks, 5)] == [4, 5, 1]
+    # The least recently used protected page past the cap goes first (the cap is what protection
+    # holds); then, with a stale ranking (none yet), LRU among the open pages.
+    assert [b.page for b in policy.victims(blocks, 5)] == [1, 4, 5]
     assert policy.num_stale == 1
     policy.refresh(blocks)
     # Fresh: by score; the assistant page (importance 0.4) before the user page (0.6).
-    assert [b.page for b in policy.victims(blocks, 5)] == [5, 4, 1]
+    assert [b.page for b in policy.victims(blocks, 5)] == [1, 5, 4]
     assert policy.evicted_by_tag == {"user": 2, "assistant": 2, "system": 2}
 
 
@@ -307,7 +308,27 @@ def test_a_page_never_ranks_before_the_pages_that_continue_its_chain():
     policy.refresh([b, c, a, root])
     order = [x.page for x in policy.victims([root, a, b, c], 4)]
     assert order.index(3) < order.index(2) < order.index(1) and order.index(4) < order.index(1)
-    assert order == [3, 4, 2, 1]  # b (importance 0.5), c (0.8), a (0.9), the root (capped below them all)
+    # a -> b continues into nothing else: one run, worth its best page (a, 0.9), so c (0.8)
+    # goes first; then the run from its end; the root, capped below them all, last.
+    assert order == [4, 3, 2, 1]
+
+
+def test_a_conversation_is_evicted_whole_before_another_loses_its_newest_turn():
+    clock = Clock()
+    policy = AdvisorPolicy(max_protected_pages=0, clock=clock)
+    root = block(1, importance=0.0)
+    # Conversation x: two pages reused by a follow-up (hits), then its newest turn (no hits
+    # yet, just written). Conversation y: two pages never reused.
+    x1, x2, x3 = block(2, hits=2), block(3, hits=2), block(4, touched_at=120.0)
+    y1, y2 = block(5, hits=1), block(6)
+    x1.parent, x2.parent, x3.parent, y1.parent, y2.parent = root.name, x1.name, x2.name, root.name, y1.name
+    clock.now = 130.0
+    pages = [root, x1, x2, x3, y1, y2]
+    policy.refresh(pages)
+    assert [b.page for b in policy.victims(pages, 3)] == [6, 5, 4]  # all of y, from its end, then x's tail
+    later = block(7)  # a page written after the ranking continues x's run: it ranks with it
+    later.parent = x3.name
+    assert [b.page for b in policy.victims([*pages, later], 3)] == [6, 5, 7]
 
 
 class RowTiers:

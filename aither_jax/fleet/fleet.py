@@ -1,0 +1,241 @@
+"""`Fleet`: several models resident in one process under one memory plan, routed by effort.
+
+The server (`python -m aither_jax.serve --model A --model B`) and notebooks use the same
+steps: load every model's weights, measure what each needs of the device (`model_needs`: the
+weights' bytes, the exact bytes of a KV page and of the cache's fixed part from the cache's
+shapes, the DFlash draft's weights and pools, a step's activation headroom), split the budget
+(`planner.plan_memory`), build each engine with its planned pages, and route requests that
+name no model (`router.Router`). Every engine keeps its own pools, scheduler and prefix cache,
+so no page is ever shared across models, and both stay compiled: a route change costs no load
+and no compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+
+from aither_jax.fleet.planner import ACTIVATION_WIDTHS, COMPILE_HEADROOM_BYTES, MemoryPlan, ModelNeeds, plan_memory
+from aither_jax.fleet.router import Route, Router
+from aither_jax.llm import LLM, RequestOutput, resolve_dtype
+from aither_jax.speculative.config import SpeculativeConfig
+from models.kv_cache import init_cache
+from models.kv_spec import parse_kv_spec
+from models.kv_transform import load_key_transforms
+from models.registry import ModelHandle, load_model
+
+GIB = 1 << 30
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of the distinct arrays in a pytree (a tied embedding counts once)."""
+    seen, total = set(), 0
+    for leaf in jax.tree.leaves(tree):
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            total += math.prod(leaf.shape) * leaf.dtype.itemsize
+    return total
+
+
+def device_budget(memory_budget_gib: float | None, gpu_memory_utilization: float | None) -> int:
+    """The device bytes to plan: an explicit budget, or a fraction of the accelerator's memory
+    less what is already in use. Raises ValueError when neither applies (CPU needs a budget)."""
+    if memory_budget_gib is not None:
+        if not memory_budget_gib > 0:
+            raise ValueError(f"the memory budget must be positive GiB, got {memory_budget_gib!r}")
+        return int(memory_budget_gib * GIB)
+    stats = jax.devices()[0].memory_stats() or {}
+    if gpu_memory_utilization is None or not stats.get("bytes_limit"):
+        raise ValueError(
+            f"several models need a memory budget: give memory_budget_gib (--memory-budget), or on an accelerator "
+            f"gpu_memory_utilization (this is {jax.default_backend()})"
+        )
+    return int(gpu_memory_utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def model_needs(name: str, handle: ModelHandle, options: Mapping) -> ModelNeeds:
+    """What `handle` served with LLM `options` needs of the device (see the module docstring)."""
+    cfg = handle.config
+    page_size = options.get("page_size", 16)
+    max_num_seqs = options.get("max_num_seqs", 8)
+    max_model_len = options.get("max_model_len") or cfg.max_context
+    pages_per_seq = -(-max_model_len // page_size)
+    kv = options.get("kv_cache_dtype", "auto")
+    kv = handle.kv_cache_dtype if kv == "auto" else kv
+    spec = parse_kv_spec(kv)
+    transform = None
+    if spec.precondition:
+        transform = load_key_transforms(
+            handle.key_transform or handle.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        )
+
+    def cache_bytes(num_pages: int) -> int:
+        make = functools.partial(
+            init_cache, cfg, num_pages=num_pages, max_seqs=max_num_seqs, max_pages_per_seq=pages_per_seq,
+            page_size=page_size, kv_cache_dtype=kv, key_transform=transform,
+        )  # fmt: skip
+        return tree_bytes(jax.eval_shape(make))  # shapes only: nothing is allocated
+
+    page_bytes = cache_bytes(3) - cache_bytes(2)
+    fixed = cache_bytes(2) - 2 * page_bytes
+    act = 2 if handle.dtype == "bfloat16" else 4
+    prefill_chunk = options.get("max_prefill_chunk", 256)
+    tokens = options.get("max_num_batched_tokens") or max(prefill_chunk, max_num_seqs)
+    widths = cfg.vocab_size * 4 + (ACTIVATION_WIDTHS * cfg.hidden_size + 3 * cfg.ffn_size) * act
+    draft_weights, draft_page = _draft_needs(handle, options.get("speculative"), page_size)
+    return ModelNeeds(
+        name=name, weight_bytes=tree_bytes(handle.weights), page_bytes=page_bytes + draft_page,
+        draft_page_bytes=draft_page, draft_weight_bytes=draft_weights, kv_fixed_bytes=fixed,
+        activation_bytes=tokens * widths + COMPILE_HEADROOM_BYTES, min_pages=pages_per_seq + 1,
+        max_pages=max_num_seqs * pages_per_seq + 1, num_pages=options.get("num_pages"),
+        kv_share=options.get("kv_share", 1.0), host_bytes=int(options.get("kv_offloading_size", 0.0) * GIB),
+    )  # fmt: skip
+
+
+def _draft_needs(handle: ModelHandle, speculative, page_size: int) -> tuple[int, int]:
+    """(the DFlash draft's weight bytes, its context pools' bytes per page); zeros without one."""
+    from models.draft_io import load_draft
+
+    spec = SpeculativeConfig.parse(speculative)
+    path = None if spec is None or spec.method != "dflash" else (spec.model or handle.draft)
+    if path is None or not os.path.isfile(path):
+        return 0, 0  # no draft, or the engine reports the missing file
+    cfg, params, _, vocab = load_draft(path)
+    item = 2 if handle.dtype == "bfloat16" else 4
+    head = 0 if vocab is None else len(vocab) * handle.config.hidden_size * item  # the restricted LM head
+    weights = sum(math.prod(x.shape) for x in jax.tree.leaves(params)) * item + head
+    return weights, 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * item
+
+
+class Fleet:
+    """Models resident together under one memory plan, with effort routing between them.
+
+    Args:
+        models: model names (registered names or GGUF paths), or a dict from name to that
+            model's own `LLM` keyword arguments (kv_cache_dtype, max_model_len, speculative,
+            num_pages, ...; plus `kv_share`, its weight in sharing the KV memory).
+        memory_budget_gib: device memory to plan (required on CPU).
+        gpu_memory_utilization: on an accelerator, the fraction of its memory to plan instead.
+        heavy: the model effortful requests go to (default: the one with the most
+            parameters); the light one is the first other model.
+        threshold: effort (1-5) from which a request goes to `heavy`.
+        **common: `LLM` keyword arguments for every model (a model's own win).
+
+    `fleet.plan` holds the zones (`fleet.plan.table()` prints them); `fleet.llms[name]` each
+    model's `LLM`; `chat` and `generate` take `model="auto"` to route.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[str] | Mapping[str, Mapping],
+        *,
+        memory_budget_gib: float | None = None,
+        gpu_memory_utilization: float | None = None,
+        heavy: str | None = None,
+        threshold: int = 3,
+        **common,
+    ):
+        options = (
+            {m: {} for m in models} if not isinstance(models, Mapping) else {m: dict(o) for m, o in models.items()}
+        )
+        if not options:
+            raise ValueError("a fleet needs at least one model")
+        budget = device_budget(memory_budget_gib, gpu_memory_utilization)
+        handles, needs = {}, []
+        if "num_pages" in common:
+            raise ValueError("num_pages is a model's own option: models={name: {'num_pages': ...}}")
+        for name, own in options.items():
+            options[name] = merged = {**common, **own}
+            dtype = resolve_dtype(merged.get("dtype", "auto"))
+            handles[name] = load_model(
+                name, dtype, progress=merged.get("progress", True), num_layers=merged.get("_num_layers")
+            )
+            needs.append(model_needs(name, handles[name], merged))
+        self.plan: MemoryPlan = plan_memory(budget, needs)
+        self.llms: dict[str, LLM] = {}
+        for name, merged in options.items():
+            merged.pop("kv_share", None)
+            self.llms[name] = LLM(name, **{**merged, "num_pages": self.plan.num_pages[name]})
+        self._handles = handles  # keeps the loaded weights shared with the engines
+        sizes = {name: tree_bytes(h.weights) for name, h in handles.items()}
+        if heavy is not None and heavy not in self.llms:
+            raise ValueError(f"heavy model {heavy!r} is not one of {list(self.llms)}")
+        heavy = heavy or max(sizes, key=sizes.get)
+        light = next((m for m in self.llms if m != heavy), heavy)
+        self.router = Router(light, heavy, threshold=threshold)
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.llms)
+
+    def allocated(self) -> dict[tuple[str, str], int]:
+        """Bytes each zone actually holds now, measured from the engines' arrays, keyed like
+        the plan's zones (owner, zone); activations are not arrays that persist."""
+        out = {}
+        for name, llm in self.llms.items():
+            engine = llm.engine
+            out[(name, "weights")] = tree_bytes(engine.weights)
+            out[(name, "kv_pool")] = tree_bytes(engine.store.cache)
+            drafter = engine.store.drafter
+            if drafter is not None:
+                out[(name, "draft_pool")] = tree_bytes(drafter.pools)
+                head = 0 if drafter.vocab is None else tree_bytes(drafter.lm_head)
+                out[(name, "draft_weights")] = tree_bytes(drafter.params) + head
+        return out
+
+    def route(self, messages: Sequence[dict], *, reasoning_effort: str | None = None, conversation=None) -> Route:
+        return self.router.route(messages, reasoning_effort=reasoning_effort, conversation=conversation)
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict]],
+        sampling_params=None,
+        *,
+        model: str = "auto",
+        reasoning_effort: str | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """`LLM.chat` on the named model, or with `model="auto"` on the model each
+        conversation routes to; each output's `model` says which served it."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        targets = [
+            self._target(model, lambda c=c: self.route(c, reasoning_effort=reasoning_effort)) for c in conversations
+        ]
+        return self._fan_out(targets, conversations, sampling_params, use_tqdm, chat=True)
+
+    def generate(self, prompts, sampling_params=None, *, model: str = "auto", use_tqdm: bool | None = None):
+        """`LLM.generate` on the named model, or routed by each prompt's effort."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        targets = [
+            self._target(model, lambda p=p: self.router.route_text(p if isinstance(p, str) else "")) for p in prompts
+        ]
+        return self._fan_out(targets, prompts, sampling_params, use_tqdm, chat=False)
+
+    def _target(self, model: str, route) -> str:
+        if model == "auto":
+            return route().model
+        if model not in self.llms:
+            raise ValueError(f"model {model!r} is not served here; models: {', '.join(self.llms)} or 'auto'")
+        return model
+
+    def _fan_out(self, targets, items, sampling_params, use_tqdm, *, chat: bool) -> list[RequestOutput]:
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"{len(params)} sampling params for {len(items)} prompts")
+        outputs: list[RequestOutput | None] = [None] * len(items)
+        for name in dict.fromkeys(targets):
+            idx = [i for i, t in enumerate(targets) if t == name]
+            llm = self.llms[name]
+            run = llm.chat if chat else llm.generate
+            own = None if sampling_params is None else [params[i] for i in idx]
+            results = run([items[i] for i in idx], own, use_tqdm=use_tqdm)
+            for i, out in zip(idx, results, strict=True):
+                out.model = name
+                outputs[i] = out
+        return outputs

@@ -1,0 +1,141 @@
+"""Routing by effort: which of the served models answers a request that names none of them.
+
+An explicit OpenAI `reasoning_effort` wins (none/minimal 1, low 2, medium 3, high 5). Otherwise
+the effort scorer (`effort.py`) reads the turn's last user message. Effort at or above
+`threshold` goes to the heavy model (by default the one with more parameters), the rest to the
+light one.
+
+Follow-ups keep their intent. A conversation (a key the client gives: OpenAI's `user` field or
+an `X-Session-Id` header; else the hash of its leading messages, the system messages and the
+first user message, which every later turn repeats) remembers a high-effort turn, or a turn
+with tool results, for its next `carry_turns` turns: their effort is at least the remembered
+one. Past that window the memory decays one level per turn, except that a short follow-up
+that refers back ("How do I get tickets for it?", "and that one?") is routed like the turn
+before it. This is the bug it prevents: a research question's short follow-up scored alone
+looks like chit-chat and went to a bare model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import re
+import threading
+from collections.abc import Sequence
+
+from aither_jax.fleet.effort import MAX_EFFORT, score_effort
+
+REASONING_EFFORT = {"none": 1, "minimal": 1, "low": 2, "medium": 3, "high": 5}
+CARRY_TURNS = 3
+SHORT_FOLLOW_UP_WORDS = 12
+MAX_CONVERSATIONS = 4096  # remembered, least recently routed dropped
+_REFERS_BACK = re.compile(
+    r"\b(it|its|that|this|those|these|they|them|their|there|he|she|him|her|the same|the (first|second|last|other) "
+    r"one|which one|and|also|what about|how about|then)\b",
+    re.IGNORECASE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    model: str
+    effort: int
+    reason: str  # "reasoning_effort", "scored", "carried" or "follow-up"
+    detail: tuple[str, ...] = ()  # the scorer's reasons
+
+
+@dataclasses.dataclass
+class _Memory:
+    effort: int  # remembered effort of the last heavy or tool turn
+    turns_left: int  # turns still carrying it in full
+    last: int  # the effort the previous turn was routed with
+
+
+class Router:
+    """Routes between a light and a heavy model by effort, remembering conversations.
+
+    Args:
+        light / heavy: model names (the same name twice serves everything with one model).
+        threshold: effort at or above which a request goes to `heavy`.
+        carry_turns: turns a heavy or tool turn's effort is carried forward in full.
+    """
+
+    def __init__(self, light: str, heavy: str, *, threshold: int = 3, carry_turns: int = CARRY_TURNS):
+        if not 1 <= threshold <= MAX_EFFORT:
+            raise ValueError(f"the routing threshold must be an effort from 1 to {MAX_EFFORT}, got {threshold!r}")
+        if carry_turns < 0:
+            raise ValueError(f"carry_turns must be >= 0, got {carry_turns!r}")
+        self.light, self.heavy, self.threshold, self.carry_turns = light, heavy, threshold, carry_turns
+        self._memory: collections.OrderedDict[str, _Memory] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.routed: collections.Counter[tuple[str, int]] = collections.Counter()  # (model, effort) -> requests
+
+    def route(
+        self, messages: Sequence[dict], *, reasoning_effort: str | None = None, conversation: str | None = None
+    ) -> Route:
+        """The model for a chat turn (`messages`, OpenAI-style), and why."""
+        text = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        text = text if isinstance(text, str) else ""
+        key = conversation if conversation is not None else conversation_key(messages)
+        tool_turn = any(m.get("role") == "tool" for m in messages[-3:])
+        with self._lock:
+            memory = self._memory.get(key)
+            if reasoning_effort is not None:
+                if reasoning_effort not in REASONING_EFFORT:
+                    raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}")
+                own = effort = REASONING_EFFORT[reasoning_effort]
+                reason, detail = "reasoning_effort", ()
+            else:
+                scored = score_effort(text)
+                own = effort = scored.level
+                reason, detail = "scored", scored.reasons
+                if memory is not None and memory.turns_left > 0 and memory.effort > effort:
+                    effort, reason = memory.effort, "carried"
+                elif memory is not None and memory.last > effort and _follows_up(text):
+                    effort, reason = memory.last, "follow-up"
+            self._remember(key, memory, effort, heavy_turn=own >= self.threshold or tool_turn, own=own)
+            model = self.heavy if effort >= self.threshold else self.light
+            self.routed[(model, effort)] += 1
+        return Route(model, effort, reason, detail)
+
+    def route_text(self, prompt: str, *, reasoning_effort: str | None = None) -> Route:
+        """The model for a plain completion prompt (no conversation to remember)."""
+        return self.route([{"role": "user", "content": prompt}], reasoning_effort=reasoning_effort, conversation="")
+
+    def _remember(self, key: str, memory: _Memory | None, effort: int, *, heavy_turn: bool, own: int) -> None:
+        """Updates a conversation's memory after a turn routed with `effort` whose own effort
+        (scored or given) was `own`: a heavy or tool turn starts a new carry window."""
+        if key == "":
+            return
+        if memory is None:
+            memory = _Memory(effort=0, turns_left=0, last=0)
+        if heavy_turn:  # the window restarts; a stronger effort still carried is kept
+            held = memory.effort if memory.turns_left > 0 else 0
+            memory.effort, memory.turns_left = max(own, self.threshold, held), self.carry_turns
+        elif memory.turns_left > 0:
+            memory.turns_left -= 1
+        else:  # past the window the remembered effort decays a level per turn
+            memory.effort = max(0, memory.effort - 1)
+        memory.last = effort
+        self._memory[key] = memory
+        self._memory.move_to_end(key)
+        while len(self._memory) > MAX_CONVERSATIONS:
+            self._memory.popitem(last=False)
+
+
+def conversation_key(messages: Sequence[dict]) -> str:
+    """SHA-256 of a conversation's leading messages (its system messages and first user
+    message), which each later turn of it repeats."""
+    head = []
+    for m in messages:
+        head.append([m.get("role"), m.get("content")])
+        if m.get("role") == "user":
+            break
+    return hashlib.sha256(json.dumps(head, ensure_ascii=False).encode()).hexdigest()
+
+
+def _follows_up(text: str) -> bool:
+    """A short message that refers back to what came before."""
+    return len(text.split()) <= SHORT_FOLLOW_UP_WORDS and bool(_REFERS_BACK.search(text))
