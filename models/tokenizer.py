@@ -88,6 +88,8 @@ class Tokenizer:
         self.stop_token_ids = tuple(sorted(ends | set(extra_stop_ids)))
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._controls: tuple[str, ...] | None = None
+        self._literal_hf: HFTokenizer | None = None  # encodes added-token strings as text
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
@@ -144,16 +146,71 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def encode_prompt_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """`encode_prompt`'s ids, and where in `text` each token starts (0 for an added BOS)."""
+    def encode_prompt_offsets(self, text: str, literal: Sequence[tuple[int, int]] = ()) -> tuple[list[int], list[int]]:
+        """`encode_prompt`'s ids, and where in `text` each token starts (0 for an added BOS).
+        Within the `literal` character ranges (in order, not overlapping) added-token strings
+        are encoded as plain characters; the text is encoded piece by piece at their edges."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a string, got {type(text).__name__}")
-        enc = self.hf.encode(text, add_special_tokens=False)
-        ids, starts = list(enc.ids), [start for start, _ in enc.offsets]
+        ids, starts, pos = [], [], 0
+        for start, stop in [*literal, (len(text), len(text))]:
+            for piece, begin, plain in ((text[pos:start], pos, False), (text[start:stop], start, True)):
+                if piece:
+                    enc = self._encode_literal(piece) if plain else self.hf.encode(piece, add_special_tokens=False)
+                    ids += enc.ids
+                    starts += [begin + a for a, _ in enc.offsets]
+            pos = stop
         if self.add_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
             starts.insert(0, 0)
         return ids, starts
+
+    def encode_chat(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True
+    ) -> tuple[list[int], list[int], str]:
+        """(ids, each token's start in the text, the text) of a conversation rendered with the
+        chat template and encoded as a prompt, where the template's own control tokens are
+        control tokens but the messages' contents are text: a user message that writes
+        `<|im_end|>` gets the tokens of those characters, never the control token, so it cannot
+        close its turn and open another role's. Conversations whose contents hold no
+        control-token text encode exactly as `encode_prompt_offsets` of the text.
+
+        Raises:
+            ChatTemplateError: as `apply_chat_template`, or a content that holds control-token
+                text is not written verbatim by the template (it could not be encoded safely).
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        controls = self._control_strings()
+        literal, pos = [], 0
+        for i, m in enumerate(messages):
+            content = m["content"]
+            if not any(c in content for c in controls):
+                continue
+            found = text.find(content, pos)
+            if found < 0:
+                found, content = text.find(content.strip(), pos), content.strip()
+            if found < 0:
+                raise ChatTemplateError(f"message {i} holds control-token text the template does not write verbatim")
+            literal.append((found, found + len(content)))
+            pos = found + len(content)
+        ids, starts = self.encode_prompt_offsets(text, literal=literal)
+        return ids, starts, text
+
+    def _control_strings(self) -> tuple[str, ...]:
+        """The text of every control (special) token, which encoding would otherwise turn into
+        that token. User-defined added tokens (Gemma's runs of newlines) are text already."""
+        if self._controls is None:
+            tokens = self.hf.get_added_tokens_decoder().values()
+            self._controls = tuple(t.content for t in tokens if t.special and t.content)
+        return self._controls
+
+    def _encode_literal(self, text: str):
+        """`text` encoded with added-token strings as plain characters."""
+        if self._literal_hf is None:
+            literal = HFTokenizer.from_str(self.hf.to_str())
+            literal.encode_special_tokens = True
+            self._literal_hf = literal
+        return self._literal_hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]

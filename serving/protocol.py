@@ -26,12 +26,40 @@ StopStr = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_LE
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 
 
+def _no_lone_surrogates(value, where: str = "body"):
+    """Raises ValueError naming the first string in a parsed JSON body that holds a lone
+    UTF-16 surrogate (valid JSON escapes such as "\\ud800", but no character: it cannot be
+    encoded as UTF-8, so no tokenizer can read it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not a character") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_lone_surrogates(k, where)
+            _no_lone_surrogates(v, f"{where}.{k}" if where != "body" else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_lone_surrogates(v, f"{where}[{i}]")
+    return value
+
+
+class _Text(BaseModel):
+    """A request body whose strings must all be text (no lone surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        return _no_lone_surrogates(data)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Text):
     """Fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="ignore")
@@ -180,7 +208,7 @@ def template_messages(messages: list[Message]) -> list[dict]:
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
-class UnpinRequest(BaseModel):
+class UnpinRequest(_Text):
     """Body of `POST /v1/unpin` (our extension): the prefix a `pin_prefix` request pinned,
     given as that request gave it: `prompt` (a completion's; all its full pages) or `messages`
     (a chat's; the pages of its leading system messages)."""

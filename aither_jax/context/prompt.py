@@ -82,8 +82,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: Sequence[dict], *, pin_system: b
         ChatTemplateError: (a ValueError) the model has no chat template, the messages are
             malformed, or the template raised.
     """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids, starts = tokenizer.encode_prompt_offsets(text)
+    ids, starts, text = tokenizer.encode_chat(messages, add_generation_prompt=True)
     num_pinned = len(_system_head(tokenizer, messages, ids)) if pin_system else 0
     return Prompt(ids, num_pinned, text, sections=role_spans(tokenizer, messages, text, starts))
 
@@ -162,5 +161,5 @@ def _system_head(tokenizer: Tokenizer, messages: Sequence[dict], ids: list[int])
     num_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if not num_system:
         return []
-    head = tokenizer.encode_prompt(tokenizer.apply_chat_template(messages[:num_system], add_generation_prompt=False))
+    head = tokenizer.encode_chat(messages[:num_system], add_generation_prompt=False)[0]
     return head if ids[: len(head)] == head else []

@@ -183,8 +183,7 @@ class Context:
     def _ids(self, messages: list[dict], *, generation: bool) -> list[int]:
         if not messages:
             return []
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation)
-        return self.tokenizer.encode_prompt(text)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=generation)[0]
 
     def _render(self, parts: list[list[dict]]) -> tuple[list[int], list[int]]:
         """(ids with the generation prompt, the end of each part's span), checking that every

@@ -113,6 +113,25 @@ def test_server_still_answers_after_the_fuzz(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_a_lone_surrogate_is_a_400_naming_where_it_is(server):
+    """Valid JSON ("\\ud800" escapes a UTF-16 half) that is no text: refused at the edge."""
+    for path, body in (
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": "\\udfff", "max_tokens": 2}'),
+    ):
+        r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "lone UTF-16 surrogate" in r.json()["error"]["message"]
+    assert (
+        "messages[0].content"
+        in httpx.post(
+            server.url + "/v1/chat/completions",
+            content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            headers={"Content-Type": "application/json"},
+        ).json()["error"]["message"]
+    )
+
+
 # -- overload -------------------------------------------------------------------------------
 
 
