@@ -50,8 +50,8 @@ def kv_spec(text: str) -> KVSpec:
 
 
 def kv_spec_or_auto(text: str) -> KVSpec | str:
-    """A format name, or "auto" (resolved once the model is known)."""
-    return text if text == "auto" else kv_spec(text)
+    """A format name, or "auto" / "turboquant" (resolved once the model is known)."""
+    return text if text in ("auto", "turboquant") else kv_spec(text)
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import re
 import sys
 import time
@@ -85,10 +86,10 @@ def calibration_text() -> str:
 
 
 def resolve_specs(specs: list[KVSpec | str], model: str) -> list[KVSpec]:
-    """--kv-cache-dtype values with "auto" replaced by the model's default format."""
-    from models.registry import default_kv_cache_dtype
+    """--kv-cache-dtype values with "auto" and "turboquant" replaced by the model's formats."""
+    from models.registry import KV_ALIASES, resolve_kv_cache_dtype
 
-    return [parse_kv_spec(default_kv_cache_dtype(model)) if s == "auto" else s for s in specs]
+    return [parse_kv_spec(resolve_kv_cache_dtype(s, model)) if s in KV_ALIASES else s for s in specs]
 
 
 def run_perplexity(args) -> list[dict]:
@@ -133,7 +134,8 @@ def write_plot(rows: list[dict], path: str) -> None:
 
 
 KV_FORMATS_HELP = (
-    "one or more formats: auto (the model's default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
+    "one or more formats: auto (the model's default), turboquant (its measured per-layer TurboQuant format), "
+    "bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
     "with -qjlk/-qjlv/-qjl and the modifiers -b<n>, -s<n>, -k<bits>@<layers>, -v<bits>@<layers>"
 )
 
@@ -247,6 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     acc.add_argument("--kv-cache-dtype", type=kv_spec_or_auto, default="auto")
     acc.add_argument("--json", action="store_true", help="print one JSON object")
+    fid = sub.add_parser("fidelity", help="greedy chat answers with KV cache formats against unquantized KV")
+    add_model_argument(fid)
+    fid.add_argument("--kv-cache-dtype", nargs="+", type=kv_spec_or_auto, required=True, help=KV_FORMATS_HELP)
+    fid.add_argument(
+        "--prompts", default=None, help="prompt set (JSON; default: aither_jax/quant/fidelity_prompts.json)"
+    )
+    fid.add_argument("--max-tokens", type=int_in("--max-tokens", 1, 512), default=24, help="reply tokens compared")
+    fid.add_argument("--batch", type=int_in("--batch", 1, 64), default=8, help="requests decoded together")
+    fid.add_argument("--json", default=None, metavar="FILE", help="write the report (every differing reply too) here")
     fit = sub.add_parser("fit-key-transform", help="fit the query-aware key transform of the -pc KV formats")
     add_model_argument(fit)
     fit.add_argument("--text-file", default=None, help="fitting text (default: standard-library docstrings)")
@@ -355,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         return acceptance_main(parser, args)
     if args.command == "fit-key-transform":
         return fit_key_transform_main(parser, args)
+    if args.command == "fidelity":
+        return fidelity_main(parser, args)
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
@@ -467,6 +480,24 @@ def allocate_main(parser: argparse.ArgumentParser, args) -> int:
                 f"{row['kl_divergence']:.4f}, perplexity change {row['perplexity_change_pct']:+.2f}%, "
                 f"top-1 {row['top1_agreement']:.1%}"
             )
+    return 0
+
+
+def fidelity_main(parser: argparse.ArgumentParser, args) -> int:
+    from aither_jax.quant import fidelity
+
+    try:
+        report = fidelity.run_fidelity(
+            args.model, [str(f) if isinstance(f, str) else f.name for f in args.kv_cache_dtype],
+            prompts=args.prompts or fidelity.PROMPTS, max_tokens=args.max_tokens, batch=args.batch,
+        )  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
+    print(fidelity.table(report))
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
+        print(f"report: {args.json}")
     return 0
 
 

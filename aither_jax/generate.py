@@ -37,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int_in("--max-model-len", 2), default=None)
     p.add_argument(
         "--kv-cache-dtype",
-        type=lambda text: text if text == "auto" else kv_spec(text).name,
+        type=lambda text: text if text in ("auto", "turboquant") else kv_spec(text).name,
         default="auto",
-        help="KV cache format: auto (the model's measured default), bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
+        help="KV cache format: auto (the model's default), turboquant (its measured per-layer TurboQuant format), "
+        "bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
         "with modifiers (README)",
     )
     p.add_argument("--speculative", choices=("dflash", "ngram"), default=None, help="speculative decoding method")

@@ -16,7 +16,7 @@ from aither_jax.device.sampling import SamplingParams
 from aither_jax.kv.tiers import TierConfig
 from models.config import ModelConfig
 from models.kv_spec import KVSpec, parse_kv_spec
-from models.registry import DEFAULT_MODEL, default_kv_cache_dtype, load_model
+from models.registry import DEFAULT_MODEL, default_sampling, load_model, resolve_kv_cache_dtype
 from models.weights import DTYPES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -29,11 +29,6 @@ def resolve_dtype(dtype: str) -> str:
     import jax
 
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model: str) -> str:
-    """ "auto" -> the model's measured default format (models/registry.py)."""
-    return default_kv_cache_dtype(model) if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def resolve_attention(attention: str) -> str:
@@ -179,10 +174,11 @@ class LLM:
         self.model_path, self.model_name, self.dtype = self.model.path, model, dtype
         self.config, self.tokenizer = self.model.config, self.model.tokenizer
         self.load_seconds = self.model.load_seconds
+        self.sampling_defaults = default_sampling(model)  # what `sampling_params=None` samples with
         max_model_len = self.config.max_context if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        kv_cache_dtype = self.model.kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.name)
         self.kv_spec = parse_kv_spec(kv_cache_dtype)
         if num_pages is None:
             num_pages = default_num_pages(
@@ -278,8 +274,8 @@ class LLM:
         return self.engine.score([int(t) for t in ids])
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm) -> list[RequestOutput]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's recommended sampling (its card), else the API's defaults
+            sampling_params = SamplingParams(**self.sampling_defaults)
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

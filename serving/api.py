@@ -81,6 +81,9 @@ class ServedModel:
     engine: AsyncEngine
     tokenizer: Tokenizer
     max_model_len: int
+    # What a request that leaves temperature, top_p or top_k unset gets (the model's card; {}:
+    # the API's own defaults, temperature 1, top_p 1, top_k off).
+    sampling: dict = dataclasses.field(default_factory=dict)
     # Context pipelines by (tenant salt, prompt_cache_key): each remembers its stable prefixes.
     contexts: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
@@ -386,7 +389,7 @@ def build_app(
         """`body.n` choices of each prompt; only the first choice of a prompt takes its pin."""
         if len(prompts) * body.n > protocol.MAX_CHOICES:
             raise HTTPError(400, f"prompts x n must be at most {protocol.MAX_CHOICES}", "n")
-        tokenizer = served.tokenizer
+        tokenizer, defaults = served.tokenizer, served.sampling
         jobs = []
         for i, prompt in enumerate(prompts):
             prompt_ids = prompt.ids
@@ -401,9 +404,9 @@ def build_app(
                     seed = None if body.seed is None else (body.seed + j) % 2**32
                     params = SamplingParams(
                         max_tokens=remaining if max_tokens is None else max_tokens,
-                        temperature=1.0 if body.temperature is None else float(body.temperature),
-                        top_p=1.0 if body.top_p is None else float(body.top_p),
-                        top_k=body.top_k or 0,
+                        temperature=float(_given(body.temperature, defaults, "temperature", 1.0)),
+                        top_p=float(_given(body.top_p, defaults, "top_p", 1.0)),
+                        top_k=int(_given(body.top_k, defaults, "top_k", 0)),
                         seed=seed,
                         stop=body.stop,
                         stop_token_ids=body.stop_token_ids,
@@ -556,6 +559,12 @@ def build_app(
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _given(value, defaults: dict, name: str, api_default):
+    """A sampling field as the request gave it, else the model's recommended value, else the
+    API's default."""
+    return value if value is not None else defaults.get(name, api_default)
 
 
 def _as_http(error: BaseException) -> HTTPError:

@@ -26,7 +26,7 @@ from aither_jax.speculative.config import SpeculativeConfig
 from models.kv_cache import init_cache
 from models.kv_spec import parse_kv_spec
 from models.kv_transform import load_key_transforms
-from models.registry import ModelHandle, load_model
+from models.registry import ModelHandle, load_model, resolve_kv_cache_dtype
 
 GIB = 1 << 30
 
@@ -65,7 +65,7 @@ def model_needs(name: str, handle: ModelHandle, options: Mapping) -> ModelNeeds:
     max_model_len = options.get("max_model_len") or cfg.max_context
     pages_per_seq = -(-max_model_len // page_size)
     kv = options.get("kv_cache_dtype", "auto")
-    kv = handle.kv_cache_dtype if kv == "auto" else kv
+    kv = resolve_kv_cache_dtype(kv, handle.name)
     spec = parse_kv_spec(kv)
     transform = None
     if spec.precondition:

@@ -30,10 +30,10 @@ def test_capacity_json_rows(capsys):
 
 
 def test_capacity_counts_sequences_and_context(capsys):
-    argv = ["capacity", "--kv-cache-dtype", "auto", "--memory-gib", "1", "--context-length", "1024"]
+    argv = ["capacity", "--kv-cache-dtype", "turboquant", "--memory-gib", "1", "--context-length", "1024"]
     assert aj_eval.main([*argv, "--num-seqs", "64", "--json"]) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
-    # The shipped default: 3.000x per token, 2.98x at 1,024 tokens once its two sink tokens count.
+    # The measured TurboQuant format: 3.000x per token, 2.98x at 1,024 tokens once its two sink tokens count.
     assert row["compression_vs_bf16"] == pytest.approx(3.0, abs=1e-3)
     assert row["compression_at_context"] == pytest.approx(23040 * 1024 / (7680 * 1024 + 46080), abs=1e-3)
     assert row["compression_at_context"] == pytest.approx(2.982, abs=1e-3)
@@ -97,15 +97,15 @@ def test_perplexity_json_plot_and_reference_row(tmp_path, capsys):
     assert plot.stat().st_size > 1000
 
 
-def test_perplexity_table_of_the_default_read_in_the_rotated_domain(tmp_path, capsys):
-    """`auto` through the table output, read as LLM reads it on CPU (the rotated-domain "xla"
+def test_perplexity_table_of_the_measured_format_read_in_the_rotated_domain(tmp_path, capsys):
+    """`turboquant` through the table output, read as LLM reads it on CPU (the rotated-domain "xla"
     path), against the same formats with decoded pages ("reference"): the two reads round
     differently but measure the same quality."""
     from models.registry import SMOLLM2_KV
 
     text = tmp_path / "prose.txt"
     text.write_text(TEXT, encoding="utf-8")
-    argv = ["perplexity", "--kv-cache-dtype", "auto", "tq4", "--text-file", str(text), "--max-tokens", "48"]
+    argv = ["perplexity", "--kv-cache-dtype", "turboquant", "tq4", "--text-file", str(text), "--max-tokens", "48"]
     argv += ["--chunk", "16", "--dtype", "float32", "--plot", ""]
     assert aj_eval.main([*argv, "--attention", "xla"]) == 0
     out = capsys.readouterr().out
@@ -200,15 +200,19 @@ def test_allocate_rejects_a_budget_below_the_minimum_widths_before_probing(tmp_p
     assert "below the 6120 B/token of --min-bits 4 everywhere" in capsys.readouterr().err
 
 
-def test_auto_is_the_models_measured_default(capsys):
-    from models.registry import SMOLLM2_KV, default_kv_cache_dtype
+def test_auto_and_turboquant_name_the_models_formats(capsys):
+    from models.registry import SMOLLM2_KV, default_kv_cache_dtype, resolve_kv_cache_dtype
 
-    assert aj_eval.main(["capacity", "--kv-cache-dtype", "auto", "--json"]) == 0
-    (row,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
-    assert row["kv_cache_dtype"] == SMOLLM2_KV == default_kv_cache_dtype("smollm2-135m")
-    assert row["bytes_per_token"] == 7680 and row["compression_vs_bf16"] == pytest.approx(3.000, abs=1e-3)
-    assert row["bytes_per_sequence"] == 2 * 23040  # two sink tokens
+    assert aj_eval.main(["capacity", "--kv-cache-dtype", "auto", "turboquant", "--json"]) == 0
+    auto, tq = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    # The default keeps the model's answers (scripts/bench_fidelity.py): bf16.
+    assert auto["kv_cache_dtype"] == "bf16" == default_kv_cache_dtype("smollm2-135m")
+    assert tq["kv_cache_dtype"] == SMOLLM2_KV == resolve_kv_cache_dtype("turboquant", "smollm2-135m")
+    assert tq["bytes_per_token"] == 7680 and tq["compression_vs_bf16"] == pytest.approx(3.000, abs=1e-3)
+    assert tq["bytes_per_sequence"] == 2 * 23040  # two sink tokens
     assert default_kv_cache_dtype("/some/other/model.gguf") == "bf16"
+    with pytest.raises(ValueError, match="no measured TurboQuant format"):
+        resolve_kv_cache_dtype("turboquant", "/some/other/model.gguf")
 
 
 def test_acceptance_json_against_plain_decoding(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 
 from aither_jax import generate
 from aither_jax.device.sampling import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
-from models.registry import GEMMA3_KV
+from models.registry import default_kv_cache_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,7 +84,7 @@ def test_gemma_json_counts_its_bos():
         "--model", "gemma3-270m", "--prompt", "The three primary colors are", "--max-tokens", "6",
         "--temperature", "0", "--dtype", "float32", "--max-model-len", "64",
     )  # fmt: skip
-    assert result["model"] == "gemma3-270m" and result["kv_cache_dtype"] == GEMMA3_KV  # auto for Gemma
+    assert result["model"] == "gemma3-270m" and result["kv_cache_dtype"] == default_kv_cache_dtype("gemma3-270m")
     assert result["prompt_tokens"] == 6 and result["completion_tokens"] == 6
     assert result["text"].startswith(" red, blue, and yellow")
 

@@ -243,7 +243,7 @@ def test_windowed_layers_read_only_the_pages_their_window_reaches(t):
 
 
 def test_quantized_pages_read_in_the_rotated_domain_keep_the_window(monkeypatch):
-    """Gemma's default TurboQuant format read as `LLM` reads it on CPU ("xla") against every
+    """Gemma's measured TurboQuant format read as `LLM` reads it on CPU ("xla") against every
     layer decoded ("reference"), over a text past the window. Every layer takes the
     rotated-domain path, the 15 windowed ones with their window, each call matching its
     reference twin (decoded and masked by position) on the same inputs. Through the model,
@@ -256,11 +256,11 @@ def test_quantized_pages_read_in_the_rotated_domain_keep_the_window(monkeypatch)
                      attention=attention, progress=False)  # fmt: skip
         return llm.logits(llm.tokenizer.encode_prompt(LONG)[:700])
 
-    rotated = logits("auto", "xla")
+    rotated = logits("turboquant", "xla")
     # 6 chunks (5 x 128 + 60) x 18 layers. Layers 0 and 1 output values up to ~80: their
     # calls differ by up to 2.5e-4 (float32 rounding, 6e-6 of the largest), the rest by less.
     assert len(gaps) == 6 * 18 and max(gaps) < 1e-3
-    decoded, exact = logits("auto", "reference"), logits("fp32", "reference")
+    decoded, exact = logits("turboquant", "reference"), logits("fp32", "reference")
     assert np.isfinite(rotated).all()
     # Measured: the rotated path 1.01x as far from the unquantized logits as the decoded one,
     # 0.70x of that gap from the decoded one, argmax agreement 99.4%. All 18 layers are

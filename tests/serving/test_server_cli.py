@@ -342,3 +342,35 @@ def test_health_names_a_dead_engine_and_the_other_model_keeps_serving(monkeypatc
     finally:
         for e in engines:
             e.stop()
+
+
+def test_a_models_recommended_sampling_fills_the_fields_a_request_leaves_unset():
+    from starlette.testclient import TestClient
+
+    import aither_jax as aj
+    from serving.api import ServedModel, build_app
+    from serving.async_engine import AsyncEngine
+    from serving.metrics import Metrics
+
+    assert aj.LLM(MODEL, _num_layers=1, progress=False, num_pages=8, max_model_len=64).sampling_defaults == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+    }  # SmolLM2's card
+    llm = aj.LLM(MODEL, dtype="float32", kv_cache_dtype="fp32", max_model_len=128, num_pages=32, _num_layers=2)
+    engine = AsyncEngine(llm.engine, Metrics("m"), max_waiting=4)
+    # A stand-in recommendation that shows: greedy unless the request says otherwise.
+    app = build_app([ServedModel("m", engine, llm.tokenizer, 128, sampling={"temperature": 0.0})], ServerConfig())
+    engine.start()
+    try:
+        client = TestClient(app)
+
+        def text(**fields) -> str:
+            body = {"prompt": "The weather today", "max_tokens": 12, "seed": 3, "ignore_eos": True} | fields
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        assert text() == text(temperature=0.0)  # unset: the model's value
+        assert text(temperature=1.0) != text()  # set: the request's
+    finally:
+        engine.stop()

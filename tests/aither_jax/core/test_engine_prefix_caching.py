@@ -124,11 +124,12 @@ def test_shared_prefix_attention_gives_the_uncached_outputs(cached, plain, share
         assert steps >= GREEDY.max_tokens - 1 if on else steps == 0
 
 
-def test_shared_prefix_attention_on_the_default_quantized_format(share_small_prefixes):
-    """The same with the default TurboQuant format, whose layers take the rotated-domain path
-    (shared pages read as one row holding every row's queries): on and off agree."""
-    whole = {k: v for k, v in EXACT.items() if k not in TINY}  # the default format is fitted to every layer
-    llm = aj.LLM(MODEL, **{**whole, "kv_cache_dtype": "auto"}, num_pages=64, enable_prefix_caching=True)
+def test_shared_prefix_attention_on_the_measured_turboquant_format(share_small_prefixes):
+    """The same with the model's measured TurboQuant format, whose layers take the
+    rotated-domain path (shared pages read as one row holding every row's queries): on and
+    off agree."""
+    whole = {k: v for k, v in EXACT.items() if k not in TINY}  # the format is fitted to every layer
+    llm = aj.LLM(MODEL, **{**whole, "kv_cache_dtype": "turboquant"}, num_pages=64, enable_prefix_caching=True)
     prompts = token_ids(llm, SHARED[:4])
     outs = []
     for on in (True, False):

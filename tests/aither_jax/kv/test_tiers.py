@@ -72,18 +72,18 @@ FORMATS = [
     ("smollm2-135m", "tq-k6v4-s2", False),  # sinks
     ("smollm2-135m", "tq4-pc", False),  # the fitted key transform
     ("smollm2-135m", "tq3.5", False),  # split groups
-    ("smollm2-135m", "auto", False),  # the default: per-layer groups, key transform, sinks
+    ("smollm2-135m", "turboquant", False),  # the measured format: per-layer groups, key transform, sinks
     ("gemma3-270m", "bf16", False),  # sliding-window layers
-    ("gemma3-270m", "auto", False),
+    ("gemma3-270m", "turboquant", False),
 ]
 
 
 @pytest.mark.parametrize(("model", "kv", "draft"), FORMATS)
 def test_pages_roundtrip_device_host_disk_device_byte_exact(model, kv, draft, tmp_path):
-    from models.registry import default_kv_cache_dtype
+    from models.registry import resolve_kv_cache_dtype
 
     rng = np.random.default_rng(0)
-    kv = default_kv_cache_dtype(model) if kv == "auto" else kv
+    kv = resolve_kv_cache_dtype(kv, model)
     store = store_for(model, kv, rng, draft=draft)
     disk = DiskStore(tmp_path, fingerprint=store.fingerprint(model), page_bytes=store.page_bytes, capacity=40)
     tiers = KVTiers(store, host_pages=6, disk=disk)  # a small host pool: most sets spill to disk

@@ -46,11 +46,11 @@ def test_shipped_draft_is_present_and_small():
     [
         ("dflash", "bf16", 8, 16, 1, False),
         ("dflash", "bf16", 8, 4, 4, False),
-        ("dflash", "auto", 8, 4, 4, False),
+        ("dflash", "turboquant", 8, 4, 4, False),
         ("dflash", "bf16", 1, 16, 4, False),
         ("dflash", "bf16", 1, 16, 1, False),
         ("dflash", "bf16", 1, 4, 1, False),
-        ("dflash", "auto", 1, 4, 1, False),
+        ("dflash", "turboquant", 1, 4, 1, False),
         ("dflash", "bf16", 8, 16, 2, True),  # the Pallas drafting kernels (interpreted on CPU)
         ("ngram", "bf16", 8, 8, 1, False),
     ],
@@ -94,7 +94,7 @@ def _check_greedy(llm, outs, plain, kv):
                 assert gaps.max() <= MAX_GAP, f"token {first + int(gaps.argmax())} is {gaps.max():.2f} nats off greedy"
 
 
-@pytest.mark.parametrize(("kv", "batch"), [("bf16", 8), ("auto", 1)])
+@pytest.mark.parametrize(("kv", "batch"), [("bf16", 8), ("turboquant", 1)])
 def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
     """Drafts as a tree of 15 nodes per row (prompt lookup rows verify their chains beside
     them): greedy output is plain greedy output, and some verify passes accept a path that
