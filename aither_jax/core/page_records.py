@@ -16,16 +16,19 @@ MEMORY_TAGS = frozenset({"memory", "memories", "retrieved", "retrieval"})
 
 def tag_pages(blocks: BlockTable, seq: Sequence, start: int, stop: int, page_size: int) -> None:
     """Block records of `seq`'s pages holding tokens [start, stop): the tag and importance of
-    the most important span with tokens on the page, where the prompt's tagged sections are
-    followed by the model's own tokens (the generation prompt and the answer), tagged
-    `assistant`."""
+    the span that fills the page, where the prompt's tagged sections are followed by the
+    model's own tokens (the generation prompt and the answer), tagged `assistant`. A page that
+    spans several (a system message's last tokens and the user's first) takes the least
+    important of them: it is as evictable as its least important part, and it belongs to one
+    conversation, so it must not count as the shared system prompt it starts with (the
+    protected share of the pool would fill with every conversation's first page)."""
     answer = max((s.stop for s in seq.sections), default=len(seq.prompt_ids))
     spans_all = (*seq.sections, SectionSpan("assistant", ROLE_IMPORTANCE["assistant"], answer, 1 << 62))
     for i in range(start // page_size, -(-stop // page_size)):
-        lo, hi = i * page_size, (i + 1) * page_size
+        lo, hi = i * page_size, (i + 1) * page_size  # the whole page: what fills it later is known
         spans = [s for s in spans_all if s.start < hi and s.stop > lo]
         if spans and i < len(seq.pages):
-            best = max(spans, key=lambda s: s.importance)
+            best = min(spans, key=lambda s: s.importance)
             block = blocks[seq.pages[i]]
             if block.importance is None or best.importance > block.importance:
                 block.source_tag, block.importance = best.tag, best.importance
