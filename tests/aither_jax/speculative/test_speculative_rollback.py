@@ -30,7 +30,7 @@ ROLLBACK_TOL = {"fp32": 1e-4, "bf16": 0.03, "turboquant": 0.3}
         ({"method": "dflash", "tree": 15}, "bf16", 3),
         (CHAIN, "turboquant", 3),
     ],
-    ids=["chain-fp32-1", "tree-fp32-1", "chain-bf16-3", "tree-bf16-3", "chain-auto-3"],
+    ids=["chain-fp32-1", "tree-fp32-1", "chain-bf16-3", "tree-bf16-3", "chain-turboquant-3"],
 )
 def test_rollback_leaves_the_caches_of_plain_decoding(spec, kv, num_rows):
     """Rows of different prompts decode side by side, so a row's rejected drafts could land in
