@@ -315,6 +315,9 @@ def model_options(args: argparse.Namespace) -> dict[str, dict]:
     for a malformed value, an unknown key or a model not served."""
     import json
 
+    from aither_jax.speculative.config import SpeculativeConfig
+    from models.kv_spec import parse_kv_spec
+
     names = args.model
     out: dict[str, dict] = {name: {} for name in names}
     for item in args.model_options:
@@ -337,10 +340,13 @@ def model_options(args: argparse.Namespace) -> dict[str, dict]:
                 )
             if not isinstance(v, kind) or isinstance(v, bool):
                 raise ValueError(f"--model-options {name}: {key} has the wrong type ({type(v).__name__})")
-        if "kv_cache_dtype" in value and value["kv_cache_dtype"] not in ("auto", "turboquant"):
-            kv_spec(value["kv_cache_dtype"])
-        if "speculative_config" in value:
-            value["speculative_config"] = speculative_config(json.dumps(value["speculative_config"]))
+        try:
+            if value.get("kv_cache_dtype") not in (None, "auto", "turboquant"):
+                parse_kv_spec(value["kv_cache_dtype"])
+            if "speculative_config" in value:
+                value["speculative_config"] = SpeculativeConfig.parse(value["speculative_config"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--model-options {name}: {e}") from None
         out[name].update(value)
     return out
 

@@ -161,7 +161,7 @@ class Fleet:
             merged.pop("kv_share", None)
             self.llms[name] = LLM(name, **{**merged, "num_pages": self.plan.num_pages[name]})
         self._handles = handles  # keeps the loaded weights shared with the engines
-        sizes = {name: tree_bytes(h.weights) for name, h in handles.items()}
+        sizes = {n.name: n.weight_bytes for n in needs}
         if heavy is not None and heavy not in self.llms:
             raise ValueError(f"heavy model {heavy!r} is not one of {list(self.llms)}")
         heavy = heavy or max(sizes, key=sizes.get)

@@ -22,6 +22,8 @@ import gc
 import json
 import pathlib
 
+from models.kv_spec import parse_kv_spec
+
 PROMPTS = pathlib.Path(__file__).resolve().parent / "fidelity_prompts.json"
 REFERENCE = "fp32"
 
@@ -60,12 +62,11 @@ def answers(model: str, kv_cache_dtype: str, chat: list[str], factual: list[dict
     replies = llm.chat(conversations, params, use_tqdm=False)
     facts = llm.chat([[{"role": "user", "content": f["question"]}] for f in factual], params, use_tqdm=False)
     name = llm.kv_spec.name
-    bytes_per_token = llm.kv_spec.bytes_per_token(llm.config)
-    bf16 = 2 * 2 * llm.config.num_layers * llm.config.num_kv_heads * llm.config.head_dim
+    compression = parse_kv_spec("bf16").bytes_per_token(llm.config) / llm.kv_spec.bytes_per_token(llm.config)
     del llm
     gc.collect()
     out = FormatAnswers(name, [r.token_ids for r in replies], [r.text for r in replies], [r.text for r in facts])
-    return out, bf16 / bytes_per_token
+    return out, compression
 
 
 def knows(text: str, item: dict) -> bool:

@@ -120,6 +120,8 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--model-options", 'gemma3-270m={"num_pages": 8}'], "'gemma3-270m' is not a served --model"),
         (["--model-options", 'smollm2-135m={"speed": 1}'], "unknown key 'speed'"),
         (["--model-options", "smollm2-135m=[1]"], "expected a JSON object"),
+        (["--model-options", 'smollm2-135m={"speculative_config": "nope"}'], "speculative method must be one of"),
+        (["--model-options", 'smollm2-135m={"kv_cache_dtype": "tq99"}'], "unknown kv cache dtype 'tq99'"),
         (["--model-options", "smollm2-135m"], "takes NAME=JSON"),
         (["--default-model", "auto"], "routes between several models"),
         (["--default-model", "llama"], "'llama' is not a served model"),
