@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.context.sections import Context
+from aither_jax.core.bounded import ResidencyConfig
 from aither_jax.core.engine import Engine
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.kv.tiers import TierConfig
@@ -132,6 +133,15 @@ class LLM:
             that stops early has computed up to num_scheduler_steps - 1 tokens for nothing. On
             2 CPU cores 8 gains 7-18% at one row and 0-7% at 8 (the host's share of a step is
             small there); it is meant for accelerators. Not with `speculative`.
+        max_resident_tokens: bounded residency (aither_jax/core/bounded.py): each sequence keeps
+            at most this many tokens' KV pages on the device (its sink pages, protected system
+            and identity pages, a tail window and the best-scored rest) and the rest on the
+            host, byte-exact, so contexts may be longer than the device pool. None: off.
+        residency_tau: with max_resident_tokens, reselect the resident set every this many
+            tokens (at least history / 45).
+        residency_scorer: which pages stay resident: "attention" (their recent attention mass),
+            "qk" (cosine of the newest query with each page's mean key), "lru" (most recently
+            written first) or "window" (sinks and the newest pages, no protection).
         progress: show progress bars while loading and generating.
     """
 
@@ -162,6 +172,9 @@ class LLM:
         speculative: str | dict | None = None,
         shared_prefix_attention: bool = True,
         num_scheduler_steps: int = 1,
+        max_resident_tokens: int | None = None,
+        residency_tau: int = 64,
+        residency_scorer: str = "attention",
         progress: bool = True,
         _cache_fill_value: float = 0.0,
         _num_layers: int | None = None,
@@ -180,9 +193,14 @@ class LLM:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model.name)
         self.kv_spec = parse_kv_spec(kv_cache_dtype)
+        residency = None
+        if max_resident_tokens is not None:
+            residency = ResidencyConfig(max_resident_tokens, tau=residency_tau, scorer=residency_scorer)
+            residency.check()
         if num_pages is None:
+            per_seq = max_model_len if residency is None else min(max_model_len, max_resident_tokens)
             num_pages = default_num_pages(
-                self.kv_spec, self.config, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size
+                self.kv_spec, self.config, max_num_seqs=max_num_seqs, max_model_len=per_seq, page_size=page_size
             )
         self.progress = progress
         tiers = TierConfig(
@@ -217,6 +235,7 @@ class LLM:
             shared_prefix_attention=shared_prefix_attention,
             num_scheduler_steps=num_scheduler_steps,
             tiers=tiers,
+            residency=residency,
         )
 
     def generate(

@@ -41,6 +41,10 @@ class StepBatch:
     slots: jax.Array  # [B] int32 cache slot per row; padding rows use max_seqs (writes dropped)
     start: jax.Array  # [B] int32 position of the row's first new token
     num_new: jax.Array  # [B] int32 valid new tokens in the row (0 for padding rows)
+    # [B] int32 or None: tokens of each row held off the device before its block table
+    # (bounded residency, aither_jax/core/bounded.py). Table entries, `start` and every mask
+    # count only the pages the table holds; RoPE takes `start + offset`, the true position.
+    offset: jax.Array | None = None
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, axis: int = -1) -> jax.Array:
@@ -147,6 +151,9 @@ class KVUpdate:
     # With `mass_layers`: [B, pages read] the softmax mass the new tokens put on each page
     # (`page_attention_mass`, averaged over those layers); not written anywhere.
     attention_mass: jax.Array | None = None
+    # With `mass_layers`: [B, Hkv * Dh] float32 each row's last new query at the first of
+    # them, averaged over the query heads of each KV head (the residency `qk` scorer's query).
+    query_summary: jax.Array | None = None
 
 
 def forward(
@@ -205,7 +212,8 @@ def forward(
         raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
     stored = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T] where each entry is written
     depth, new_mask = (None, None) if tree is None else tree
-    positions = stored if tree is None else batch.start[:, None] + depth  # for RoPE
+    positions = stored if tree is None else batch.start[:, None] + depth  # for masks (table coordinates)
+    rope_positions = positions if batch.offset is None else positions + batch.offset[:, None]
     valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
     page_of_pos = jnp.take_along_axis(table, jnp.minimum(stored // page_size, cache.max_pages_per_seq - 1), axis=1)
@@ -213,7 +221,7 @@ def forward(
     shared = table[0, :shared_pages]  # row 0 is never padding
     shared_len = shared_pages * page_size
     ctx_lens = batch.start - shared_len  # stored tokens per row past the shared pages
-    rope = {base: rope_tables(positions, cfg.head_dim, base) for base in cfg.rope_bases}
+    rope = {base: rope_tables(rope_positions, cfg.head_dim, base) for base in cfg.rope_bases}
     # Sliding-window layers read only the pages their window reaches (see `_window_reads`).
     windowed = None
     if cfg.window_layers and not cache.num_sinks:
@@ -221,7 +229,7 @@ def forward(
 
     transposed = _transposed_stream(b * t)
     x = _to_stream(embed(weights, tokens, cfg).reshape(b * t, -1), transposed)  # [N, D], or [D, N] transposed
-    new_k, new_v, sink_k, sink_v, tapped, masses = [], [], [], [], [], []
+    new_k, new_v, sink_k, sink_v, tapped, masses, queries = [], [], [], [], [], [], []
     for idx, lw in enumerate(weights.layers):
         with jax.named_scope(f"layer{idx}"):
             window = cfg.window(idx)
@@ -240,6 +248,9 @@ def forward(
                         new_mask=new_mask, window=window, positions=positions,
                     )
                 )  # fmt: skip
+                last = jnp.maximum(batch.num_new - 1, 0)
+                q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0].astype(jnp.float32)
+                queries.append(q_last.reshape(b, cfg.num_kv_heads, -1, cfg.head_dim).mean(axis=2).reshape(b, -1))
             sinks = None
             if cache.num_sinks:
                 # Sink positions are kept in bf16: the bits go to the per-slot buffer, and a
@@ -331,6 +342,7 @@ def forward(
         sink_k=jnp.stack(sink_k) if sink_k else None,
         sink_v=jnp.stack(sink_v) if sink_v else None,
         attention_mass=sum(masses) / len(masses) if masses else None,
+        query_summary=queries[0] if queries else None,
     )
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 

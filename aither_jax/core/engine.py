@@ -25,6 +25,7 @@ from aither_jax.compile.code_maps import CodeMapBudget
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.compile.services import services
 from aither_jax.compile.shapes import ShapeRegistry
+from aither_jax.core.bounded import BoundedResidency, ResidencyConfig
 from aither_jax.core.output import OutputProcessor
 from aither_jax.core.page_records import attended
 from aither_jax.core.recorder import TapRecorder
@@ -77,6 +78,7 @@ class Engine:
         shared_prefix_attention: bool = True,
         num_scheduler_steps: int = 1,
         tiers: TierConfig | None = None,
+        residency: ResidencyConfig | None = None,
     ):
         max_num_batched_tokens = (
             max(max_prefill_chunk, max_num_seqs) if max_num_batched_tokens is None else max_num_batched_tokens
@@ -143,8 +145,24 @@ class Engine:
             shared_prefix_attention=shared_prefix_attention, num_scheduler_steps=num_scheduler_steps,
             taps=drafter.taps if drafter else (),
         )  # fmt: skip
+        last_global = max(i for i in range(cfg.num_layers) if cfg.window(i) is None)
         if self.scheduler.policy.name == "advisor":  # plain steps report attention mass per page
-            self.runner.mass_layers = (max(i for i in range(cfg.num_layers) if cfg.window(i) is None),)
+            self.runner.mass_layers = (last_global,)
+        self.bounded = None
+        if residency is not None:
+            if cache.num_sinks and cfg.window_layers:
+                raise ValueError(
+                    "bounded residency cannot run a sliding-window model with a sink-token KV format: pick a format "
+                    "without -s<n>"
+                )
+            self.bounded = BoundedResidency(
+                residency, self.scheduler, self.store, window=cfg.sliding_window if cfg.window_layers else None,
+                mass_layer=last_global, head_dim=cfg.head_dim,
+            )  # fmt: skip
+            self.scheduler.bounded = self.bounded
+            self.runner.bounded = True
+            if residency.scorer in ("attention", "qk"):
+                self.runner.mass_layers = (last_global,)
         self.output = OutputProcessor(model.tokenizer)
         self.spec_counters = SpecCounters(self.num_speculative_tokens)
         self.speculator = None
@@ -252,7 +270,7 @@ class Engine:
         self.check_prompt(len(prompt_ids))
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
         usable = self.scheduler.num_usable_pages
-        if self.scheduler.pages_needed(len(prompt_ids) + max_tokens) > usable:
+        if self.bounded is None and self.scheduler.pages_needed(len(prompt_ids) + max_tokens) > usable:
             raise ValueError(
                 f"the request needs {self.scheduler.pages_needed(len(prompt_ids) + max_tokens)} KV pages but the "
                 f"cache has {usable}; lower max_tokens or raise num_pages"
@@ -273,6 +291,8 @@ class Engine:
             num_logprobs=num_logprobs,
             sections=tuple(sections),
         )
+        if self.bounded is not None:
+            self.bounded.check(seq)
         if unpin_ids and self.scheduler.prefix_cache is not None:
             self.unpin(unpin_ids, salt)
         self._next_id += 1
@@ -328,6 +348,8 @@ class Engine:
             vectors = self.store.key_summaries([p for _, p in named], self.runner.mass_layers[0])
             for (name, _), vector in zip(named, vectors, strict=True):
                 self.scheduler.policy.graph.summarize(name, vector)
+        if self.bounded is not None:  # bounded sequences due for reselection swap pages with the host
+            self.bounded.reselect_due(self.scheduler.running)
         self.residency.relieve_pressure()  # the tiers' watermarks: demote ahead of need ...
         self.residency.prefetch()  # ... and promote what waiting requests will need
         return finished
@@ -341,8 +363,11 @@ class Engine:
         next_tokens, logits, hidden, batch, mass = self.runner.run(
             rows, return_logits="last" if want_logprobs or top_k else "none", taps=taps, host_logits=not top_k
         )
-        if mass is not None:  # the eviction advisor's attention signal, before new pages are named
-            attended(self.scheduler.policy, self.scheduler.allocator.blocks, rows, mass)
+        if mass is not None:  # the attention signal (advisor, residency), before new pages are named
+            if self.scheduler.policy.name == "advisor":
+                attended(self.scheduler.policy, self.scheduler.allocator.blocks, rows, mass[0])
+            if self.bounded is not None:
+                self.bounded.observe(rows, *mass)
         if rec is not None:
             rec.keep(rows, hidden, logits)
             logits = np.asarray(logits) if want_logprobs else None

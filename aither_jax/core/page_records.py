@@ -14,24 +14,35 @@ from aither_jax.kv.blocks import BlockTable
 MEMORY_TAGS = frozenset({"memory", "memories", "retrieved", "retrieval"})
 
 
-def tag_pages(blocks: BlockTable, seq: Sequence, start: int, stop: int, page_size: int) -> None:
-    """Block records of `seq`'s pages holding tokens [start, stop): the tag and importance of
-    the span that fills the page, where the prompt's tagged sections are followed by the
-    model's own tokens (the generation prompt and the answer), tagged `assistant`. A page that
-    spans several (a system message's last tokens and the user's first) takes the least
-    important of them: it is as evictable as its least important part, and it belongs to one
-    conversation, so it must not count as the shared system prompt it starts with (the
-    protected share of the pool would fill with every conversation's first page)."""
+def page_span(seq: Sequence, i: int, page_size: int) -> SectionSpan | None:
+    """The span that gives `seq`'s page i (tokens [i P, (i + 1) P)) its tag and importance:
+    the prompt's tagged sections are followed by the model's own tokens (the generation
+    prompt and the answer), tagged `assistant`. A page that spans several (a system
+    message's last tokens and the user's first) takes the least important of them: it is as
+    evictable as its least important part, and it belongs to one conversation, so it must
+    not count as the shared system prompt it starts with (the protected share of the pool
+    would fill with every conversation's first page). None for an untagged prompt page."""
     answer = max((s.stop for s in seq.sections), default=len(seq.prompt_ids))
     spans_all = (*seq.sections, SectionSpan("assistant", ROLE_IMPORTANCE["assistant"], answer, 1 << 62))
+    lo, hi = i * page_size, (i + 1) * page_size  # the whole page: what fills it later is known
+    spans = [s for s in spans_all if s.start < hi and s.stop > lo]
+    return min(spans, key=lambda s: s.importance) if spans else None
+
+
+def tag_pages(blocks: BlockTable, seq: Sequence, start: int, stop: int, page_size: int) -> None:
+    """Block records of `seq`'s device pages holding tokens [start, stop): the tag and
+    importance of `page_span`."""
     for i in range(start // page_size, -(-stop // page_size)):
-        lo, hi = i * page_size, (i + 1) * page_size  # the whole page: what fills it later is known
-        spans = [s for s in spans_all if s.start < hi and s.stop > lo]
-        if spans and i < len(seq.pages):
-            best = min(spans, key=lambda s: s.importance)
-            block = blocks[seq.pages[i]]
+        best = page_span(seq, i, page_size)
+        page = seq.page_at(i) if best is not None and i < len(seq.pages) + _held_off(seq) else None
+        if page is not None:
+            block = blocks[page]
             if block.importance is None or best.importance > block.importance:
                 block.source_tag, block.importance = best.tag, best.importance
+
+
+def _held_off(seq: Sequence) -> int:
+    return 0 if seq.resident is None else seq.resident.num_held_off
 
 
 def link_memories(graph, seq: Sequence, page_size: int) -> None:

@@ -71,6 +71,9 @@ class ModelRunner:
         # window layers (Gemma), whose shared part would need the window too.
         self.shared_prefix_attention = bool(shared_prefix_attention) and not cfg.window_layers
         self.num_shared_prefix_steps = 0
+        # Bounded residency (core/bounded.py): every call carries each row's RoPE offset, so
+        # all of this engine's step shapes take one (an array of zeros for rows with none).
+        self.bounded = False
         # Slots admitted on cached pages whose sink tokens were recomputed (-s<n> formats).
         self.num_sink_refills = 0
 
@@ -112,7 +115,7 @@ class ModelRunner:
         if num_tokens > 1 and all(s.num_cached == 0 for s, _ in rows):
             num_pages = 0  # fresh prompts: nothing stored yet, so attention reads no pages
         else:
-            end = max(s.num_cached + len(toks) for s, toks in rows) + later
+            end = max(s.num_cached - s.kv_offset + len(toks) for s, toks in rows) + later
             num_pages = self.pages_to_read(self.scheduler.pages_needed(end) - shared, num_rows)
         tokens = np.zeros((num_rows, num_tokens), np.int32)
         slots = np.full(num_rows, self.max_num_seqs, np.int32)  # padding rows: out-of-range slot, writes dropped
@@ -122,14 +125,15 @@ class ModelRunner:
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
+        offset = np.zeros(num_rows, np.int32)
         for i, (s, toks) in enumerate(rows):
             tokens[i, : len(toks)] = toks
-            slots[i], start[i], num_new[i] = s.slot, s.num_cached, len(toks)
+            slots[i], start[i], num_new[i], offset[i] = s.slot, s.num_cached - s.kv_offset, len(toks), s.kv_offset
             temperature[i], top_k[i], top_p[i] = s.params.temperature, s.params.top_k, s.params.top_p
             seeds[i] = s.seed
         # numpy inputs go straight to the jitted step, whose C++ dispatch path transfers them
         # (a Python device_put per array cost ~0.25 ms each, several per decode step).
-        batch = StepBatch(slots, start, num_new)
+        batch = StepBatch(slots, start, num_new, offset if self.bounded else None)
         sampling = SamplingBatch(temperature, top_k, top_p, seeds)
         return tokens, batch, sampling, num_pages, bool(np.all(temperature == 0)), shared
 
@@ -137,7 +141,7 @@ class ModelRunner:
         """Leading block-table pages that every row holds and has fully stored (prefix-cache
         hits shared by all rows), rounded down to SHARED_PAGE_STEP; 0 below MIN_SHARED_PAGES
         or the sink tokens' pages, for a single row, or when shared-prefix attention is off."""
-        if not self.shared_prefix_attention or len(rows) < 2:
+        if not self.shared_prefix_attention or len(rows) < 2 or self.bounded:
             return 0
         full = min(s.num_cached for s, _ in rows) // self.page_size
         if full < MIN_SHARED_PAGES:
@@ -154,7 +158,7 @@ class ModelRunner:
         """A call's inputs on `num_rows` padding rows (out-of-range slots, so nothing is
         written): tokens [num_rows, num_tokens], the batch and greedy or sampled parameters."""
         zeros = np.zeros(num_rows, np.int32)
-        batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros)
+        batch = StepBatch(np.full(num_rows, self.max_num_seqs, np.int32), zeros, zeros, zeros if self.bounded else None)
         temperature = np.full(num_rows, 0.0 if greedy_only else 1.0, np.float32)
         params = SamplingBatch(temperature, zeros, np.ones(num_rows, np.float32), zeros.astype(np.uint32))
         return np.zeros((num_rows, num_tokens), np.int32), batch, params
@@ -164,7 +168,8 @@ class ModelRunner:
     def run(self, rows: Rows, *, return_logits: str, taps: tuple[int, ...] = (), host_logits: bool = True):
         """One padded call of the jitted step over (sequence, new tokens) rows: (next tokens,
         logits by `return_logits` (a device array unless `host_logits`), tapped hidden states
-        or None, the padded batch)."""
+        or None, the padded batch, with `mass_layers` (attention mass per page read [rows,
+        pages], query summaries [rows, Hkv * Dh]) else None)."""
         tokens, batch, sampling, num_pages, greedy_only, shared = self.pack(
             rows, all_logits=return_logits == "all", share_prefix=True
         )
@@ -173,7 +178,8 @@ class ModelRunner:
         )
         if logits is not None and host_logits:
             logits = np.asarray(logits)
-        mass = None if mass is None else np.asarray(mass)[: len(rows)]
+        if mass is not None:  # (attention mass per page read, query summaries), host rows
+            mass = tuple(np.asarray(a)[: len(rows)] for a in mass)
         return np.asarray(next_tokens)[: len(rows)], logits, hidden, batch, mass
 
     def dispatch(

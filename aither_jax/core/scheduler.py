@@ -101,6 +101,7 @@ class Scheduler:
         self.promoted: list[bytes] = []  # pages promoted at admission, whose graph neighbours may follow (Residency)
         self.named: list[tuple[bytes, int]] = []  # (name, page) of pages named since the engine last took them
         self.lookahead = 0  # draft tokens a decoding row may carry (speculative decoding)
+        self.bounded = None  # core/bounded.py: each sequence's device pages capped, the rest on the host
         # Counters (tokens unless named otherwise), read by the metrics.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -120,22 +121,26 @@ class Scheduler:
     def num_usable_pages(self) -> int:
         return self.allocator.num_pages - 1
 
-    def _allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> list[int]:
+        """`n` free device pages, evicting idle cached pages if it must."""
         short = n - self.allocator.num_free
         if short > 0 and self.prefix_cache is not None:
             self.prefix_cache.evict(short)
         return self.allocator.allocate(n)
 
-    def _set_row(self, seq: Sequence) -> None:
+    def set_row(self, seq: Sequence) -> None:
+        """Rewrites `seq`'s block-table row from its pages (uploaded before the next step)."""
         self.block_tables[seq.slot] = NULL_PAGE
         self.block_tables[seq.slot, : len(seq.pages)] = seq.pages
         self.tables_dirty = True
 
     def take_slot(self, seq: Sequence, num_pages: int) -> None:
         """Gives `seq` a slot and `num_pages` fresh pages (for callers outside the queues)."""
-        seq.pages = self._allocate(num_pages)
+        seq.pages = self.allocate(num_pages)
         seq.slot = self._free_slots.pop()
-        self._set_row(seq)
+        if self.bounded is not None:
+            self.bounded.admit(seq)
+        self.set_row(seq)
 
     def can_take_slot(self, num_pages: int) -> bool:
         return bool(self._free_slots) and num_pages <= self.num_free_pages
@@ -147,9 +152,11 @@ class Scheduler:
         if self.prefix_cache is not None and seq.finished and seq.num_cached % self.page_size:
             i = seq.num_cached // self.page_size
             parent = seq.names[i - 1] if i else seq.salt
-            self.prefix_cache.insert_partial(parent, seq.token_slice(i * self.page_size, seq.num_cached), seq.pages[i])
+            tokens = seq.token_slice(i * self.page_size, seq.num_cached)
+            self.prefix_cache.insert_partial(parent, tokens, seq.page_at(i))
         self.allocator.free(seq.pages)
         seq.pages = []
+        seq.resident, seq.kv_offset = None, 0  # pages held on the host go with it
         self.block_tables[seq.slot] = NULL_PAGE
         self.tables_dirty = True
         self._free_slots.append(seq.slot)
@@ -189,7 +196,10 @@ class Scheduler:
                 continue
             num_cached = hit * self.page_size + (partial[1] if partial else 0)
             # Cached pages that were idle stop counting as free once this sequence holds them.
-            need = self.pages_needed(seq.num_tokens) - len(cached)
+            need = self.pages_needed(seq.num_tokens)
+            if self.bounded is not None:
+                need = self.bounded.pages_to_admit(need)
+            need -= len(cached)
             if self.prefix_cache is not None:  # idle pages it will hold (shared, or a copy source)
                 need += self.prefix_cache.num_evictable_taken(cached + ([partial[0]] if partial else []))
             if need > budget:
@@ -213,11 +223,13 @@ class Scheduler:
             seq.fork = seq.names[-1] if seq.names else None
             seq.num_cached = num_cached
             if partial:
-                (page,) = self._allocate(1)
+                (page,) = self.allocate(1)
                 copies.append((partial[0], page))
                 seq.pages = [*cached, page]
             seq.slot = self._free_slots.pop()
-            self._set_row(seq)
+            if self.bounded is not None:
+                self.bounded.admit(seq)
+            self.set_row(seq)
             self.running.append(seq)
             self._computing.update(names[len(cached) :])  # later arrivals in this pass wait for these
             if self.sink_tokens and num_cached:
@@ -246,7 +258,7 @@ class Scheduler:
         from host or disk; returns (the sequence's cached pages, its cached tokens, the partial
         page to copy after them). A page that cannot be read back ends the run there, and the
         partial page after the run is not used."""
-        pages = self._allocate(len(lower))
+        pages = self.allocate(len(lower))
         parent = names[len(cached) - 1] if cached else None
         n = self.prefix_cache.promote(lower, pages, parent)
         if self.policy.graph is not None:
@@ -275,15 +287,20 @@ class Scheduler:
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` pages for `num_tokens` cached tokens, preempting newer sequences if it
         must; False if `seq` itself was preempted."""
-        need = self.pages_needed(num_tokens) - len(seq.pages)
+        if seq.resident is not None:
+            need = self.bounded.grow(seq, num_tokens)  # pages its lowest-scored pages out first
+        else:
+            need = self.pages_needed(num_tokens) - len(seq.pages)
         while need > self.num_free_pages:
             victim = self.preemption_victim()
             self._preempt(victim)
             if victim is seq:
                 return False
         if need > 0:
-            seq.pages.extend(self._allocate(need))
-            self._set_row(seq)
+            seq.pages.extend(self.allocate(need))
+            if seq.resident is not None:
+                self.bounded.grew(seq, need)
+            self.set_row(seq)
         return True
 
     # -- steps --------------------------------------------------------------------------------
@@ -305,6 +322,8 @@ class Scheduler:
                 budget -= 1 + extra
         for seq in [s for s in self.running if s.prefilling]:
             n = min(seq.num_pending, self.max_prefill_chunk, budget)
+            if seq.resident is not None:
+                n = min(n, self.bounded.chunk_tokens)
             if prefill:  # a further row must keep the padded call (rows x width) within the budget
                 width = self._row_width(len(prefill) + 1)
                 if width < self._token_bucket(max(len(t) for _, t in prefill)):
@@ -355,12 +374,15 @@ class Scheduler:
             parent = seq.names[-1] if seq.names else seq.salt
             name = page_hash(parent, seq.token_slice(i * self.page_size, (i + 1) * self.page_size))
             seq.names.append(name)
-            if self.prefix_cache.insert(name, seq.pages[i], parent if i else None):
-                block = self.allocator.blocks[seq.pages[i]]
+            page = seq.page_at(i)
+            if page is None:  # held on the host (bounded residency): its name still chains
+                continue
+            if self.prefix_cache.insert(name, page, parent if i else None):
+                block = self.allocator.blocks[page]
                 block.tenant, block.token_range = seq.salt, (i * self.page_size, (i + 1) * self.page_size)
                 block.created_at = block.touched_at
             if graph is not None:
-                self.named.append((name, seq.pages[i]))
+                self.named.append((name, page))
                 if i:
                     graph.add(parent, name, EdgeType.PREFIX_SHARE if seq.fork == parent else EdgeType.TEMPORAL)
         if graph is not None and seq.sections and seq.num_cached >= len(seq.prompt_ids) > seq.num_cached - num_new:

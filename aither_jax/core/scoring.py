@@ -40,7 +40,10 @@ def forward_ids(
         raise ValueError(f"token ids out of range [0, {cfg.vocab_size}): {bad[:5]}")
     if len(ids) > max_model_len:
         raise ValueError(f"{len(ids)} tokens exceed the maximum context length of {max_model_len} tokens")
+    bounded = scheduler.bounded
     num_pages = scheduler.pages_needed(len(ids))
+    if bounded is not None:  # pages are taken chunk by chunk, the lowest-scored paged out
+        num_pages = 0
     if not scheduler.can_take_slot(num_pages):
         raise RuntimeError("no free cache slot or pages to score with; wait for running requests")
     seq = Sequence(-1, list(ids), SamplingParams(max_tokens=1, temperature=0.0), 0, 1, frozenset())
@@ -49,8 +52,15 @@ def forward_ids(
     try:
         while seq.num_cached < len(ids):
             n = min(len(ids) - seq.num_cached, runner.max_prefill_chunk)
+            if bounded is not None:
+                n = min(n, bounded.chunk_tokens)
+                need = bounded.grow(seq, seq.num_cached + n)
+                if need:
+                    seq.pages.extend(scheduler.allocate(need))
+                    bounded.grew(seq, need)
+                    scheduler.set_row(seq)
             rows = [(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])]
-            _, out, h, _, _ = runner.run(
+            _, out, h, _, mass = runner.run(
                 rows, return_logits="all" if logits else "none", taps=taps, host_logits=not top_k
             )
             if taps:
@@ -60,6 +70,10 @@ def forward_ids(
                 parts = jax.device_get(top_log_probs(out, top_k)) if top_k else (out,)
                 chunks.append([a[0, :n] for a in parts])
             seq.num_cached += n
+            if bounded is not None:
+                if mass is not None:
+                    bounded.observe(rows, *mass)
+                bounded.reselect_due([seq])
     finally:
         scheduler.release(seq)
     hidden = np.concatenate(hidden) if taps else None

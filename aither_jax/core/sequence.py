@@ -40,6 +40,10 @@ class Sequence:
     finish_reason: str | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    # Bounded residency (core/bounded.py): which of the sequence's pages `pages` holds, and
+    # the tokens of the full pages held off the device before its last one (the RoPE offset).
+    resident: object | None = None
+    kv_offset: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +61,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def page_at(self, i: int) -> int | None:
+        """The device page holding the sequence's page i (tokens [i P, (i + 1) P)), or None
+        while bounded residency holds it off the device."""
+        if self.resident is None:
+            return self.pages[i]
+        return self.resident.page_at(self, i)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Token ids [start, stop) of prompt + output."""

@@ -156,7 +156,7 @@ def decode_steps(
     def forward_at(cache, last, j):
         live = j < limits
         slots = jnp.where(live, batch.slots, cache.max_seqs)
-        batch_j = StepBatch(slots, batch.start + j, jnp.where(live, batch.num_new, 0))
+        batch_j = StepBatch(slots, batch.start + j, jnp.where(live, batch.num_new, 0), batch.offset)
         # The step functions' bodies (`__wrapped__`): a jit inside a jit takes no compiler options.
         next_tokens, _, update, _ = forward_step.__wrapped__(weights, cache, last, batch_j, sampling, **static)
         return next_tokens, update
@@ -248,11 +248,12 @@ def model_step(
     **static,
 ) -> tuple[jax.Array, jax.Array | None, PagedKVCache, jax.Array | None, jax.Array | None]:
     """One full step: `forward_step` (which takes the keyword arguments `static`) then
-    `write_step`. Returns (next_tokens, logits, cache, tapped hidden states or None, attention
-    mass per page read or None)."""
+    `write_step`. Returns (next_tokens, logits, cache, tapped hidden states or None, with
+    `mass_layers` (attention mass per page read, each row's query summary) else None)."""
     next_tokens, logits, update, hidden = forward_step(weights, cache, tokens, batch, sampling, **static)
-    mass = update.attention_mass
-    return next_tokens, logits, write_step(cache, update.replace(attention_mass=None)), hidden, mass
+    mass = None if update.attention_mass is None else (update.attention_mass, update.query_summary)
+    update = update.replace(attention_mass=None, query_summary=None)
+    return next_tokens, logits, write_step(cache, update), hidden, mass
 
 
 @step_jit(static_argnames=("layer",))
