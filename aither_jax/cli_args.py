@@ -68,3 +68,38 @@ def speculative_config(text: str):
         return SpeculativeConfig.parse(text)
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_residency_args(parser) -> None:
+    """Bounded residency's flags (aither_jax/core/bounded.py), shared by the server and the CLIs."""
+    parser.add_argument(
+        "--max-resident-tokens",
+        type=int_in("--max-resident-tokens", 1),
+        default=None,
+        metavar="N",
+        help="keep at most N tokens of each request's KV on the device (sinks, protected system/identity pages, "
+        "a tail window and the best-scored rest); the rest waits in host memory, byte-exact, so a context may "
+        "outgrow the device pool (default: off)",
+    )
+    parser.add_argument(
+        "--residency-tau",
+        type=int_in("--residency-tau", 1),
+        default=64,
+        help="with --max-resident-tokens, reselect the resident pages every this many tokens (at least history/45)",
+    )
+    parser.add_argument(
+        "--residency-scorer",
+        choices=("attention", "qk", "lru", "window"),
+        default="attention",
+        help="which pages stay resident: attention (their recent attention mass), qk (cosine of the newest query "
+        "with each page's mean key), lru (most recently written) or window (sinks and the newest pages only)",
+    )
+
+
+def residency_kwargs(args) -> dict:
+    """`aj.LLM` keywords of the residency flags."""
+    return dict(
+        max_resident_tokens=args.max_resident_tokens,
+        residency_tau=args.residency_tau,
+        residency_scorer=args.residency_scorer,
+    )

@@ -12,7 +12,15 @@ import re
 import sys
 import time
 
-from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec, speculative_config
+from aither_jax.cli_args import (
+    add_model_argument,
+    add_residency_args,
+    float_in,
+    int_in,
+    kv_spec,
+    residency_kwargs,
+    speculative_config,
+)
 from models.gguf_file import GGUFError
 
 
@@ -50,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='JSON speculative settings, e.g. \'{"method": "dflash", "num_speculative_tokens": 7, "steps": 2}\'',
     )
+    add_residency_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return p
 
@@ -97,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=1,
             progress=True,
             speculative=args.speculative_config or args.speculative,
+            **residency_kwargs(args),
         )
     except (ValueError, GGUFError) as e:
         parser.error(str(e))

@@ -18,7 +18,7 @@ import time
 
 import uvicorn
 
-from aither_jax.cli_args import float_in, int_in, kv_spec, speculative_config
+from aither_jax.cli_args import add_residency_args, float_in, int_in, kv_spec, residency_kwargs, speculative_config
 from models.registry import DEFAULT_MODEL, MODELS
 
 log = logging.getLogger("aither_jax.serve")
@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="which idle cached KV pages leave the device first: least recently used, or the graph eviction "
         "advisor (system and protected pages stay; isolated, unimportant pages go first)",
     )
+    add_residency_args(p)
     p.add_argument(
         "--max-protected-fraction",
         type=float_in("--max-protected-fraction", 0.0, 1.0),
@@ -468,6 +469,7 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
         kv_disk_size=args.kv_disk_size,
         kv_high_watermark=args.kv_high_watermark,
         kv_low_watermark=args.kv_low_watermark,
+        **residency_kwargs(args),
         progress=True,
     )
     per_model, templates = {}, {}

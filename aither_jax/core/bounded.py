@@ -53,10 +53,11 @@ class ResidencyConfig:
     tau: int = 64
     scorer: str = "attention"
     sink_tokens: int = 16  # the first tokens never leave the device (whole pages)
-    tail_tokens: int = 256  # nor do the newest (raised to a sliding window + a page)
+    tail_tokens: int = 128  # nor do the newest (raised to a sliding window + a page)
+    chunk_tokens: int = 128  # longest prefill chunk of a bounded sequence
 
     def check(self) -> None:
-        for name in ("max_tokens", "tau", "sink_tokens", "tail_tokens"):
+        for name in ("max_tokens", "tau", "sink_tokens", "tail_tokens", "chunk_tokens"):
             value = getattr(self, name)
             low = 0 if name == "sink_tokens" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -110,7 +111,7 @@ class BoundedResidency:
         tail = max(config.tail_tokens, window + ps if window else 0)
         self.tail_pages = -(-tail // ps)
         # A prefill chunk of a bounded sequence: its pages come on top of the fixed ones.
-        self.chunk_tokens = min(scheduler.max_prefill_chunk, max(ps, self.tail_pages * ps))
+        self.chunk_tokens = min(scheduler.max_prefill_chunk, config.chunk_tokens)
         self.chunk_pages = -(-self.chunk_tokens // ps) + 1 + scheduler.lookahead // ps + 1
         least = self.sink_pages + self.tail_pages + self.chunk_pages
         if self.max_pages < least:

@@ -1,11 +1,15 @@
 """Bounded residency (aither_jax/core/bounded.py): a sequence's KV past `max_resident_tokens`
 lives on the host; attention reads exactly the resident pages, at their true positions."""
 
+import json
+import pathlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import aither_jax as aj
+from aither_jax.context.prompt import chat_prompt
 from aither_jax.core.bounded import ResidencyConfig
 from aither_jax.device.sampling import SamplingParams
 from models.llama import _attention_inputs, _attention_output, _mlp_block, embed, rms_norm, rope_tables, vocab_logits
@@ -177,3 +181,30 @@ def test_bounds_too_small_for_the_pages_that_never_leave_are_refused():
         ResidencyConfig(1024, scorer="random").check()
     with pytest.raises(ValueError, match="needs 160 KV pages but the cache has 159"):
         _bounded(2560)
+
+
+def _find(ids, part):
+    return next(i for i in range(len(ids)) if ids[i : i + len(part)] == part)
+
+
+def test_the_persona_survives_a_small_resident_budget():
+    """A system prompt names the assistant, five long turns follow (1,172 tokens, the
+    conversation a full cache produced), then "What is your name?" with 512 resident tokens:
+    the protected system pages stay on the device and the answer is the full cache's. Without
+    protection (`window`: sinks and the newest pages) the name's pages are on the host and the
+    model answers with another name."""
+    messages = json.loads((pathlib.Path(__file__).parent / "persona_conversation.json").read_text())
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    full = aj.LLM(max_model_len=2048, progress=False).chat(messages, params)[0].text
+    assert "Aria" in full
+    answers = {}
+    for scorer in ("attention", "window"):
+        llm = aj.LLM(max_model_len=2048, progress=False, max_resident_tokens=512, residency_scorer=scorer)
+        seen = _record_reads(llm)
+        answers[scorer] = llm.chat(messages, params)[0].text
+        prompt = chat_prompt(llm.tokenizer, messages)
+        name = _find(prompt.ids, llm.tokenizer.encode(" Aria.")) // llm.engine.page_size
+        assert name >= llm.engine.bounded.sink_pages  # not a sink page
+        assert all((name in r) == (scorer == "attention") for s, _, r in seen[-12:]), scorer
+    assert answers["attention"] == full
+    assert "Aria" not in answers["window"], answers["window"]
