@@ -12,6 +12,10 @@
     acceptance  speculative decoding on chat prompts: mean tau (tokens committed per target
                 verify pass, bonus included), its histogram, draft and accepted counts, and the
                 wall-clock speedup over plain decoding of the same prompts in the same run.
+    fidelity    greedy chat answers with KV cache formats against an unquantized cache.
+    residency   bounded residency: KL divergence and top-1 agreement against the full cache
+                on a long text for each resident share and scorer, and passkey retrieval; a
+                table, JSON and a plot.
 
 Exit codes: 0 success, 2 bad usage.
 """
@@ -258,6 +262,25 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--max-tokens", type=int_in("--max-tokens", 1, 512), default=24, help="reply tokens compared")
     fid.add_argument("--batch", type=int_in("--batch", 1, 64), default=8, help="requests decoded together")
     fid.add_argument("--json", default=None, metavar="FILE", help="write the report (every differing reply too) here")
+    res = sub.add_parser("residency", help="bounded residency: KL and passkey retrieval against the full cache")
+    add_model_argument(res)
+    res.add_argument("--text-file", default=None, help="long UTF-8 text (default: the Python language reference)")
+    res.add_argument("--num-tokens", type=int_in("--num-tokens", 256, 1 << 20), default=4096)
+    res.add_argument(
+        "--residency", type=float_in("--residency", 0.0, 1.0, low_open=True), nargs="+", default=[0.1, 0.25, 0.5],
+        help="resident shares of the context to measure",
+    )  # fmt: skip
+    scorers = ["attention", "qk", "lru", "window"]
+    res.add_argument("--scorer", nargs="+", choices=scorers, default=scorers, help="residency scorers to measure")
+    res.add_argument("--tau", type=int_in("--tau", 1), default=64, help="reselect every this many tokens")
+    res.add_argument("--stride", type=int_in("--stride", 1), default=4, help="score every this many positions")
+    res.add_argument(
+        "--passkey-lengths", type=int_in("--passkey-lengths", 64), nargs="*", default=[2048, 4096],
+        help="prompt lengths of the passkey test (kept where the full cache retrieves at every depth)",
+    )  # fmt: skip
+    res.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    res.add_argument("--json", default=None, metavar="FILE", help="write the report here")
+    res.add_argument("--plot", default=None, metavar="PNG", help="plot KL against the resident share here")
     fit = sub.add_parser("fit-key-transform", help="fit the query-aware key transform of the -pc KV formats")
     add_model_argument(fit)
     fit.add_argument("--text-file", default=None, help="fitting text (default: standard-library docstrings)")
@@ -368,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         return fit_key_transform_main(parser, args)
     if args.command == "fidelity":
         return fidelity_main(parser, args)
+    if args.command == "residency":
+        return residency_main(parser, args)
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
     except (ValueError, GGUFError) as e:
@@ -498,6 +523,33 @@ def fidelity_main(parser: argparse.ArgumentParser, args) -> int:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
         print(f"report: {args.json}")
+    return 0
+
+
+def residency_main(parser: argparse.ArgumentParser, args) -> int:
+    from aither_jax import residency_eval
+
+    settings = residency_eval.ResidencySettings(
+        model=args.model, num_tokens=args.num_tokens, fractions=tuple(args.residency), scorers=tuple(args.scorer),
+        tau=args.tau, stride=args.stride, passkey_lengths=tuple(args.passkey_lengths), dtype=args.dtype,
+    )  # fmt: skip
+    if args.text_file is not None:
+        if not os.path.isfile(args.text_file):
+            parser.error(f"--text-file {args.text_file!r} does not exist")
+        settings.text = pathlib.Path(args.text_file).read_text(encoding="utf-8")
+        settings.source = os.path.basename(args.text_file)
+    try:
+        report = residency_eval.run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as e:
+        parser.error(str(e))
+    print(residency_eval.table(report))
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"report: {args.json}")
+    if args.plot:
+        residency_eval.plot(report, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

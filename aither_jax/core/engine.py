@@ -465,10 +465,12 @@ class Engine:
         return self.forward(ids, taps=taps, logits=False)[1]
 
     def forward(
-        self, ids: list[int], *, taps: tuple[int, ...] = (), logits: bool = True, top_k: int = 0
+        self, ids: list[int], *, taps: tuple[int, ...] = (), logits: bool = True, top_k: int = 0, positions=None
     ) -> tuple[Any, np.ndarray | None]:
         """Runs `ids` through a temporary slot in one pass (`scoring.forward_ids`)."""
-        return forward_ids(self.runner, ids, self.max_model_len, taps=taps, logits=logits, top_k=top_k)
+        return forward_ids(
+            self.runner, ids, self.max_model_len, taps=taps, logits=logits, top_k=top_k, positions=positions
+        )
 
 
 def _drafter(spec: SpeculativeConfig | None, model: ModelHandle, **pool) -> DFlashProposer | None:

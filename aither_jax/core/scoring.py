@@ -15,7 +15,7 @@ from aither_jax.device.steps import top_log_probs
 
 
 def forward_ids(
-    runner: ModelRunner, ids: list[int], max_model_len: int, *, taps=(), logits=True, top_k=0
+    runner: ModelRunner, ids: list[int], max_model_len: int, *, taps=(), logits=True, top_k=0, positions=None
 ) -> tuple[Any, np.ndarray | None]:
     """Runs `ids` through a temporary slot in one pass: (every position's logits [len(ids), V]
     float32 or None without `logits`, the hidden states after the layers in `taps`
@@ -24,6 +24,11 @@ def forward_ids(
     With `top_k` > 0 (and `logits`) the logits stay on the device, and the first result is
     instead the `top_k` most likely next tokens at every position with their log
     probabilities: ([len(ids), k] int32, [len(ids), k] float32), most likely first.
+
+    `positions` (sorted indices into `ids`, or None for all) keeps the logits of those
+    positions only (long texts with large vocabularies: each chunk's others are dropped as it
+    comes). With bounded residency the text runs in chunks of the bound's prefill size,
+    paging out as it goes.
     """
     cfg, scheduler = runner.cfg, runner.scheduler
     taps = tuple(taps)
@@ -49,6 +54,7 @@ def forward_ids(
     seq = Sequence(-1, list(ids), SamplingParams(max_tokens=1, temperature=0.0), 0, 1, frozenset())
     scheduler.take_slot(seq, num_pages)
     chunks, hidden = [], []
+    positions = None if positions is None else np.asarray(positions)
     try:
         while seq.num_cached < len(ids):
             n = min(len(ids) - seq.num_cached, runner.max_prefill_chunk)
@@ -68,7 +74,13 @@ def forward_ids(
             if logits:
                 # Top-k over the whole padded call (bucketed shapes compile once), then the row's part.
                 parts = jax.device_get(top_log_probs(out, top_k)) if top_k else (out,)
-                chunks.append([a[0, :n] for a in parts])
+                first = seq.num_cached
+                keep = (
+                    slice(None)
+                    if positions is None
+                    else positions[(positions >= first) & (positions < first + n)] - first
+                )
+                chunks.append([a[0, :n][keep] for a in parts])
             seq.num_cached += n
             if bounded is not None:
                 if mass is not None:
