@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class ResidencyConfig:
     scorer: str = "attention"
     sink_tokens: int = 16  # the first tokens never leave the device (whole pages)
     tail_tokens: int = 128  # nor do the newest (raised to a sliding window + a page)
-    chunk_tokens: int = 128  # longest prefill chunk of a bounded sequence
+    chunk_tokens: int = 64  # longest prefill chunk of a bounded sequence
 
     def check(self) -> None:
         for name in ("max_tokens", "tau", "sink_tokens", "tail_tokens", "chunk_tokens"):
@@ -126,6 +127,12 @@ class BoundedResidency:
                 f"{scheduler.num_usable_pages}; lower it or raise num_pages"
             )
         self.clock = 0
+        # Counters: reselections run, pages moved each way, seconds spent reselecting.
+        self.num_reselections = 0
+        self.num_paged_out = 0
+        self.num_paged_in = 0
+        self.reselect_seconds = 0.0
+        self.grow_seconds = 0.0  # paging out to make room for new pages (scoring included)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -173,6 +180,7 @@ class BoundedResidency:
         need = self.scheduler.pages_needed(num_tokens) - resident.num_pages
         over = len(seq.pages) + max(need, 0) - self.max_pages
         if over > 0:
+            start = time.perf_counter()
             out = self._ranked(seq, keep_fixed=True)[:over]
             if len(out) < over:
                 raise ResidencyError(
@@ -180,6 +188,7 @@ class BoundedResidency:
                     f"max_resident_tokens allows {self.max_pages}"
                 )
             self.page_out(seq, out)
+            self.grow_seconds += time.perf_counter() - start
         return max(need, 0)
 
     def grew(self, seq: Sequence, num_new: int) -> None:
@@ -262,10 +271,13 @@ class BoundedResidency:
         """Reselects the resident set of every sequence in `seqs` that is due; returns the
         pages moved."""
         moved = 0
+        start = time.perf_counter()
         for seq in seqs:
             resident = seq.resident
             if resident is not None and seq.slot >= 0 and seq.num_cached >= resident.next_select:
                 moved += self.reselect(seq)
+                self.num_reselections += 1
+        self.reselect_seconds += time.perf_counter() - start
         return moved
 
     def reselect(self, seq: Sequence) -> int:
@@ -306,6 +318,7 @@ class BoundedResidency:
             del seq.pages[j]
         self.scheduler.allocator.free(device)
         resident.num_paged_out += len(pages)
+        self.num_paged_out += len(pages)
         self._changed(seq)
 
     def page_in(self, seq: Sequence, pages: list[int]) -> int:
@@ -327,6 +340,7 @@ class BoundedResidency:
             del resident.held[i]
             resident.used[i] = self.clock
         resident.num_paged_in += len(pages)
+        self.num_paged_in += len(pages)
         self._changed(seq)
         return len(pages)
 

@@ -150,6 +150,8 @@ class Engine:
             self.runner.mass_layers = (last_global,)
         self.bounded = None
         if residency is not None:
+            if self.speculative is not None:
+                raise ValueError("bounded residency (max_resident_tokens) does not run with speculative decoding yet")
             if cache.num_sinks and cfg.window_layers:
                 raise ValueError(
                     "bounded residency cannot run a sliding-window model with a sink-token KV format: pick a format "

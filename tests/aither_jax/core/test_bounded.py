@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from aither_jax.context.prompt import chat_prompt
+from aither_jax.context.prompt import SectionSpan, chat_prompt
 from aither_jax.core.bounded import ResidencyConfig
 from aither_jax.device.sampling import SamplingParams
 from models.llama import _attention_inputs, _attention_output, _mlp_block, embed, rms_norm, rope_tables, vocab_logits
@@ -181,6 +181,13 @@ def test_bounds_too_small_for_the_pages_that_never_leave_are_refused():
         ResidencyConfig(1024, scorer="random").check()
     with pytest.raises(ValueError, match="needs 160 KV pages but the cache has 159"):
         _bounded(2560)
+    with pytest.raises(ValueError, match="does not run with speculative decoding"):
+        _bounded(1024, speculative="ngram")
+    engine = _bounded(320).engine
+    system = (SectionSpan("system", 1.0, 0, 200),)
+    with pytest.raises(ValueError, match="protected .* fills 11 KV pages"):
+        engine.add_request(_ids(400), SamplingParams(max_tokens=4), sections=system)
+    assert not engine.has_unfinished()
 
 
 def _find(ids, part):
