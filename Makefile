@@ -41,7 +41,8 @@ FAST_TESTS := tests/test_imports.py tests/aither_jax/kv/test_allocator.py tests/
 	tests/models/test_gguf_file.py tests/models/test_kv_spec.py tests/models/test_tokenizer.py \
 	tests/models/test_kv_transform.py tests/models/test_linear.py tests/models/test_vocab_logits.py \
 	tests/pallas_kernels/test_turboquant.py tests/pallas_kernels/test_paged_attention.py \
-	tests/serving/test_metrics_and_text.py tests/test_bench_record.py tests/test_gpu_check.py
+	tests/serving/test_metrics_and_text.py tests/test_bench_record.py tests/test_gpu_check.py \
+	tests/aither_jax/test_residency_eval.py
 test-fast: install
 	$(PY) -m pytest -q $(FAST_TESTS)
 

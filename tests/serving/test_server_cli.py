@@ -116,6 +116,9 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--eviction-policy", "advisor", "--kv-cache-dtype", "fp32"], "leaving less than one request's 512"),
         (["--eviction-policy", "advisor", "--advisor-weights", '{"speed": 1}'], "unknown advisor weight 'speed'"),
         (["--advisor-weights", '{"age": 1}'], "apply to the advisor only"),
+        (["--max-resident-tokens", "0"], "--max-resident-tokens must be >= 1"),
+        (["--max-resident-tokens", "64", "--kv-cache-dtype", "fp32"], "raise max_resident_tokens to at least"),
+        (["--residency-scorer", "h2o"], "invalid choice: 'h2o'"),
         (["--model", "smollm2-135m", "--model", "smollm2-135m"], "each model once"),
         (["--model-options", 'gemma3-270m={"num_pages": 8}'], "'gemma3-270m' is not a served --model"),
         (["--model-options", 'smollm2-135m={"speed": 1}'], "unknown key 'speed'"),
@@ -376,3 +379,20 @@ def test_a_models_recommended_sampling_fills_the_fields_a_request_leaves_unset()
         assert text(temperature=1.0) != text()  # set: the request's
     finally:
         engine.stop()
+
+
+def test_a_bounded_server_answers_prompts_longer_than_its_pool():
+    """--max-resident-tokens 512 on a 47-page pool (752 tokens): a 1,200-token prompt, which
+    needs 75 pages, is answered (prefix caching on), and again from the cache."""
+    flags = (*BASE_FLAGS, "--max-model-len", "2048", "--kv-cache-dtype", "fp32", "--max-num-seqs", "1")
+    server = Server(*flags, "--num-pages", "48", "--max-resident-tokens", "512")
+    prompt = " ".join(f"Note {i}: the tide rose at dawn and fell at dusk." for i in range(80))
+    try:
+        for _ in range(2):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] > 1100 and usage["completion_tokens"] == 8
+    finally:
+        server.stop()
