@@ -29,7 +29,7 @@ def plain():
 
 
 def _bounded(max_tokens, **kw):
-    return aj.LLM(**SETTINGS, max_resident_tokens=max_tokens, **kw)
+    return aj.LLM(**(SETTINGS | kw), max_resident_tokens=max_tokens)
 
 
 def _ids(n, seed=0):
@@ -60,9 +60,10 @@ def _record_reads(llm):
     return seen
 
 
-def _dense_logits(llm, ids, visible):
+def _dense_logits(llm, ids, visible, at=None):
     """Logits of a dense forward pass over `ids` where query p attends to keys `visible[p]`
-    (bool [T, T]): the reference for any resident set."""
+    (bool [T, T]) and, in sliding-window layers, to the window's keys only: the reference for
+    any resident set. `at`: the positions to return (default all)."""
     weights, cfg = llm.engine.weights, llm.config
     t = len(ids)
     tokens = jnp.asarray(ids, jnp.int32)[None]
@@ -72,23 +73,32 @@ def _dense_logits(llm, ids, visible):
     empty = jnp.zeros((1, 0, cfg.num_kv_heads, cfg.head_dim), x.dtype)
     zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), t, jnp.int32)
     mask = jnp.asarray(visible)[None]
+    distance = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
     for idx, lw in enumerate(weights.layers):
         q, k, v = _attention_inputs(x, lw, cfg, *rope[cfg.layer_rope_base(idx)], 1, False)
-        attn = paged_attention_reference(q, k, v, empty, empty, zero, length, new_mask=mask)
+        window = cfg.window(idx)
+        layer_mask = mask if window is None else mask & (distance < window)[None]
+        attn = paged_attention_reference(q, k, v, empty, empty, zero, length, new_mask=layer_mask)
         x = _mlp_block(_attention_output(x, attn, lw, cfg, False), lw, cfg, False)
-    return np.asarray(vocab_logits(rms_norm(x, weights.final_norm, cfg.rms_norm_eps), weights.lm_head))
+    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    return np.asarray(vocab_logits(x if at is None else x[np.asarray(at)], weights.lm_head))
 
 
-@pytest.mark.parametrize("scorer", ["attention", "qk"])
-def test_attention_reads_exactly_the_resident_pages_at_their_true_positions(scorer):
-    """A 600-token prompt and 120 greedy tokens through a 384-token bound, reselected every 24
-    tokens: pages leave and come back, and every position's logits (the prompt's) and every
-    sampled token equal a dense pass whose mask is the resident set each call ran with. A
+@pytest.mark.parametrize(
+    "model, bound, prompt, scorer",
+    [("smollm2-135m", 384, 600, "attention"), ("smollm2-135m", 384, 600, "qk"), ("gemma3-270m", 768, 1200, "qk")],
+)
+def test_attention_reads_exactly_the_resident_pages_at_their_true_positions(model, bound, prompt, scorer):
+    """A 600-token prompt and 120 greedy tokens through a 384-token bound (Gemma-3: 1,200 and
+    768, its 512-token sliding window in the tail), reselected every 24 tokens: pages leave and
+    come back, and every sampled token and its log probability equal a dense pass whose mask
+    is the resident set each call ran with (and the window, in sliding layers). A
     block table not rebuilt after a move (a stale mask: during decoding, moves fall between
     the steps that add pages), a key read at its table position instead of its true one, or
     a page brought back to the wrong place would all change them."""
-    llm = _bounded(384, residency_tau=24, residency_scorer=scorer)
-    ids = _ids(600, seed=1)
+    layers = 6 if model == "gemma3-270m" else 2  # five sliding-window layers and a global one
+    llm = _bounded(bound, model=model, residency_tau=24, residency_scorer=scorer, _num_layers=layers)
+    ids = _ids(prompt, seed=1)
     seen = _record_reads(llm)
     scheduler = llm.engine.scheduler
     allocate = scheduler.allocate
@@ -119,7 +129,7 @@ def test_attention_reads_exactly_the_resident_pages_at_their_true_positions(scor
     pairs = zip(seen, seen[1:], strict=False)
     back = [i for a, b in pairs for i in set(b[2]) - set(a[2]) if i < -(-(a[0] + a[1]) // page)]
     assert len(back) >= 4
-    want = _dense_logits(llm, tokens[:-1], visible[:-1, :-1])[len(ids) - 1 :]
+    want = _dense_logits(llm, tokens[:-1], visible[:-1, :-1], at=range(len(ids) - 1, len(tokens) - 1))
     assert want.argmax(-1).tolist() == seq.output_ids
     logp = want - want.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
