@@ -22,10 +22,12 @@ runs once more to fill that buffer.
 from __future__ import annotations
 
 import collections
+import logging
 
 import numpy as np
 
 from aither_jax.compile.buckets import bucket
+from aither_jax.core.bounded import ResidencyError
 from aither_jax.core.page_records import link_memories, tag_pages
 from aither_jax.core.plan import StepPlan
 from aither_jax.core.sequence import Sequence
@@ -34,6 +36,8 @@ from aither_jax.eviction.policy import make_policy
 from aither_jax.kv.allocator import PageAllocator
 from aither_jax.kv.prefix_cache import PrefixCache, hash_chain, page_hash
 from models.kv_cache import NULL_PAGE
+
+log = logging.getLogger(__name__)
 
 MAX_PINNED_FRACTION = 0.5
 MAX_PROTECTED_FRACTION = 0.25
@@ -288,7 +292,12 @@ class Scheduler:
         """Gives `seq` pages for `num_tokens` cached tokens, preempting newer sequences if it
         must; False if `seq` itself was preempted."""
         if seq.resident is not None:
-            need = self.bounded.grow(seq, num_tokens)  # pages its lowest-scored pages out first
+            try:
+                need = self.bounded.grow(seq, num_tokens)  # pages its lowest-scored pages out first
+            except ResidencyError as e:  # this request fails; the others go on
+                log.error("%s; the request is aborted", e)
+                seq.finish_reason = "abort"
+                return False
         else:
             need = self.pages_needed(num_tokens) - len(seq.pages)
         while need > self.num_free_pages:

@@ -10,7 +10,7 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.context.prompt import SectionSpan, chat_prompt
-from aither_jax.core.bounded import ResidencyConfig
+from aither_jax.core.bounded import ResidencyConfig, ResidencyError
 from aither_jax.device.sampling import SamplingParams
 from models.llama import _attention_inputs, _attention_output, _mlp_block, embed, rms_norm, rope_tables, vocab_logits
 from pallas_kernels.paged_attention import paged_attention_reference
@@ -225,3 +225,24 @@ def test_the_persona_survives_a_small_resident_budget():
         assert all((name in r) == (scorer == "attention") for s, _, r in seen[-12:]), scorer
     assert answers["attention"] == full
     assert "Aria" not in answers["window"], answers["window"]
+
+
+def test_a_page_that_cannot_be_placed_fails_its_request_and_the_engine_goes_on(monkeypatch):
+    llm = _bounded(320)
+    engine, bounded = llm.engine, llm.engine.bounded
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    doomed = engine.add_request(_ids(500, seed=4), params)
+    grow = bounded.grow
+
+    def failing(seq, num_tokens):
+        if seq is doomed and num_tokens > 400:
+            raise ResidencyError("request 0: no room")
+        return grow(seq, num_tokens)
+
+    monkeypatch.setattr(bounded, "grow", failing)
+    other = engine.add_request(_ids(100, seed=5), params)
+    while engine.has_unfinished():
+        engine.step()
+    assert doomed.finish_reason == "abort" and doomed.slot < 0
+    assert other.finish_reason == "length" and len(other.output_ids) == 8
+    assert engine.scheduler.allocator.num_used == 0  # every page came back
