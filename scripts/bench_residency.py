@@ -116,21 +116,19 @@ def main(argv=None) -> int:
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/bench_residency.py", *sys.argv[1:]])
     run = {"command": command, **bench_record.provenance(env)}
     base = rows[0]["decode_ms_per_token"]
-    config = {"model": args.model, "measure": "decode at a fixed bound", "bound": args.bound, "scorer": args.scorer}
+    config = {"model": args.model, "bound": args.bound, "scorer": args.scorer, "new tokens": args.new_tokens}
     figures = {
         "ms/token by context": {str(r["context"]): bench_record.rounded(r["decode_ms_per_token"]) for r in rows},
         "longest / shortest": f"{rows[-1]['decode_ms_per_token'] / base:.2f}x",
         "rescoring + moves": f"{share['share']:.1%} of decode",
     }
-    entries = [bench_record.result("residency", config, figures, details={"rows": rows, "overhead": share}, **run)]
+    details = {"rows": rows, "overhead": share}
+    entries = [bench_record.result("residency-decode", config, figures, details=details, **run)]
     if args.eval is not None:
         report = json.loads(args.eval.read_text(encoding="utf-8"))
         for fraction in dict.fromkeys(r["residency"] for r in report["rows"]):
             by = {r["scorer"]: r for r in report["rows"] if r["residency"] == fraction}
-            config = {
-                "model": report["model"], "measure": "KL to the full cache", "tokens": report["num_tokens"],
-                "residency": f"{fraction:.0%}",
-            }  # fmt: skip
+            config = {"model": report["model"], "tokens": report["num_tokens"], "residency": f"{fraction:.0%}"}
             figures = {
                 "KL": {s: bench_record.rounded(r["kl"], 4) for s, r in by.items()},
                 "top-1": {s: bench_record.rounded(r["top1_agreement"], 3) for s, r in by.items()},
