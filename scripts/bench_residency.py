@@ -37,16 +37,13 @@ def decode_rows(model: str, bound: int, contexts: list[int], new_tokens: int, sc
         )  # fmt: skip
         ids = llm.tokenizer.encode(text)[:n]
         params = aj.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        llm.generate(
-            [ids[:256]], aj.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        )  # compiles
+        llm.generate([ids[: bound + 256]], params, use_tqdm=False)  # compiles every shape the bound reaches
         bounded = llm.engine.bounded
+        before = (bounded.num_reselections, bounded.num_paged_out, bounded.num_paged_in)
         start = time.perf_counter()
         out = llm.generate([ids], params, use_tqdm=False)[0]
         total = time.perf_counter() - start
-        # Decode: after the first token; the counters from then on are decode's own.
         first = out.time_to_first_token
-        before = (bounded.reselect_seconds, bounded.grow_seconds)
         decode_s = total - first
         row = {
             "context": n,
@@ -105,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     rows = decode_rows(args.model, args.bound, args.contexts, args.new_tokens, args.scorer)
-    share = overhead(args.model, args.bound, args.contexts[-1], 4 * args.new_tokens, args.scorer)
+    share = overhead(args.model, args.bound, args.contexts[-1] - 3 * args.new_tokens, 4 * args.new_tokens, args.scorer)
     print(json.dumps(share), file=sys.stderr)
     out = args.out or ROOT / "out" / f"residency-decode-{args.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
