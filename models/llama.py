@@ -151,8 +151,9 @@ class KVUpdate:
     # With `mass_layers`: [B, pages read] the softmax mass the new tokens put on each page
     # (`page_attention_mass`, averaged over those layers); not written anywhere.
     attention_mass: jax.Array | None = None
-    # With `mass_layers`: [B, Hkv * Dh] float32 each row's last new query at the first of
-    # them, averaged over the query heads of each KV head (the residency `qk` scorer's query).
+    # With `mass_layers`: [B, len(mass_layers) * Hkv * Dh] float32 each row's last new query
+    # at each of them, averaged over the query heads of each KV head (the residency `qk`
+    # scorer's queries).
     query_summary: jax.Array | None = None
 
 
@@ -342,7 +343,7 @@ def forward(
         sink_k=jnp.stack(sink_k) if sink_k else None,
         sink_v=jnp.stack(sink_v) if sink_v else None,
         attention_mass=sum(masses) / len(masses) if masses else None,
-        query_summary=queries[0] if queries else None,
+        query_summary=jnp.concatenate(queries, axis=-1) if queries else None,
     )
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 

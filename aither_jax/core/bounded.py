@@ -20,7 +20,9 @@ contexts) with one of four scorers:
 - `attention`: the moving average of the softmax mass each page received at the model's last
   global layer while resident (`forward(mass_layers=...)`); a page held off keeps its last
   average, so it comes back once resident pages fall below it.
-- `qk`: cosine of the newest query (heads averaged per KV head) with each page's mean key.
+- `qk`: each page's estimated attention share for the newest query (heads averaged per KV
+  head): the softmax over the candidate pages of the query against the page's mean key,
+  summed over KV heads; every page has a mean key, resident or held.
 - `lru`: most recently written or brought back first (the control).
 - `window`: sinks and the newest pages only, no protection (StreamingLLM).
 """
@@ -101,10 +103,13 @@ class BoundedResidency:
     """The resident sets of one scheduler's sequences, moved through its page store."""
 
     def __init__(
-        self, config: ResidencyConfig, scheduler, store, *, window: int | None, mass_layer: int, head_dim: int
-    ):
+        self, config: ResidencyConfig, scheduler, store, *, window: int | None, mass_layers: tuple[int, ...],
+        head_dim: int,
+    ):  # fmt: skip
         config.check()
-        self.config, self.scheduler, self.store, self.mass_layer = config, scheduler, store, mass_layer
+        # The layers whose attention mass steps report (their average: `attention`) and whose
+        # queries and mean keys `qk` compares.
+        self.config, self.scheduler, self.store, self.mass_layers = config, scheduler, store, mass_layers
         self.head_dim = head_dim
         ps = self.page_size = scheduler.page_size
         self.max_pages = config.max_tokens // ps
@@ -219,17 +224,21 @@ class BoundedResidency:
         self._summarize(seq)
         if resident.query is None:
             return np.zeros(len(pages))
-        q = resident.query.reshape(-1, self.head_dim)  # [Hkv, Dh]
-        out = []
-        for i in pages:
-            k = resident.keys.get(i)
-            if k is None:
-                out.append(0.0)
-                continue
-            k = k.reshape(q.shape)
-            cos = (q * k).sum(-1) / (np.linalg.norm(q, axis=-1) * np.linalg.norm(k, axis=-1) + 1e-9)
-            out.append(float(cos.mean()))
-        return np.array(out)
+        # Each page's estimated attention share at each layer and KV head: the softmax over
+        # the candidate pages of the newest query (heads of the group averaged) against the
+        # page's mean key, summed over layers and heads. A page without a mean key yet (still
+        # filling) ranks first.
+        q = resident.query.reshape(len(self.mass_layers), -1, self.head_dim)  # [L, Hkv, Dh]
+        known = [i for i in pages if i in resident.keys]
+        out = np.full(len(pages), np.inf)
+        if known:
+            k = np.stack([resident.keys[i] for i in known]).reshape(len(known), *q.shape)  # [P, L, Hkv, Dh]
+            logits = (k * q[None]).sum(-1) / np.sqrt(self.head_dim)  # [P, L, Hkv]
+            share = np.exp(logits - logits.max(0, keepdims=True))
+            share /= share.sum(0, keepdims=True)
+            where = {i: j for j, i in enumerate(pages)}
+            out[[where[i] for i in known]] = share.sum((1, 2))
+        return out
 
     def _summarize(self, seq: Sequence) -> None:
         """Mean keys of `seq`'s full resident pages that have none yet (one device call)."""
@@ -237,7 +246,8 @@ class BoundedResidency:
         full = seq.num_cached // self.page_size
         todo = [(i, p) for i, p in zip(resident.logical, seq.pages, strict=True) if i < full and i not in resident.keys]
         if todo:
-            vectors = self.store.key_summaries([p for _, p in todo], self.mass_layer)
+            device = [p for _, p in todo]
+            vectors = np.concatenate([self.store.key_summaries(device, layer) for layer in self.mass_layers], axis=1)
             for (i, _), vector in zip(todo, vectors, strict=True):
                 resident.keys[i] = vector
 
