@@ -91,7 +91,7 @@ def add_residency_args(parser) -> None:
         "--residency-scorer",
         choices=("attention", "qk", "lru", "window"),
         default="attention",
-        help="which pages stay resident: attention (their recent attention mass), qk (the newest query's estimated "
+        help="which pages stay resident: attention (their recent attention mass plus the qk estimate), qk (the newest query's estimated "
         "attention share from each page's mean key), lru (most recently written) or window (sinks and the newest "
         "pages only)",
     )

@@ -18,8 +18,9 @@ depend on which pages are resident.
 Reselection runs every tau tokens (at least history / 45, so rescoring stays rare on long
 contexts) with one of four scorers:
 - `attention`: the moving average of the softmax mass each page received at the model's last
-  global layer while resident (`forward(mass_layers=...)`); a page held off keeps its last
-  average, so it comes back once resident pages fall below it.
+  global layer while resident (`forward(mass_layers=...)`; a page held off keeps its last
+  average), plus `qk`'s estimate for the newest query, which a held page gets too (with
+  measured mass alone, held pages would be scored on stale or no evidence).
 - `qk`: each page's estimated attention share for the newest query (heads averaged per KV
   head): the softmax over the candidate pages of the query against the page's mean key,
   summed over KV heads; every page has a mean key, resident or held.
@@ -215,12 +216,17 @@ class BoundedResidency:
     def _scores(self, seq: Sequence, pages: list[int]) -> np.ndarray:
         """Keep-scores of page indices (higher stays)."""
         resident, scorer = seq.resident, self.config.scorer
-        if scorer == "attention":
-            return np.array([resident.mass.get(i, 0.0) for i in pages])
+        if scorer == "attention":  # measured mass, plus the estimate that also covers held pages
+            estimate = self._estimated_shares(seq, pages)
+            return np.array([resident.mass.get(i, 0.0) for i in pages]) + np.minimum(estimate, 1.0)
         if scorer == "lru":
             return np.array([resident.used.get(i, -1) for i in pages], np.float64)
         if scorer == "window":
             return np.array(pages, np.float64)
+        return self._estimated_shares(seq, pages)
+
+    def _estimated_shares(self, seq: Sequence, pages: list[int]) -> np.ndarray:
+        resident = seq.resident
         self._summarize(seq)
         if resident.query is None:
             return np.zeros(len(pages))
@@ -316,7 +322,7 @@ class BoundedResidency:
         """Moves `seq`'s page indices `pages` (resident, none of them its last page) to the
         host: their bytes are read, the device pages released."""
         resident = seq.resident
-        if self.config.scorer == "qk":
+        if self.config.scorer in ("qk", "attention"):
             self._summarize(seq)
         index = [resident.logical.index(i) for i in pages]
         device = [seq.pages[j] for j in index]
