@@ -91,9 +91,9 @@ def add_residency_args(parser) -> None:
         "--residency-scorer",
         choices=("attention", "qk", "lru", "window"),
         default="attention",
-        help="which pages stay resident: attention (their recent attention mass plus the qk estimate), qk (the newest query's estimated "
-        "attention share from each page's mean key), lru (most recently written) or window (sinks and the newest "
-        "pages only)",
+        help="which pages stay resident: attention (their recent attention mass plus the qk estimate), qk (the "
+        "newest query's estimated attention share from each page's mean key), lru (most recently written) or "
+        "window (sinks and the newest pages only)",
     )
 
 

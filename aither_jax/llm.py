@@ -139,9 +139,10 @@ class LLM:
             host, byte-exact, so contexts may be longer than the device pool. None: off.
         residency_tau: with max_resident_tokens, reselect the resident set every this many
             tokens (at least history / 45).
-        residency_scorer: which pages stay resident: "attention" (their recent attention mass plus the newest query's estimate),
-            "qk" (the newest query's estimated attention share from each page's mean key), "lru" (most recently
-            written first) or "window" (sinks and the newest pages, no protection).
+        residency_scorer: which pages stay resident: "attention" (their recent attention mass plus
+            the newest query's estimate), "qk" (the newest query's estimated attention share from
+            each page's mean key), "lru" (most recently written first) or "window" (sinks and the
+            newest pages, no protection).
         progress: show progress bars while loading and generating.
     """
 
