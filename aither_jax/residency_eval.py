@@ -86,7 +86,7 @@ def run(settings: ResidencySettings, progress=print) -> dict:
 
     text, source = (settings.text, settings.source) if settings.text else default_text()
     common = dict(dtype=settings.dtype, max_num_seqs=1, progress=False)
-    longest = max(settings.num_tokens, *settings.passkey_lengths) + 64
+    longest = max([settings.num_tokens, *settings.passkey_lengths]) + 64
     full = aj.LLM(settings.model, **common, max_model_len=longest)
     ids = full.tokenizer.encode(text)
     if len(ids) < settings.num_tokens:

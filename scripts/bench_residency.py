@@ -90,6 +90,25 @@ def overhead(model: str, bound: int, context: int, new_tokens: int, scorer: str)
     }  # fmt: skip
 
 
+def eval_entries(report: dict, run: dict) -> list[dict]:
+    """Headline rows of a `python -m aither_jax.eval residency` report: one per resident share."""
+    entries = []
+    for fraction in dict.fromkeys(r["residency"] for r in report["rows"]):
+        by = {r["scorer"]: r for r in report["rows"] if r["residency"] == fraction}
+        config = {"model": report["model"], "tokens": report["num_tokens"], "residency": f"{fraction:.0%}"}
+        figures = {
+            "KL": {s: bench_record.rounded(r["kl"], 4) for s, r in by.items()},
+            "top-1": {s: bench_record.rounded(r["top1_agreement"], 3) for s, r in by.items()},
+            "passkey": {s: f"{r['passkey_retrieved']}/{r['passkey_asked']}" for s, r in by.items()},
+        }
+        if "attention" in by and "lru" in by and "window" in by:
+            figures["attention / lru, window"] = (
+                f"{by['attention']['kl'] / by['lru']['kl']:.2f}, {by['attention']['kl'] / by['window']['kl']:.2f}"
+            )
+        entries.append(bench_record.result("residency", config, figures, details=by, **run))
+    return entries
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -98,45 +117,35 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--scorer", default="attention")
     p.add_argument("--eval", type=pathlib.Path, default=None, help="a report of python -m aither_jax.eval residency")
+    p.add_argument("--eval-only", action="store_true", help="record the --eval report's rows, measure nothing")
     p.add_argument("--out", type=pathlib.Path, default=None, help="default out/residency-decode-<model>.json")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
-    rows = decode_rows(args.model, args.bound, args.contexts, args.new_tokens, args.scorer)
-    share = overhead(args.model, args.bound, args.contexts[-1] - 3 * args.new_tokens, 4 * args.new_tokens, args.scorer)
-    print(json.dumps(share), file=sys.stderr)
-    out = args.out or ROOT / "out" / f"residency-decode-{args.model}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "overhead": share}, indent=2), encoding="utf-8")
-    if args.no_record:
-        return 0
+    if args.eval_only and args.eval is None:
+        p.error("--eval-only needs --eval")
     env = bench_record.environment()
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/bench_residency.py", *sys.argv[1:]])
     run = {"command": command, **bench_record.provenance(env)}
-    base = rows[0]["decode_ms_per_token"]
-    config = {"model": args.model, "bound": args.bound, "scorer": args.scorer, "new tokens": args.new_tokens}
-    figures = {
-        "ms/token by context": {str(r["context"]): bench_record.rounded(r["decode_ms_per_token"]) for r in rows},
-        "longest / shortest": f"{rows[-1]['decode_ms_per_token'] / base:.2f}x",
-        "rescoring + moves": f"{share['share']:.1%} of decode",
-    }
-    details = {"rows": rows, "overhead": share}
-    entries = [bench_record.result("residency-decode", config, figures, details=details, **run)]
-    if args.eval is not None:
-        report = json.loads(args.eval.read_text(encoding="utf-8"))
-        for fraction in dict.fromkeys(r["residency"] for r in report["rows"]):
-            by = {r["scorer"]: r for r in report["rows"] if r["residency"] == fraction}
-            config = {"model": report["model"], "tokens": report["num_tokens"], "residency": f"{fraction:.0%}"}
-            figures = {
-                "KL": {s: bench_record.rounded(r["kl"], 4) for s, r in by.items()},
-                "top-1": {s: bench_record.rounded(r["top1_agreement"], 3) for s, r in by.items()},
-                "passkey": {s: f"{r['passkey_retrieved']}/{r['passkey_asked']}" for s, r in by.items()},
-            }
-            if "attention" in by and "lru" in by and "window" in by:
-                figures["attention / lru, window"] = (
-                    f"{by['attention']['kl'] / by['lru']['kl']:.2f}, {by['attention']['kl'] / by['window']['kl']:.2f}"
-                )
-            entries.append(bench_record.result("residency", config, figures, details=by, **run))
-    bench_record.record(entries)
+    entries = [] if args.eval is None else eval_entries(json.loads(args.eval.read_text(encoding="utf-8")), run)
+    if not args.eval_only:
+        rows = decode_rows(args.model, args.bound, args.contexts, args.new_tokens, args.scorer)
+        last = args.contexts[-1] - 3 * args.new_tokens
+        share = overhead(args.model, args.bound, last, 4 * args.new_tokens, args.scorer)
+        print(json.dumps(share), file=sys.stderr)
+        out = args.out or ROOT / "out" / f"residency-decode-{args.model}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": rows, "overhead": share}, indent=2), encoding="utf-8")
+        base = rows[0]["decode_ms_per_token"]
+        config = {"model": args.model, "bound": args.bound, "scorer": args.scorer, "new tokens": args.new_tokens}
+        figures = {
+            "ms/token by context": {str(r["context"]): bench_record.rounded(r["decode_ms_per_token"]) for r in rows},
+            "longest / shortest": f"{rows[-1]['decode_ms_per_token'] / base:.2f}x",
+            "rescoring + moves": f"{share['share']:.1%} of decode",
+        }
+        details = {"rows": rows, "overhead": share}
+        entries.append(bench_record.result("residency-decode", config, figures, details=details, **run))
+    if not args.no_record:
+        bench_record.record(entries)
     return 0
 
 
