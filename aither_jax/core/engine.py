@@ -145,7 +145,9 @@ class Engine:
             shared_prefix_attention=shared_prefix_attention, num_scheduler_steps=num_scheduler_steps,
             taps=drafter.taps if drafter else (),
         )  # fmt: skip
-        last_global = max(i for i in range(cfg.num_layers) if cfg.window(i) is None)
+        # The layer whose attention mass the advisor and the residency scorers read: the last
+        # global one (a stand-in of only sliding-window layers: its last layer).
+        last_global = max((i for i in range(cfg.num_layers) if cfg.window(i) is None), default=cfg.num_layers - 1)
         if self.scheduler.policy.name == "advisor":  # plain steps report attention mass per page
             self.runner.mass_layers = (last_global,)
         self.bounded = None
