@@ -75,7 +75,8 @@ class ResidentSet:
     sequence) of the device page `seq.pages[j]`; `held` maps the page indices held on the host
     to their bytes (one array per pool leaf, as `PageStore.read` gives them)."""
 
-    def __init__(self, protected: frozenset[int]):
+    def __init__(self, protected: frozenset[int], page_size: int):
+        self.page_size = page_size
         self.logical: list[int] = []
         self.held: dict[int, list[np.ndarray]] = {}
         self.protected = protected
@@ -84,12 +85,11 @@ class ResidentSet:
         self.query: np.ndarray | None = None  # the newest query summary [Hkv * Dh] (qk)
         self.used: dict[int, int] = {}  # page -> clock of its last write or page-in (lru)
         self.next_select = 0
-        self.num_paged_out = 0
-        self.num_paged_in = 0
 
     @property
-    def num_held_off(self) -> int:
-        return len(self.held)
+    def offset(self) -> int:
+        """Tokens held off the device (all before the resident tail)."""
+        return len(self.held) * self.page_size
 
     @property
     def num_pages(self) -> int:
@@ -104,13 +104,12 @@ class BoundedResidency:
     """The resident sets of one scheduler's sequences, moved through its page store."""
 
     def __init__(
-        self, config: ResidencyConfig, scheduler, store, *, window: int | None, mass_layers: tuple[int, ...],
-        head_dim: int,
-    ):  # fmt: skip
+        self, config: ResidencyConfig, scheduler, store, *, window: int | None, mass_layer: int, head_dim: int
+    ):
         config.check()
-        # The layers whose attention mass steps report (their average: `attention`) and whose
-        # queries and mean keys `qk` compares.
-        self.config, self.scheduler, self.store, self.mass_layers = config, scheduler, store, mass_layers
+        # The layer whose attention mass steps report (`attention`) and whose queries and mean
+        # keys `qk` compares.
+        self.config, self.scheduler, self.store, self.mass_layer = config, scheduler, store, mass_layer
         self.head_dim = head_dim
         ps = self.page_size = scheduler.page_size
         self.max_pages = config.max_tokens // ps
@@ -167,11 +166,11 @@ class BoundedResidency:
 
     def admit(self, seq: Sequence) -> None:
         """Starts `seq`'s resident set over the pages it was admitted with (all resident)."""
-        resident = ResidentSet(self.protected_pages(seq))
+        resident = ResidentSet(self.protected_pages(seq), self.page_size)
         resident.logical = list(range(len(seq.pages)))
         resident.used = dict.fromkeys(resident.logical, self.clock)
         resident.next_select = self._next_select(seq.num_cached)
-        seq.resident, seq.kv_offset = resident, 0
+        seq.resident = resident
 
     def pages_to_admit(self, num_pages: int) -> int:
         """Device pages a sequence of `num_pages` pages needs at most."""
@@ -187,7 +186,7 @@ class BoundedResidency:
         over = len(seq.pages) + max(need, 0) - self.max_pages
         if over > 0:
             start = time.perf_counter()
-            out = self._ranked(seq, keep_fixed=True)[:over]
+            out = self._ranked(seq)[:over]
             if len(out) < over:
                 raise ResidencyError(
                     f"request {seq.seq_id}: {len(seq.pages) + need} KV pages must be resident but "
@@ -209,9 +208,10 @@ class BoundedResidency:
     # -- scores ---------------------------------------------------------------------------------
 
     def _fixed(self, seq: Sequence) -> set[int]:
+        """`seq`'s pages that never leave (of those it has): sinks, the tail, protected ones."""
         resident, total = seq.resident, seq.resident.num_pages
         fixed = set(range(min(self.sink_pages, total))) | set(range(max(total - self.tail_pages, 0), total))
-        return fixed | resident.protected
+        return fixed | {i for i in resident.protected if i < total}
 
     def _scores(self, seq: Sequence, pages: list[int]) -> np.ndarray:
         """Keep-scores of page indices (higher stays)."""
@@ -230,20 +230,19 @@ class BoundedResidency:
         self._summarize(seq)
         if resident.query is None:
             return np.zeros(len(pages))
-        # Each page's estimated attention share at each layer and KV head: the softmax over
-        # the candidate pages of the newest query (heads of the group averaged) against the
-        # page's mean key, summed over layers and heads. A page without a mean key yet (still
-        # filling) ranks first.
-        q = resident.query.reshape(len(self.mass_layers), -1, self.head_dim)  # [L, Hkv, Dh]
+        # Each page's estimated attention share at each KV head: the softmax over the candidate
+        # pages of the newest query (heads of the group averaged) against the page's mean key,
+        # summed over heads. A page without a mean key yet (still filling) ranks first.
+        q = resident.query.reshape(-1, self.head_dim)  # [Hkv, Dh]
         known = [i for i in pages if i in resident.keys]
         out = np.full(len(pages), np.inf)
         if known:
-            k = np.stack([resident.keys[i] for i in known]).reshape(len(known), *q.shape)  # [P, L, Hkv, Dh]
-            logits = (k * q[None]).sum(-1) / np.sqrt(self.head_dim)  # [P, L, Hkv]
+            k = np.stack([resident.keys[i] for i in known]).reshape(len(known), *q.shape)  # [P, Hkv, Dh]
+            logits = (k * q[None]).sum(-1) / np.sqrt(self.head_dim)  # [P, Hkv]
             share = np.exp(logits - logits.max(0, keepdims=True))
             share /= share.sum(0, keepdims=True)
             where = {i: j for j, i in enumerate(pages)}
-            out[[where[i] for i in known]] = share.sum((1, 2))
+            out[[where[i] for i in known]] = share.sum(1)
         return out
 
     def _summarize(self, seq: Sequence) -> None:
@@ -252,14 +251,13 @@ class BoundedResidency:
         full = seq.num_cached // self.page_size
         todo = [(i, p) for i, p in zip(resident.logical, seq.pages, strict=True) if i < full and i not in resident.keys]
         if todo:
-            device = [p for _, p in todo]
-            vectors = np.concatenate([self.store.key_summaries(device, layer) for layer in self.mass_layers], axis=1)
+            vectors = self.store.key_summaries([p for _, p in todo], self.mass_layer)
             for (i, _), vector in zip(todo, vectors, strict=True):
                 resident.keys[i] = vector
 
-    def _ranked(self, seq: Sequence, *, keep_fixed: bool) -> list[int]:
+    def _ranked(self, seq: Sequence) -> list[int]:
         """`seq`'s resident page indices that may leave, lowest score first."""
-        fixed = self._fixed(seq) if keep_fixed else set()
+        fixed = self._fixed(seq)
         pages = [i for i in seq.resident.logical if i not in fixed]
         if not pages:
             return []
@@ -306,8 +304,7 @@ class BoundedResidency:
         fixed = self._fixed(seq)
         others = [i for i in (*resident.logical, *resident.held) if i not in fixed]
         scores = self._scores(seq, others)
-        room = self.max_pages - len(fixed & set(resident.logical)) - len(fixed - set(resident.logical))
-        keep = {others[k] for k in np.argsort(-scores, kind="stable")[: max(room, 0)]}
+        keep = {others[k] for k in np.argsort(-scores, kind="stable")[: max(self.max_pages - len(fixed), 0)]}
         out = [i for i in resident.logical if i not in fixed and i not in keep]
         back = sorted(i for i in resident.held if i in keep)
         if out:
@@ -333,7 +330,6 @@ class BoundedResidency:
             del resident.logical[j]
             del seq.pages[j]
         self.scheduler.allocator.free(device)
-        resident.num_paged_out += len(pages)
         self.num_paged_out += len(pages)
         self._changed(seq)
 
@@ -355,14 +351,13 @@ class BoundedResidency:
             seq.pages.insert(j, page)
             del resident.held[i]
             resident.used[i] = self.clock
-        resident.num_paged_in += len(pages)
         self.num_paged_in += len(pages)
         self._changed(seq)
         return len(pages)
 
     def _changed(self, seq: Sequence) -> None:
+        """Rewrites `seq`'s table row after a move (its offset follows from `held`)."""
         resident = seq.resident
         if resident.held and max(resident.held) > resident.logical[-1]:
             raise ResidencyError(f"request {seq.seq_id}: its newest page left the device")
-        seq.kv_offset = resident.num_held_off * self.page_size
         self.scheduler.set_row(seq)

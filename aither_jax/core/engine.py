@@ -161,15 +161,13 @@ class Engine:
                 )
             # Scorers read the last global layer (mass and queries there ranked pages better than
             # at the middle layers or summed over several: docs/BENCHMARKS.md, residency note).
-            mass_layers = (last_global,)
             self.bounded = BoundedResidency(
                 residency, self.scheduler, self.store, window=cfg.sliding_window if cfg.window_layers else None,
-                mass_layers=mass_layers, head_dim=cfg.head_dim,
+                mass_layer=last_global, head_dim=cfg.head_dim,
             )  # fmt: skip
             self.scheduler.bounded = self.bounded
-            self.runner.bounded = True
             if residency.scorer in ("attention", "qk"):
-                self.runner.mass_layers = mass_layers
+                self.runner.mass_layers = (last_global,)
         self.output = OutputProcessor(model.tokenizer)
         self.spec_counters = SpecCounters(self.num_speculative_tokens)
         self.speculator = None

@@ -34,15 +34,11 @@ def tag_pages(blocks: BlockTable, seq: Sequence, start: int, stop: int, page_siz
     importance of `page_span`."""
     for i in range(start // page_size, -(-stop // page_size)):
         best = page_span(seq, i, page_size)
-        page = seq.page_at(i) if best is not None and i < len(seq.pages) + _held_off(seq) else None
+        page = None if best is None else seq.page_at(i)
         if page is not None:
             block = blocks[page]
             if block.importance is None or best.importance > block.importance:
                 block.source_tag, block.importance = best.tag, best.importance
-
-
-def _held_off(seq: Sequence) -> int:
-    return 0 if seq.resident is None else seq.resident.num_held_off
 
 
 def link_memories(graph, seq: Sequence, page_size: int) -> None:

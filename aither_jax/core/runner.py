@@ -71,9 +71,6 @@ class ModelRunner:
         # window layers (Gemma), whose shared part would need the window too.
         self.shared_prefix_attention = bool(shared_prefix_attention) and not cfg.window_layers
         self.num_shared_prefix_steps = 0
-        # Bounded residency (core/bounded.py): every call carries each row's RoPE offset, so
-        # all of this engine's step shapes take one (an array of zeros for rows with none).
-        self.bounded = False
         # Slots admitted on cached pages whose sink tokens were recomputed (-s<n> formats).
         self.num_sink_refills = 0
 
@@ -88,6 +85,12 @@ class ModelRunner:
     @property
     def drafter(self):
         return self.store.drafter
+
+    @property
+    def bounded(self) -> bool:
+        """Bounded residency (core/bounded.py): every call carries each row's RoPE offset, so
+        all of this engine's step shapes take one (zeros for rows with nothing held off)."""
+        return self.scheduler.bounded is not None
 
     # -- packing ------------------------------------------------------------------------------
 

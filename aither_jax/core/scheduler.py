@@ -160,7 +160,7 @@ class Scheduler:
             self.prefix_cache.insert_partial(parent, tokens, seq.page_at(i))
         self.allocator.free(seq.pages)
         seq.pages = []
-        seq.resident, seq.kv_offset = None, 0  # pages held on the host go with it
+        seq.resident = None  # pages held on the host go with it
         self.block_tables[seq.slot] = NULL_PAGE
         self.tables_dirty = True
         self._free_slots.append(seq.slot)
@@ -306,11 +306,15 @@ class Scheduler:
             if victim is seq:
                 return False
         if need > 0:
-            seq.pages.extend(self.allocate(need))
-            if seq.resident is not None:
-                self.bounded.grew(seq, need)
-            self.set_row(seq)
+            self.add_pages(seq, need)
         return True
+
+    def add_pages(self, seq: Sequence, n: int) -> None:
+        """Appends `n` fresh device pages to `seq` (its next page indices) and its table row."""
+        seq.pages.extend(self.allocate(n))
+        if seq.resident is not None:
+            self.bounded.grew(seq, n)
+        self.set_row(seq)
 
     # -- steps --------------------------------------------------------------------------------
 

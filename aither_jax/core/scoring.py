@@ -62,9 +62,7 @@ def forward_ids(
                 n = min(n, bounded.chunk_tokens)
                 need = bounded.grow(seq, seq.num_cached + n)
                 if need:
-                    seq.pages.extend(scheduler.allocate(need))
-                    bounded.grew(seq, need)
-                    scheduler.set_row(seq)
+                    scheduler.add_pages(seq, need)
             rows = [(seq, seq.prompt_ids[seq.num_cached : seq.num_cached + n])]
             _, out, h, _, mass = runner.run(
                 rows, return_logits="all" if logits else "none", taps=taps, host_logits=not top_k

@@ -40,10 +40,8 @@ class Sequence:
     finish_reason: str | None = None
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    # Bounded residency (core/bounded.py): which of the sequence's pages `pages` holds, and
-    # the tokens of the full pages held off the device before its last one (the RoPE offset).
+    # Bounded residency (core/bounded.py): which of the sequence's pages `pages` holds.
     resident: object | None = None
-    kv_offset: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -62,11 +60,17 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def kv_offset(self) -> int:
+        """Tokens of the pages bounded residency holds off the device, all before the pages
+        the block table lists: the RoPE offset of its positions."""
+        return 0 if self.resident is None else self.resident.offset
+
     def page_at(self, i: int) -> int | None:
         """The device page holding the sequence's page i (tokens [i P, (i + 1) P)), or None
-        while bounded residency holds it off the device."""
+        when it has none (not yet allocated, or held off the device by bounded residency)."""
         if self.resident is None:
-            return self.pages[i]
+            return self.pages[i] if i < len(self.pages) else None
         return self.resident.page_at(self, i)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
