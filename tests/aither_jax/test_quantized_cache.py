@@ -1,7 +1,13 @@
-"""The TurboQuant paged cache on the real model: storage round trip, chunking invariance,
-NaN safety, batching, and quality ordering by bit width."""
+"""The TurboQuant paged cache: storage round trip, chunking invariance, NaN safety, batching,
+and (on the real model) quality ordering by bit width.
+
+Checks whose point is the code path (exactness between two paths, storage, kernels against
+their reference) run on the random-weight stand-in of the default model (`stand_in`); checks of
+quality run on the real model, one engine per format for the module (`real`)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +16,14 @@ import pytest
 
 import aither_jax as aj
 from models.kv_cache import init_cache
+from models.registry import load_model, shipped_key_transform
 from pallas_kernels.tq_attention import tq_paged_attention_reference
 from pallas_kernels.turboquant import TurboQuant
 
 TEXT = " ".join(f"Entry {i}: the northern river floods every spring, and the town moves uphill." for i in range(12))
+# Blocks of the stand-in: the layer groups below leave the first and last one unquantized and
+# quantize the four between them.
+STAND_IN_LAYERS = 6
 
 
 def make_llm(kv: str, chunk: int = 64, **overrides) -> aj.LLM:
@@ -23,14 +33,42 @@ def make_llm(kv: str, chunk: int = 64, **overrides) -> aj.LLM:
     )
 
 
+def stand_in(kv: str, chunk: int = 64, **overrides) -> aj.LLM:
+    """`make_llm` on the stand-in: STAND_IN_LAYERS blocks of the model's width, random weights."""
+    return make_llm(kv, chunk, _num_layers=STAND_IN_LAYERS, **overrides)
+
+
 @pytest.fixture(scope="module")
-def llm_fp32() -> aj.LLM:
-    return make_llm("fp32")
+def real():
+    """The real model with KV format `kv`, the text in one chunk: one engine per format."""
+    return functools.cache(lambda kv: make_llm(kv, chunk=256))
+
+
+@pytest.fixture(scope="module")
+def long_ids(real) -> list[int]:
+    return real("fp32").tokenizer.encode(TEXT)[:200]
+
+
+@pytest.fixture(scope="module")
+def real_logits(real, long_ids):
+    """The real model's logits on `long_ids` with KV format `kv`, computed once per format."""
+    return functools.cache(lambda kv: real(kv).logits(long_ids))
+
+
+@pytest.fixture(scope="module")
+def stand_in_model():
+    """The stand-in's weights, tokenizer and config, held for the module (its engines share them)."""
+    return load_model("smollm2-135m", "float32", num_layers=STAND_IN_LAYERS)
 
 
 @pytest.fixture(scope="module")
 def llm_tq4() -> aj.LLM:
     return make_llm("tq4", chunk=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_tq4() -> aj.LLM:
+    return stand_in("tq4", chunk=16)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -43,9 +81,9 @@ def nll(logits: np.ndarray, ids: list[int]) -> float:
 
 
 @pytest.mark.parametrize("kv", ["tq4", "tq-k6v4", "tq3-qjlk", "tq2-qjl", "tq3.5", "tq-k4.5v3-qjlk"])
-def test_pages_return_exactly_what_was_encoded(llm_fp32, kv):
+def test_pages_return_exactly_what_was_encoded(stand_in_model, kv):
     """write -> gather through scattered pages returns the encoded bytes exactly."""
-    cfg = llm_fp32.config
+    cfg = stand_in_model.config
     cache = init_cache(cfg, num_pages=9, max_seqs=1, max_pages_per_seq=4, page_size=4, kv_cache_dtype=kv)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((cfg.num_layers, 1, 10, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
@@ -66,7 +104,7 @@ def test_pages_return_exactly_what_was_encoded(llm_fp32, kv):
     np.testing.assert_allclose(np.asarray(v)[:, :10], np.asarray(v_ref), atol=1e-5)
 
 
-def test_chunk_size_does_not_change_logits(llm_tq4, llm_fp32):
+def test_chunk_size_does_not_change_logits(llm_tq4, real, real_logits, long_ids):
     """Chunks of 16 (mostly attending to stored pages) and one chunk of 256 (mostly to the
     chunk's own fresh keys) both see quantized keys and values.
 
@@ -78,17 +116,18 @@ def test_chunk_size_does_not_change_logits(llm_tq4, llm_fp32):
     quantization puts them. A chunk that attended to its own fresh unquantized keys would sit
     near them instead: the 256-token chunk covers all 200 tokens, so it would match the
     unquantized run up to rounding.
+
+    On the real model: the random-weight stand-in's sharp attention turns each flipped code
+    into a different greedy choice at many later positions.
     """
-    ids = llm_tq4.tokenizer.encode(TEXT)[:200]
-    small = llm_tq4.logits(ids)
-    other = make_llm("tq4", chunk=256)
-    big = other.logits(ids)
-    exact = llm_fp32.logits(ids)
+    small = llm_tq4.logits(long_ids)
+    other = real("tq4")
+    big, exact = real_logits("tq4"), real_logits("fp32")
     assert np.isfinite(small).all()
     # Both runs stored the 200 tokens in pages 1..13 (the allocator hands out low ids first).
     codes_a = np.asarray(llm_tq4.engine.cache.k[0]["codes"][1:14])  # [13, L, 16, Hkv, 32]
     codes_b = np.asarray(other.engine.cache.k[0]["codes"][1:14])
-    stored = (np.arange(13)[:, None] * 16 + np.arange(16)[None, :]) < len(ids)  # [page, slot]
+    stored = (np.arange(13)[:, None] * 16 + np.arange(16)[None, :]) < len(long_ids)  # [page, slot]
     same = (codes_a == codes_b).transpose(0, 2, 1, 3, 4)[stored]  # [token, layer, Hkv, bytes]
     # measured 1.0 on one AMD EPYC, 0.9988 on another with AVX-512 (XLA CPU code, so rounding, differs)
     assert same[:, :8].mean() > 0.995
@@ -98,36 +137,36 @@ def test_chunk_size_does_not_change_logits(llm_tq4, llm_fp32):
     # nats); either run agrees with unquantized logits on 0.955-0.96 of the positions
     assert (small.argmax(-1) == big.argmax(-1)).mean() > 0.965
     gap_small, gap_big = np.abs(small - exact).mean(), np.abs(big - exact).mean()
-    assert 0.5 < gap_big / gap_small < 2  # measured 0.87; attending to fresh unquantized keys: ~0
+    assert 0.5 < gap_big / gap_small < 2  # measured 0.87-1.06; attending to fresh unquantized keys: ~0
 
 
-def test_quality_orders_by_bits(llm_fp32):
-    ids = llm_fp32.tokenizer.encode(TEXT)[:200]
-    base = llm_fp32.logits(ids)
+def test_quality_orders_by_bits(real_logits, long_ids):
+    base = real_logits("fp32")
     drift = {}
     for kv in ("tq8", "tq4", "tq2"):
-        logits = make_llm(kv).logits(ids)
-        drift[kv] = abs(nll(logits, ids) - nll(base, ids))
+        logits = real_logits(kv)
+        drift[kv] = abs(nll(logits, long_ids) - nll(base, long_ids))
         agree = (logits.argmax(-1) == base.argmax(-1)).mean()
         if kv == "tq8":
             assert agree > 0.97 and drift[kv] < 0.01
     assert drift["tq8"] < drift["tq4"] < drift["tq2"]
 
 
-def test_batch_equals_alone_with_quantized_cache(llm_tq4):
+def test_batch_equals_alone_with_quantized_cache(tiny_tq4):
     prompts = ["Once upon a time", "The capital of Spain is", TEXT[:400]]
     params = aj.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    together = llm_tq4.generate(prompts, params)
+    together = tiny_tq4.generate(prompts, params)
     for p, out in zip(prompts, together, strict=True):
-        assert out.token_ids == llm_tq4.generate([p], params)[0].token_ids
+        assert out.token_ids == tiny_tq4.generate([p], params)[0].token_ids
 
 
-def test_quantized_pool_layout_and_size(llm_tq4):
-    cache = llm_tq4.engine.cache
+def test_quantized_pool_layout_and_size(real):
+    llm = real("tq4")
+    cache = llm.engine.cache
     leaves = jax.tree_util.tree_leaves(cache.k)
     assert {a.dtype for a in leaves} == {jnp.dtype(jnp.uint8), jnp.dtype(jnp.float16)}
     per_page = sum(a[0].nbytes for a in jax.tree_util.tree_leaves((cache.k, cache.v)))
-    assert per_page == llm_tq4.kv_spec.bytes_per_token(llm_tq4.config) * cache.page_size == 6120 * 16
+    assert per_page == llm.kv_spec.bytes_per_token(llm.config) * cache.page_size == 6120 * 16
 
 
 def test_bad_kv_cache_dtype():
@@ -136,20 +175,29 @@ def test_bad_kv_cache_dtype():
 
 
 def small_llm(kv: str, attention: str = "reference") -> aj.LLM:
-    return make_llm(kv, chunk=32, max_model_len=96, max_num_seqs=2, num_pages=16, attention=attention)
+    return stand_in(kv, chunk=32, max_model_len=96, max_num_seqs=2, num_pages=16, attention=attention)
 
 
 @pytest.fixture(scope="module")
-def short_ids(llm_fp32) -> list[int]:
-    return llm_fp32.tokenizer.encode(TEXT)[:70]
+def short_ids(stand_in_model) -> list[int]:
+    return stand_in_model.tokenizer.encode(TEXT)[:70]
+
+
+@pytest.fixture(scope="module")
+def exact_40(short_ids) -> np.ndarray:
+    """`small_llm("fp32")`'s logits on the first 40 short ids: where quantization moves logits from."""
+    return small_llm("fp32").logits(short_ids[:40])
+
+
+ALL_LAYERS = ",".join(map(str, range(STAND_IN_LAYERS)))
 
 
 @pytest.mark.parametrize(
     "mixed, same_as",
     [
-        ("tq4-b15", "bf16"),  # the first and last 15 of 30 layers: all unquantized
-        ("tq-k4v4-k8@" + ",".join(map(str, range(30))), "tq-k8v4"),
-        ("tq-k6v4-vbf16@" + ",".join(map(str, range(30))) + "-kbf16@" + ",".join(map(str, range(30))), "bf16"),
+        ("tq4-b3", "bf16"),  # the first and last 3 of 6 layers: all unquantized
+        (f"tq-k4v4-k8@{ALL_LAYERS}", "tq-k8v4"),
+        (f"tq-k6v4-vbf16@{ALL_LAYERS}-kbf16@{ALL_LAYERS}", "bf16"),
     ],
 )
 def test_per_layer_formats_that_cover_every_layer_equal_the_uniform_format(mixed, same_as, short_ids):
@@ -160,30 +208,30 @@ def test_per_layer_formats_that_cover_every_layer_equal_the_uniform_format(mixed
 
 
 def test_mixed_layers_store_each_group_in_its_own_pool():
-    llm = small_llm("tq-k5v4-b1-k8@2,10")
+    llm = small_llm("tq-k5v4-b1-k8@2,4")
     cache = llm.engine.cache
-    assert cache.k_groups.groups == ((1, 3, 4, 5, 6, 7, 8, 9, *range(11, 29)), (2, 10), (0, 29))
-    assert cache.v_groups.groups == (tuple(range(1, 29)), (0, 29))
+    assert cache.k_groups.groups == ((1, 3), (2, 4), (0, 5))
+    assert cache.v_groups.groups == ((1, 2, 3, 4), (0, 5))
     assert [c.bits if c else None for c in cache.k_groups.codecs] == [5, 8, None]
     per_page = sum(a[0].nbytes for a in jax.tree_util.tree_leaves((cache.k, cache.v)))
-    # keys: 26 layers x (40 + 2) + 2 x (64 + 2) + 2 x 128; values: 28 x (32 + 2) + 2 x 128; x 3 heads
-    expected = 3 * (26 * 42 + 2 * 66 + 2 * 128 + 28 * 34 + 2 * 128)
+    # keys: 2 layers x (40 + 2) + 2 x (64 + 2) + 2 x 128; values: 4 x (32 + 2) + 2 x 128; x 3 heads
+    expected = 3 * (2 * 42 + 2 * 66 + 2 * 128 + 4 * 34 + 2 * 128)
     assert per_page == llm.kv_spec.bytes_per_token(llm.config) * cache.page_size == expected * 16
     # Each layer is encoded by its group's codec and read back through its group's pool.
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((30, 1, 16, 3, 64)), jnp.float32)
-    per_layer = [cache.encode(x[i], -x[i], i) for i in range(30)]
+    x = jnp.asarray(rng.standard_normal((6, 1, 16, 3, 64)), jnp.float32)
+    per_layer = [cache.encode(x[i], -x[i], i) for i in range(6)]
     five, eight = (TurboQuant(head_dim=64, bits=b, seed=0) for b in (5, 8))
-    for layer, codec in ((3, five), (2, eight), (10, eight)):
+    for layer, codec in ((3, five), (2, eight), (4, eight)):
         np.testing.assert_array_equal(per_layer[layer][0]["codes"], codec.encode_tree(x[layer])["codes"])
     np.testing.assert_array_equal(
-        jax.lax.bitcast_convert_type(per_layer[29][0], jnp.bfloat16), x[29].astype(jnp.bfloat16)
+        jax.lax.bitcast_convert_type(per_layer[5][0], jnp.bfloat16), x[5].astype(jnp.bfloat16)
     )
     pages = jnp.full((1, 16), 3, jnp.int32)
     written = cache.write(
         pages, jnp.arange(16, dtype=jnp.int32)[None], *cache.stack_layers(*zip(*per_layer, strict=True))
     )
-    for layer in (0, 2, 3, 10, 29):
+    for layer in (0, 1, 2, 3, 4, 5):
         k, v = written.read(jnp.asarray([[3]], jnp.int32), layer)
         k_ref, v_ref = cache.decode(*per_layer[layer], layer)
         np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(k_ref, np.float32))
@@ -207,23 +255,22 @@ def check_calls_against_reference(monkeypatch, name: str) -> list[float]:
     return gaps
 
 
-def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
+def test_pallas_attention_path_matches_reference_path(short_ids, exact_40, monkeypatch):
     """The whole model with the rotated-domain kernel (Pallas interpreter on CPU), prefill in
     chunks of 32 then greedy decoding: inside the model every kernel call matches the reference
     twin on the same inputs, and the model's output matches the reference path's.
 
-    Through the model, per-call differences of ~1e-6 flip a rare code at a cell boundary in a
-    later layer and the flip cascades (see test_chunk_size_does_not_change_logits), so the
-    logits are compared with the gap quantization itself makes."""
+    Through the model, per-call differences of ~1e-6 can flip a rare code at a cell boundary in
+    a later layer and the flip cascades (see test_chunk_size_does_not_change_logits), so the
+    logits are compared with the gap quantization itself makes (measured 3.5e-5 of it)."""
     gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention")
-    # Layers 13..16 quantized (the interpreter is slow), two key widths, 2 sink tokens.
-    kv, ids = "tq3-b13-k8@13-s2", short_ids[:40]
+    # Layers 1..4 quantized (the interpreter is slow), two key widths, 2 sink tokens.
+    kv, ids = "tq3-b1-k8@1-s2", short_ids[:40]
     ref, ker = small_llm(kv, "reference"), small_llm(kv, "pallas")
     a, b = ker.logits(ids), ref.logits(ids)
     assert len(gaps) == 2 * 4 and max(gaps) < 1e-4  # 2 chunks (32 + 8 tokens) x 4 layers
-    exact = small_llm("fp32").logits(ids)
     assert np.isfinite(a).all()
-    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact).mean()
+    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact_40).mean()
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.95
     params = aj.SamplingParams(max_tokens=4, temperature=0.0)
     gaps.clear()
@@ -231,7 +278,7 @@ def test_pallas_attention_path_matches_reference_path(short_ids, monkeypatch):
     assert len(gaps) >= 4 * 4 and max(gaps) < 1e-4
 
 
-def test_pallas_path_loading_byte_planes_matches_reference_path(short_ids, monkeypatch):
+def test_pallas_path_loading_byte_planes_matches_reference_path(short_ids, exact_40, monkeypatch):
     """4-bit keys and values take the kernel's byte-plane loads by default (the columns come
     permuted and go back after the kernel); through the whole model, sinks included, the
     logits stay as close to the reference path's as the gathers' do, and greedy text agrees."""
@@ -244,32 +291,36 @@ def test_pallas_path_loading_byte_planes_matches_reference_path(short_ids, monke
         return inner(*args, **kwargs)
 
     monkeypatch.setattr(tq_attention, "_tq_paged_attention", recorded)
-    kv, ids = "tq4-b13-s2", short_ids[:40]
+    kv, ids = "tq4-b1-s2", short_ids[:40]
     ref, ker = small_llm(kv, "reference"), small_llm(kv, "pallas")
     a, b = ker.logits(ids), ref.logits(ids)
     assert loads and set(loads) == {"planes"}
-    exact = small_llm("fp32").logits(ids)
-    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact).mean()
+    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact_40).mean()
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.95
     params = aj.SamplingParams(max_tokens=4, temperature=0.0)
     assert ker.generate([TEXT[:100]], params)[0].token_ids == ref.generate([TEXT[:100]], params)[0].token_ids
 
 
-def test_xla_attention_path_matches_reference_path(short_ids, monkeypatch):
+def test_xla_attention_path_matches_reference_path(stand_in_model, short_ids, exact_40, monkeypatch, tmp_path):
     """The jnp rotated-domain path (the CPU default) through the whole model: every call
     matches the reference twin on the same inputs, split-group layers (which only the
     reference reads) included, and the logits agree as closely as the Pallas path's do."""
     gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention_xla")
-    # Layers 13..16 quantized (as in the Pallas test: flips from rounding differences cascade
-    # through every quantized layer); layer 14's keys and layer 15's values are split-group,
+    # The stand-in ships no key transform (the -pc formats): it gets the first layers of the
+    # real model's, for the length of this test.
+    with np.load(shipped_key_transform("smollm2-135m")) as f:
+        np.savez(tmp_path / "m.npz", key_transform=f["key_transform"][:STAND_IN_LAYERS])
+    monkeypatch.setattr(stand_in_model, "key_transform", tmp_path / "m.npz")
+    # Layers 1..4 quantized (as in the Pallas test: flips from rounding differences cascade
+    # through every quantized layer); layer 2's keys and layer 3's values are split-group,
     # which only the reference reads. Keys go through the -pc transform.
-    kv, ids = "tq3-b13-k8@13-k3.5@14-v2.5@15-s2-pc", short_ids[:40]
+    kv, ids = "tq3-b1-k8@1-k3.5@2-v2.5@3-s2-pc", short_ids[:40]
     ref, fast = small_llm(kv, "reference"), small_llm(kv, "xla")
+    assert fast.engine.cache.key_transform is not None
     a, b = fast.logits(ids), ref.logits(ids)
-    assert len(gaps) == 2 * 2 and max(gaps) < 1e-4  # 2 chunks x layers 13 and 16
-    exact = small_llm("fp32").logits(ids)
+    assert len(gaps) == 2 * 2 and max(gaps) < 1e-4  # 2 chunks x layers 1 and 4
     assert np.isfinite(a).all()
-    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact).mean()
+    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact_40).mean()
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.95
 
 
@@ -279,27 +330,27 @@ def test_sink_tokens_are_stored_unquantized_across_chunks_and_decode_steps(short
     chunks read the earlier ones from the sink buffer; decoding reads it every step. On the
     reference path, whose arithmetic is the bf16 path's: the rotated-domain paths round
     differently (they are held to the reference by their own tests)."""
-    sinks = make_llm("tq2-s64", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16, attention="reference")
-    plain = make_llm("bf16", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16)
+    sinks = stand_in("tq2-s64", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16, attention="reference")
+    plain = stand_in("bf16", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16)
     ids = short_ids[:56]
-    np.testing.assert_allclose(sinks.logits(ids), plain.logits(ids), rtol=1e-5, atol=1e-5)
+    expected = plain.logits(ids)
+    np.testing.assert_allclose(sinks.logits(ids), expected, rtol=1e-5, atol=1e-5)
     params = aj.SamplingParams(max_tokens=8, temperature=0.0)
     prompt = [{"role": "user", "content": "Name a colour."}]
     assert sinks.chat([prompt], params)[0].token_ids == plain.chat([prompt], params)[0].token_ids
     # Past the sinks the 2-bit pages are read: the logits move away from bf16.
-    few = make_llm("tq2-s4", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16, attention="reference")
+    few = stand_in("tq2-s4", chunk=16, max_model_len=96, max_num_seqs=2, num_pages=16, attention="reference")
     got = few.logits(ids)
-    np.testing.assert_allclose(got[:4], plain.logits(ids)[:4], rtol=1e-5, atol=1e-5)
-    assert np.abs(got[8:] - plain.logits(ids)[8:]).mean() > 0.1
+    np.testing.assert_allclose(got[:4], expected[:4], rtol=1e-5, atol=1e-5)
+    assert np.abs(got[8:] - expected[8:]).mean() > 0.1  # measured 0.84
 
 
-def test_key_transform_keeps_attention_and_lowers_quantization_error(llm_fp32):
+def test_key_transform_keeps_attention_and_lowers_quantization_error(real_logits):
     """-pc stores keys as M k and reads them with M^-T q. With every layer unquantized (bf16
     pages, -b15) that changes nothing but rounding; at 4 bits it must cut the KL divergence
     against unquantized KV (SmolLM2's shipped transform, fitted on other text)."""
-    ids = llm_fp32.tokenizer.encode(TEXT)[:200]
-    base = llm_fp32.logits(ids)
-    plain, moved = make_llm("tq4-b15").logits(ids), make_llm("tq4-b15-pc").logits(ids)
+    base = real_logits("fp32")
+    plain, moved = real_logits("tq4-b15"), real_logits("tq4-b15-pc")
     assert (plain.argmax(-1) == moved.argmax(-1)).mean() > 0.97
     assert np.abs(moved - plain).mean() < 0.05
 
@@ -307,27 +358,26 @@ def test_key_transform_keeps_attention_and_lowers_quantization_error(llm_fp32):
         ref, got = log_softmax(base.astype(np.float64)), log_softmax(logits.astype(np.float64))
         return float((np.exp(ref) * (ref - got)).sum(-1).mean())
 
-    assert kl(make_llm("tq4-pc").logits(ids)) < 0.8 * kl(make_llm("tq4").logits(ids))
+    assert kl(real_logits("tq4-pc")) < 0.8 * kl(real_logits("tq4"))  # measured 0.41x
 
 
-def test_hadamard_rotations_are_part_of_the_format(short_ids):
+def test_hadamard_rotations_are_part_of_the_format(short_ids, exact_40):
     """-hadk/-hadv/-had give the keys/values randomized Hadamard rotations: the cache's codecs
     carry them, its fingerprint changes with them (and with nothing that stays the same), the
     bytes do not, and the rotated-domain path reads Hadamard pages as the reference does."""
-    kv, ids = "tq4-b13-hadk", short_ids[:40]
+    kv, ids = "tq4-b1-hadk", short_ids[:40]
     ref, fast = small_llm(kv, "reference"), small_llm(kv, "xla")
     cache = fast.engine.cache
     rotations = {
         (side, c.rotation) for side, g in (("k", cache.k_groups), ("v", cache.v_groups)) for c in g.codecs if c
     }
     assert rotations == {("k", "hadamard"), ("v", "haar")}
-    haar = small_llm("tq4-b13").engine.cache
-    both = small_llm("tq4-b13-had").engine.cache
+    haar = small_llm("tq4-b1").engine.cache
+    both = small_llm("tq4-b1-had").engine.cache
     assert len({cache.fingerprint, haar.fingerprint, both.fingerprint}) == 3
     assert cache.fingerprint == ref.engine.cache.fingerprint  # same format, built again
-    assert fast.kv_spec.bytes_per_token(fast.config) == small_llm("tq4-b13").kv_spec.bytes_per_token(fast.config)
+    assert fast.kv_spec.bytes_per_token(fast.config) == small_llm("tq4-b1").kv_spec.bytes_per_token(fast.config)
     a, b = fast.logits(ids), ref.logits(ids)
-    exact = small_llm("fp32").logits(ids)
     assert np.isfinite(a).all()
-    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact).mean()
+    assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact_40).mean()
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.95

@@ -10,6 +10,7 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.core.sequence import Sequence
+from models.registry import load_model, shipped_key_transform
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.slow
@@ -124,12 +125,21 @@ def test_shared_prefix_attention_gives_the_uncached_outputs(cached, plain, share
         assert steps >= GREEDY.max_tokens - 1 if on else steps == 0
 
 
-def test_shared_prefix_attention_on_the_measured_turboquant_format(share_small_prefixes):
+# The model's measured TurboQuant format (models.registry.SMOLLM2_KV) on the stand-in's two
+# layers: their own widths, the fitted key transform, two sink tokens.
+TINY_TURBOQUANT = "tq-k6v5-k5@0-v6@1-pc-s2"
+
+
+def test_shared_prefix_attention_on_the_measured_turboquant_format(share_small_prefixes, tmp_path, monkeypatch):
     """The same with the model's measured TurboQuant format, whose layers take the
     rotated-domain path (shared pages read as one row holding every row's queries): on and
     off agree."""
-    whole = {k: v for k, v in EXACT.items() if k not in TINY}  # the format is fitted to every layer
-    llm = aj.LLM(MODEL, **{**whole, "kv_cache_dtype": "turboquant"}, num_pages=64, enable_prefix_caching=True)
+    model = load_model(MODEL, EXACT["dtype"], num_layers=TINY["_num_layers"])
+    with np.load(shipped_key_transform(MODEL)) as f:  # the real model's, for the stand-in's layers
+        np.savez(tmp_path / "key_transform.npz", key_transform=f["key_transform"][: TINY["_num_layers"]])
+    monkeypatch.setattr(model, "key_transform", tmp_path / "key_transform.npz")
+    llm = aj.LLM(MODEL, **{**EXACT, "kv_cache_dtype": TINY_TURBOQUANT}, num_pages=64, enable_prefix_caching=True)
+    assert llm.engine.cache.key_transform is not None and llm.engine.cache.num_sinks == 2
     prompts = token_ids(llm, SHARED[:4])
     outs = []
     for on in (True, False):
