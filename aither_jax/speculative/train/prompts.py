@@ -152,6 +152,23 @@ def chat_prompts(num: int, *, seed: int) -> list[list[dict]]:
     return [[{"role": "user", "content": requests[i]}] for i in picks]
 
 
+# A line with its end, as the parser counts lines (form feeds do not end one).
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+
+
+def _source_segment(lines: list[str], node: ast.AST) -> str | None:
+    """`ast.get_source_segment(source, node)` from the source's `lines`, split once per module
+    (the ast function splits the whole source again for every node)."""
+    if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+        return None
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:  # column offsets count UTF-8 bytes
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset :].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return head + "".join(lines[first + 1 : last]) + tail
+
+
 @functools.lru_cache(maxsize=1)
 def documented_definitions() -> tuple[tuple[str, str, str, str], ...]:
     """(module, name, docstring, source) of the public functions and classes with a docstring of
@@ -160,9 +177,10 @@ def documented_definitions() -> tuple[tuple[str, str, str, str], ...]:
     for module, source, tree in stdlib_sources():
         if held_out(module):
             continue
+        lines = _LINE.findall(source)
         for node in public_definitions(tree):
             doc = ast.get_docstring(node)
-            code = ast.get_source_segment(source, node)
+            code = _source_segment(lines, node)
             if doc and len(doc) >= 60 and code:
                 items.append((module, node.name, doc.strip(), code))
     if not items:

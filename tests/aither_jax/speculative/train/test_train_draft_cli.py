@@ -2,6 +2,7 @@
 exit code 2, and a tiny run on the real target writes data and checkpoints, exports a draft that
 loads, resumes from both, and refuses a run directory made for another draft."""
 
+import functools
 import json
 import logging
 import shutil
@@ -11,6 +12,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import models.weights
+from aither_jax.speculative.train import prompts
 from aither_jax.speculative.train.run import main, parse_args
 from models.draft import DraftConfig
 from models.draft_io import load_draft
@@ -92,7 +95,23 @@ def test_starting_points_are_checked(tmp_path, extra, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, caplog):
+@pytest.fixture
+def read_once(monkeypatch):
+    """The standard library's docstrings and the target's weights read once for all the runs of a
+    test (each run reads them again otherwise): the same values every time."""
+    monkeypatch.setattr(prompts, "stdlib_docs", functools.cache(prompts.stdlib_docs))
+    load, loaded = models.weights.load_weights, {}
+
+    def load_weights(gguf, cfg, *args, **kwargs):
+        key = (gguf.path, repr(cfg), args, tuple(sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = load(gguf, cfg, *args, **kwargs)
+        return loaded[key]
+
+    monkeypatch.setattr(models.weights, "load_weights", load_weights)
+
+
+def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, caplog, read_once):
     caplog.set_level(logging.INFO, logger="aither_jax.train_draft")
     out, first, second, third = (tmp_path / name for name in ("run", "first.npz", "second.npz", "third.npz"))
     argv = ["--out", str(out), *TINY, "--steps", "4"]
