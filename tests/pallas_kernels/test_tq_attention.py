@@ -1,6 +1,12 @@
 """Rotated-domain attention over TurboQuant pages: the Pallas kernel (interpret mode on CPU)
 and the jnp rotated-domain path (`xla`) against the reference, which decodes the pages and
-runs plain paged attention."""
+runs plain paged attention.
+
+Cases, codecs and reference outputs are built once per module and shared, read only, by the
+tests that use them: the interpreted kernel and the jnp path compile once per codec, shape
+and option, and the reference runs once per case however many implementations meet it."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +28,31 @@ from pallas_kernels.turboquant import TurboQuant
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 IMPLS = {"pallas": tq_paged_attention, "xla": tq_paged_attention_xla}
 both_impls = pytest.mark.parametrize("impl", sorted(IMPLS))
+# The reference as one compiled program (dispatched op by op it compiles every op per shape).
+reference = jax.jit(tq_paged_attention_reference, static_argnames=("k_codec", "v_codec", "return_lse", "window"))
 
 
+@functools.cache
+def codec(head_dim, bits, seed, rotation):
+    return TurboQuant(head_dim=head_dim, bits=bits, seed=seed, rotation=rotation)
+
+
+@functools.cache
+def encoder(codec):
+    return jax.jit(codec.encode_tree)
+
+
+@functools.cache
 def make_case(
     *, k_bits, v_bits, head_dim=64, hkv=3, group=3, page_size=8, ctx_lens=(0, 5, 19), t=1, layers=2, seed=0,
     rotations=("haar", "haar"),
 ):  # fmt: skip
     """Pools of `layers` layers filled with encoded random vectors; pages no row owns hold NaN
-    norms, so an unmasked read of them poisons the output."""
+    norms, so an unmasked read of them poisons the output. Built once per set of arguments:
+    the arrays and codecs are shared, read only."""
     rng = np.random.default_rng(seed)
-    k_codec = TurboQuant(head_dim=head_dim, bits=k_bits, seed=seed, rotation=rotations[0])
-    v_codec = TurboQuant(head_dim=head_dim, bits=v_bits, seed=seed + 1, rotation=rotations[1])
+    k_codec = codec(head_dim, k_bits, seed, rotations[0])
+    v_codec = codec(head_dim, v_bits, seed + 1, rotations[1])
     b = len(ctx_lens)
     pages_per_row = max(-(-(c + t) // page_size) for c in ctx_lens) + 1
     num_pages = 1 + b * pages_per_row + 3
@@ -40,7 +60,7 @@ def make_case(
 
     def pool(codec, scale):
         x = rng.standard_normal((*lead, head_dim)).astype(np.float32) * scale
-        enc = {k: np.array(a) for k, a in codec.encode_tree(jnp.asarray(x)).items()}
+        enc = {k: np.array(a) for k, a in encoder(codec)(jnp.asarray(x)).items()}
         return enc
 
     k_pool, v_pool = pool(k_codec, 2.0), pool(v_codec, 1.0)
@@ -55,8 +75,8 @@ def make_case(
     for enc in (k_pool, v_pool):
         enc["norms"][unused] = np.nan
     q = rng.standard_normal((b, t, hkv * group, head_dim)).astype(np.float32) * 2
-    k_new = k_codec.encode_tree(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32) * 2))
-    v_new = v_codec.encode_tree(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32)))
+    k_new = encoder(k_codec)(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32) * 2))
+    v_new = encoder(v_codec)(jnp.asarray(rng.standard_normal((b, t, hkv, head_dim)).astype(np.float32)))
     num_new = np.full((b,), t, np.int32)
     args = (
         jnp.asarray(q),
@@ -72,10 +92,20 @@ def make_case(
     return args, {"k_codec": k_codec, "v_codec": v_codec}
 
 
+_REFERENCES = {}  # id(args) -> (args, codecs, output): holding args keeps its id from being reused
+
+
+def case_reference(args, codecs):
+    """The reference's output for `args`, computed once per args tuple and codecs."""
+    hit = _REFERENCES.get(id(args))
+    if hit is None or hit[0] is not args or hit[1] != codecs:
+        hit = _REFERENCES[id(args)] = (args, codecs, np.asarray(reference(*args, **codecs)))
+    return hit[2]
+
+
 def run_both(args, codecs, impl="pallas", **knobs):
     out = np.asarray(IMPLS[impl](*args, **codecs, **knobs))
-    ref = np.asarray(tq_paged_attention_reference(*args, **codecs))
-    return out, ref
+    return out, case_reference(args, codecs)
 
 
 # The shipped SmolLM2 default's width pairs are 5:4, 5:5, 6:4, 6:5, 6:6 and 7:5 (checked below);
@@ -211,24 +241,27 @@ def test_joined_order_is_the_join_of_the_planar_chunks():
     assert sorted(joined_order(256)) == list(range(256))
 
 
-@pytest.mark.parametrize("t, ctx_lens", [(5, (0, 11, 24)), (16, (3, 40))])
-@both_impls
-def test_prefill_chunk_attends_to_stored_pages_and_itself(impl, t, ctx_lens):
+@functools.cache
+def prefill_case(t, ctx_lens):
     args, codecs = make_case(k_bits=6, v_bits=4, t=t, ctx_lens=ctx_lens)
     num_new = np.array(args[8])
     num_new[0] = t - 2  # a row with a shorter chunk: its padding tokens must not be seen
-    args = (*args[:8], jnp.asarray(num_new))
+    return (*args[:8], jnp.asarray(num_new)), codecs
+
+
+@pytest.mark.parametrize("t, ctx_lens", [(5, (0, 11, 24)), (16, (3, 40))])
+@both_impls
+def test_prefill_chunk_attends_to_stored_pages_and_itself(impl, t, ctx_lens):
+    args, codecs = prefill_case(t, ctx_lens)
+    num_new = np.asarray(args[8])
     out, ref = run_both(args, codecs, impl, pages_per_split=2)
     valid = np.arange(t)[None, :] < num_new[:, None]
     np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("num_sinks", [0, 4])
-@both_impls
-def test_fresh_chunk_with_no_pages_to_read(impl, num_sinks):
-    """A first chunk (nothing stored) may pass a block table of no pages: the result equals
-    reading a table of pages that lie past every row's length, and the reference."""
-    t = 6
+@functools.cache
+def fresh_case(t, num_sinks):
+    """A first chunk's case (the table of pages and the table of none), knobs and reference."""
     args, codecs = make_case(k_bits=5, v_bits=4, t=t, ctx_lens=(0, 0, 0))
     num_new = jnp.asarray(np.array([t, t - 2, 1], np.int32))
     args = (*args[:8], num_new)
@@ -238,21 +271,36 @@ def test_fresh_chunk_with_no_pages_to_read(impl, num_sinks):
         shapes = [(3, num_sinks, 3, 64)] * 2 + [(3, t, 3, 64)] * 2
         knobs["sinks"] = Sinks(*(jnp.asarray(rng.standard_normal(x).astype(np.float32)) for x in shapes))
     empty = (*args[:5], args[5][:, :0], *args[6:])
+    return args, empty, codecs, knobs, np.asarray(reference(*empty, **codecs, **knobs))
+
+
+@pytest.mark.parametrize("num_sinks", [0, 4])
+@both_impls
+def test_fresh_chunk_with_no_pages_to_read(impl, num_sinks):
+    """A first chunk (nothing stored) may pass a block table of no pages: the result equals
+    reading a table of pages that lie past every row's length, and the reference."""
+    t = 6
+    args, empty, codecs, knobs, ref = fresh_case(t, num_sinks)
+    num_new = args[8]
     out = np.asarray(IMPLS[impl](*empty, **codecs, **knobs, pages_per_split=2))
     paged = np.asarray(IMPLS[impl](*args, **codecs, **knobs, pages_per_split=2))
-    ref = np.asarray(tq_paged_attention_reference(*empty, **codecs, **knobs))
     valid = np.arange(t)[None, :] < np.asarray(num_new)[:, None]
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[valid], ref[valid], rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(out[valid], paged[valid], rtol=2e-4, atol=2e-4)
 
 
-@both_impls
-def test_padding_row_gives_zeros_and_layer_index_selects_the_layer(impl):
+@functools.cache
+def padding_case():
     args, codecs = make_case(k_bits=4, v_bits=4, ctx_lens=(9, 9))
     num_new = jnp.asarray(np.array([1, 0], np.int32))
     ctx = jnp.asarray(np.array([9, 0], np.int32))
-    args = (*args[:7], ctx, num_new)
+    return (*args[:7], ctx, num_new), codecs
+
+
+@both_impls
+def test_padding_row_gives_zeros_and_layer_index_selects_the_layer(impl):
+    args, codecs = padding_case()
     out, ref = run_both(args, codecs, impl)
     np.testing.assert_allclose(out[1], 0.0, atol=1e-7)
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
@@ -269,6 +317,19 @@ def past_shared_pages(impl, whole, codecs, shared_len):
     return IMPLS[impl](q, k_new, v_new, k_pool, v_pool, *rest, **codecs, pages_per_split=2, return_lse=True)
 
 
+@functools.cache
+def shared_prefix_case(t, page_size, shared):
+    """Four rows whose tables start with the same `shared` pages; the last row is padding."""
+    args, codecs = make_case(k_bits=5, v_bits=3, page_size=page_size, ctx_lens=(24, 29, 45, 40), t=t)
+    table = np.array(args[5])
+    table[:, :shared] = table[0, :shared]
+    ctx_lens = np.array([24, 29, 45, 0], np.int32)
+    num_new = np.array([t, 1, t, 0], np.int32)
+    q, k_new, v_new, k_pool, v_pool, _, layer = args[:7]
+    whole = (q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), layer, jnp.asarray(ctx_lens), jnp.asarray(num_new))
+    return whole, codecs
+
+
 @pytest.mark.parametrize("t, rows_per_program", [(1, None), (3, None), (3, 5)])
 @both_impls
 def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t, rows_per_program):
@@ -278,14 +339,10 @@ def test_shared_pages_read_once_then_merged_match_reading_every_row(impl, t, row
     each row's attention over its remaining pages and new tokens, equal the reference over
     whole tables. The last row is padding. Unused pages hold NaN norms."""
     page_size, shared = 8, 3
-    args, codecs = make_case(k_bits=5, v_bits=3, page_size=page_size, ctx_lens=(24, 29, 45, 40), t=t)
-    table = np.array(args[5])
-    table[:, :shared] = table[0, :shared]
-    ctx_lens = np.array([24, 29, 45, 0], np.int32)
-    num_new = np.array([t, 1, t, 0], np.int32)
-    q, k_new, v_new, k_pool, v_pool, _, layer = args[:7]
-    whole = (q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), layer, jnp.asarray(ctx_lens), jnp.asarray(num_new))
-    ref = np.asarray(tq_paged_attention_reference(*whole, **codecs))
+    whole, codecs = shared_prefix_case(t, page_size, shared)
+    ref = case_reference(whole, codecs)
+    q, _, _, k_pool, v_pool, table, layer, _, num_new = whole
+    table, num_new = np.asarray(table), np.asarray(num_new)
     own = past_shared_pages(impl, whole, codecs, shared * page_size)
     prefix = tq_shared_prefix_attention(
         q,
@@ -311,7 +368,7 @@ def test_kernel_differs_from_reference_of_other_codebook():
     args, codecs = make_case(k_bits=4, v_bits=4)
     out = np.asarray(tq_paged_attention(*args, **codecs))
     wrong = {"k_codec": codecs["k_codec"], "v_codec": TurboQuant(head_dim=64, bits=4, seed=7)}
-    ref = np.asarray(tq_paged_attention_reference(*args, **wrong))
+    ref = np.asarray(reference(*args, **wrong))
     assert np.abs(out - ref).max() > 1e-2
 
 
@@ -412,6 +469,24 @@ def test_bad_arguments_raise_clear_errors():
 TREE_PARENTS = (-1, 0, 0, 1, 2, 3)
 
 
+@functools.cache
+def window_case(t, ctx_lens, window, tree, num_sinks):
+    """A sliding-window case, its knobs, and the reference with and without the window."""
+    args, codecs = make_case(k_bits=6, v_bits=5, t=t, ctx_lens=ctx_lens)
+    b, hkv = len(ctx_lens), 3
+    knobs = {"window": window}
+    if tree:
+        depth, knobs["new_mask"] = tree_depth_and_mask(jnp.tile(jnp.asarray(TREE_PARENTS, jnp.int32), (b, 1)))
+        knobs["positions"] = args[7][:, None] + depth
+    if num_sinks:
+        rng = np.random.default_rng(11)
+        shapes = [(b, num_sinks, hkv, 64)] * 2 + [(b, t, hkv, 64)] * 2
+        knobs["sinks"] = Sinks(*(jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in shapes))
+    ref = np.asarray(reference(*args, **codecs, **knobs))
+    whole = np.asarray(reference(*args, **codecs, **dict(knobs, window=None)))
+    return args, codecs, knobs, ref, whole
+
+
 @pytest.mark.parametrize(
     "t, ctx_lens, window", [(1, (0, 5, 19), 4), (6, (0, 2, 13), 5), (6, (3, 9, 30), 1), (6, (1, 8, 21), 16)]
 )
@@ -424,27 +499,15 @@ def test_sliding_window_in_the_rotated_domain_matches_reference(impl, t, ctx_len
     masks by position: stored keys, the new tokens (a chain, or a tree whose nodes sit at
     their depths) and unquantized sinks alike. The window changes the output wherever keys
     fall outside it."""
-    args, codecs = make_case(k_bits=6, v_bits=5, t=t, ctx_lens=ctx_lens)
-    b, hkv = len(ctx_lens), 3
-    knobs = {"window": window}
-    if tree:
-        if t == 1:
-            pytest.skip("a one-node tree is a chain")
-        depth, knobs["new_mask"] = tree_depth_and_mask(jnp.tile(jnp.asarray(TREE_PARENTS, jnp.int32), (b, 1)))
-        knobs["positions"] = args[7][:, None] + depth
-    if num_sinks:
-        rng = np.random.default_rng(11)
-        shapes = [(b, num_sinks, hkv, 64)] * 2 + [(b, t, hkv, 64)] * 2
-        knobs["sinks"] = Sinks(*(jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in shapes))
+    if tree and t == 1:
+        pytest.skip("a one-node tree is a chain")
+    args, codecs, knobs, ref, whole = window_case(t, ctx_lens, window, tree, num_sinks)
     kernel = {}
     if impl != "xla":
         kernel = {"pages_per_split": 2, "dot_precision": "rows" if impl == "pallas-rows" else DOT_PRECISION}
     out = np.asarray(IMPLS[impl.split("-")[0]](*args, **codecs, **knobs, **kernel))
-    ref = np.asarray(tq_paged_attention_reference(*args, **codecs, **knobs))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
-    unwindowed = dict(knobs, window=None)
-    whole = np.asarray(tq_paged_attention_reference(*args, **codecs, **unwindowed))
     assert np.abs(out - whole).max() > 1e-2  # keys outside the window were left out
 
 
@@ -465,15 +528,13 @@ def test_gpu_kernel_applies_the_window(t):
         k_bits=6, v_bits=5, t=t, head_dim=256, hkv=1, group=4, ctx_lens=(100, 1, 513, 64), page_size=16
     )
     out = np.asarray(tq_paged_attention(*args, **codecs, pages_per_split=8, interpret=False, window=64))
-    ref = np.asarray(tq_paged_attention_reference(*args, **codecs, window=64))
+    ref = np.asarray(reference(*args, **codecs, window=64))
     np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("t, ctx_lens, n", [(1, (0, 3, 19), 4), (6, (0, 2, 13), 8)])
-@both_impls
-def test_sink_tokens_are_read_unquantized(impl, t, ctx_lens, n):
-    """Positions below n come from `Sinks` (stored ones for the context, the new tokens' own
-    values where a new token sits on a sink position), everything else from the pages."""
+@functools.cache
+def sinks_case(t, ctx_lens, n):
+    """A case, `n` sink tokens' unquantized keys and values, and the reference with them."""
     args, codecs = make_case(k_bits=3, v_bits=3, t=t, ctx_lens=ctx_lens)
     rng = np.random.default_rng(5)
     b, hkv = len(ctx_lens), 3
@@ -483,21 +544,25 @@ def test_sink_tokens_are_read_unquantized(impl, t, ctx_lens, n):
             for shape in [(b, n, hkv, 64)] * 2 + [(b, t, hkv, 64)] * 2
         )
     )
+    return args, codecs, sinks, np.asarray(reference(*args, **codecs, sinks=sinks))
+
+
+@pytest.mark.parametrize("t, ctx_lens, n", [(1, (0, 3, 19), 4), (6, (0, 2, 13), 8)])
+@both_impls
+def test_sink_tokens_are_read_unquantized(impl, t, ctx_lens, n):
+    """Positions below n come from `Sinks` (stored ones for the context, the new tokens' own
+    values where a new token sits on a sink position), everything else from the pages."""
+    args, codecs, sinks, ref = sinks_case(t, ctx_lens, n)
     out = np.asarray(IMPLS[impl](*args, **codecs, sinks=sinks, pages_per_split=2))
-    ref = np.asarray(tq_paged_attention_reference(*args, **codecs, sinks=sinks))
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
-    plain = np.asarray(tq_paged_attention_reference(*args, **codecs))
+    plain = case_reference(args, codecs)
     assert np.abs(out - plain).max() > 1e-2  # the sinks changed what was read
 
 
-@pytest.mark.parametrize("t", [1, 3])
-@both_impls
-def test_shared_pages_with_sinks_merge_three_parts(impl, t):
-    """With sink tokens, the shared part skips the sink positions (`skip_first`) and each
-    row's stored sinks are a third part (`Sinks.attend`): merged with the rows' own parts they
-    equal the reference reading whole tables with the sinks. Skipping nothing counts the
-    quantized copies of the sinks twice over and differs."""
-    page_size, shared, n = 8, 3, 4
+@functools.cache
+def shared_sinks_case(t, page_size, shared, n):
+    """Three rows whose tables start with the same `shared` pages, `n` sink tokens, and the
+    reference reading whole tables with the sinks."""
     args, codecs = make_case(k_bits=4, v_bits=3, page_size=page_size, ctx_lens=(24, 29, 45), t=t)
     table = np.array(args[5])
     table[:, :shared] = table[0, :shared]
@@ -508,7 +573,20 @@ def test_shared_pages_with_sinks_merge_three_parts(impl, t):
     fresh = [jnp.asarray(rng.standard_normal((3, t, 3, 64)).astype(np.float32)) for _ in range(2)]
     sinks = Sinks(*stored, *fresh)  # the new tokens sit past the sinks: `fresh` is never read
     whole = (q, k_new, v_new, k_pool, v_pool, jnp.asarray(table), layer, jnp.asarray(ctx_lens), jnp.asarray(num_new))
-    ref = np.asarray(tq_paged_attention_reference(*whole, **codecs, sinks=sinks))
+    return whole, codecs, sinks, np.asarray(reference(*whole, **codecs, sinks=sinks))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@both_impls
+def test_shared_pages_with_sinks_merge_three_parts(impl, t):
+    """With sink tokens, the shared part skips the sink positions (`skip_first`) and each
+    row's stored sinks are a third part (`Sinks.attend`): merged with the rows' own parts they
+    equal the reference reading whole tables with the sinks. Skipping nothing counts the
+    quantized copies of the sinks twice over and differs."""
+    page_size, shared, n = 8, 3, 4
+    whole, codecs, sinks, ref = shared_sinks_case(t, page_size, shared, n)
+    q, _, _, k_pool, v_pool, table, layer = whole[:7]
+    table = np.asarray(table)
     own = past_shared_pages(impl, whole, codecs, shared * page_size)
 
     def prefix(skip):
