@@ -6,11 +6,12 @@ import gc
 import os
 
 import jax
+import numpy as np
 import pytest
 
 import aither_jax as aj
 from aither_jax.compile.code_maps import CodeMapBudget
-from models.registry import resolve_model
+from models.registry import resolve_model, shipped_key_transform
 
 MODEL = "smollm2-135m"
 # Compiled code is dropped between tests from this share of the mapping limit up, well below
@@ -65,6 +66,17 @@ F32 = dict(
 # output: two blocks of its width with random weights, its vocabulary and tokenizer
 # (models.registry.load_model); it compiles and runs in a fraction of the time.
 TINY = {"_num_layers": 2}
+
+
+def give_key_transform(monkeypatch, stand_in, directory) -> None:
+    """Gives a stand-in (`models.registry.load_model(..., num_layers=N)`, which ships no key
+    transform) the first N layers of its real model's fitted transform, for one test: formats
+    with -pc then build on it."""
+    layers = stand_in.config.num_layers
+    path = directory / "key_transform.npz"
+    with np.load(shipped_key_transform(MODEL)) as f:
+        np.savez(path, key_transform=f["key_transform"][:layers])
+    monkeypatch.setattr(stand_in, "key_transform", path)
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,10 @@ import pytest
 
 import aither_jax as aj
 from models.kv_cache import init_cache
-from models.registry import load_model, shipped_key_transform
+from models.registry import load_model
 from pallas_kernels.tq_attention import tq_paged_attention_reference
 from pallas_kernels.turboquant import TurboQuant
+from tests.conftest import give_key_transform
 
 TEXT = " ".join(f"Entry {i}: the northern river floods every spring, and the town moves uphill." for i in range(12))
 # Blocks of the stand-in: the layer groups below leave the first and last one unquantized and
@@ -306,11 +307,7 @@ def test_xla_attention_path_matches_reference_path(stand_in_model, short_ids, ex
     matches the reference twin on the same inputs, split-group layers (which only the
     reference reads) included, and the logits agree as closely as the Pallas path's do."""
     gaps = check_calls_against_reference(monkeypatch, "tq_paged_attention_xla")
-    # The stand-in ships no key transform (the -pc formats): it gets the first layers of the
-    # real model's, for the length of this test.
-    with np.load(shipped_key_transform("smollm2-135m")) as f:
-        np.savez(tmp_path / "m.npz", key_transform=f["key_transform"][:STAND_IN_LAYERS])
-    monkeypatch.setattr(stand_in_model, "key_transform", tmp_path / "m.npz")
+    give_key_transform(monkeypatch, stand_in_model, tmp_path)  # for the -pc format below
     # Layers 1..4 quantized (as in the Pallas test: flips from rounding differences cascade
     # through every quantized layer); layer 2's keys and layer 3's values are split-group,
     # which only the reference reads. Keys go through the -pc transform.

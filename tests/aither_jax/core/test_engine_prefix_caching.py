@@ -10,8 +10,8 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.core.sequence import Sequence
-from models.registry import load_model, shipped_key_transform
-from tests.conftest import TINY
+from models.registry import load_model
+from tests.conftest import TINY, give_key_transform
 
 pytestmark = pytest.mark.slow
 
@@ -134,10 +134,7 @@ def test_shared_prefix_attention_on_the_measured_turboquant_format(share_small_p
     """The same with the model's measured TurboQuant format, whose layers take the
     rotated-domain path (shared pages read as one row holding every row's queries): on and
     off agree."""
-    model = load_model(MODEL, EXACT["dtype"], num_layers=TINY["_num_layers"])
-    with np.load(shipped_key_transform(MODEL)) as f:  # the real model's, for the stand-in's layers
-        np.savez(tmp_path / "key_transform.npz", key_transform=f["key_transform"][: TINY["_num_layers"]])
-    monkeypatch.setattr(model, "key_transform", tmp_path / "key_transform.npz")
+    give_key_transform(monkeypatch, load_model(MODEL, EXACT["dtype"], num_layers=TINY["_num_layers"]), tmp_path)
     llm = aj.LLM(MODEL, **{**EXACT, "kv_cache_dtype": TINY_TURBOQUANT}, num_pages=64, enable_prefix_caching=True)
     assert llm.engine.cache.key_transform is not None and llm.engine.cache.num_sinks == 2
     prompts = token_ids(llm, SHARED[:4])
