@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--speculative", choices=("dflash", "ngram"), default=None, help="speculative decoding method")
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="compute every token by fixed-shape programs, so greedy tokens do not depend on prompt chunking or "
+        "speculation (slower)",
+    )
+    p.add_argument(
         "--speculative-config",
         type=speculative_config,
         default=None,
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=1,
             progress=True,
             speculative=args.speculative_config or args.speculative,
+            batch_invariant=args.batch_invariant,
             **residency_kwargs(args),
         )
     except (ValueError, GGUFError) as e:

@@ -116,7 +116,12 @@ class LLM:
             of their admission (default 0.5, or kv_high_watermark if lower; 0 turns it off).
         attention: "auto" (Pallas kernels on GPU, their rotated-domain algorithm in jnp on
             CPU), "pallas", "xla" or "reference"; the reference decodes quantized pages into a
-            buffer.
+            buffer. "invariant" is what `batch_invariant` runs.
+        batch_invariant: every request's greedy tokens are the same whatever shares its batch,
+            however its prompt was chunked and whether speculation verified them, with every KV
+            format (`models.llama_invariant`): each token's keys, values and logits are computed
+            by programs of fixed shapes. Costs speed (docs/BENCHMARKS.md, fidelity); turns off
+            `shared_prefix_attention`.
         seed: seeds requests that bring no seed of their own.
         speculative: speculative decoding: None (off), "dflash" (the draft shipped for the
             model), "ngram" (prompt lookup), or a dict / JSON string of
@@ -169,6 +174,7 @@ class LLM:
         kv_high_watermark: float = 0.8,
         kv_low_watermark: float | None = None,
         attention: str = "auto",
+        batch_invariant: bool = False,
         seed: int = 0,
         speculative: str | dict | None = None,
         shared_prefix_attention: bool = True,
@@ -183,6 +189,10 @@ class LLM:
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = resolve_dtype(dtype)
+        if batch_invariant:
+            if attention not in ("auto", "invariant"):
+                raise ValueError(f"batch_invariant runs its own attention; leave attention 'auto', got {attention!r}")
+            attention = "invariant"
         # `_num_layers` (tests): the first blocks only (`load_model`).
         self.model = load_model(model, dtype, progress=progress, num_layers=_num_layers)
         self.model_path, self.model_name, self.dtype = self.model.path, model, dtype

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse cached KV pages of earlier prompts (default: on)",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's greedy tokens do not depend on what shares its batch, how its prompt was chunked or "
+        "speculation, with every KV format (slower; docs/BENCHMARKS.md, fidelity)",
+    )
+    p.add_argument(
         "--shared-prefix-attention",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -464,6 +470,7 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
         seed=args.seed,
         speculative=args.speculative_config,
         shared_prefix_attention=args.shared_prefix_attention,
+        batch_invariant=args.batch_invariant,
         num_scheduler_steps=args.num_scheduler_steps,
         kv_offloading_size=args.kv_offloading_size,
         kv_disk_size=args.kv_disk_size,

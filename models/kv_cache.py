@@ -166,6 +166,11 @@ class PagedKVCache:
         Returns:
             k, v: [B, NP * S, Hkv, Dh] as stored.
         """
+        return self.decode(*self.gather(page_table, layer), layer)
+
+    def gather(self, page_table: jax.Array, layer: int) -> tuple[Any, Any]:
+        """`read` without the decoding: the storage pytrees of one layer for the pages of
+        each row, leaves [B, NP * S, Hkv, ...]."""
         b, num_pages = page_table.shape
         k_pool, v_pool, ki, vi = self.layer_pools(layer)
 
@@ -174,7 +179,7 @@ class PagedKVCache:
                 lambda a: a[page_table, index].reshape(b, num_pages * a.shape[2], *a.shape[3:]), tree
             )
 
-        return self.decode(gather(k_pool, ki), gather(v_pool, vi), layer)
+        return gather(k_pool, ki), gather(v_pool, vi)
 
     @property
     def num_sinks(self) -> int:

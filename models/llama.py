@@ -31,7 +31,7 @@ from pallas_kernels.paged_attention import (
 from pallas_kernels.tq_attention import Sinks, tq_paged_attention, tq_paged_attention_xla, tq_shared_prefix_attention
 from pallas_kernels.turboquant import TurboQuant
 
-ATTENTION_IMPLS = ("reference", "pallas", "xla")
+ATTENTION_IMPLS = ("reference", "pallas", "xla", "invariant")
 
 
 @struct.dataclass
@@ -189,8 +189,9 @@ def forward(
             TurboQuant layers with the rotated-domain kernel (other layers, and every layer of
             unquantized or QJL formats, use the reference); "xla" reads the same layers with
             the rotated-domain algorithm in jnp (for backends without the kernels); "reference"
-            encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere.
-
+            encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere;
+            "invariant" gives every token the same results whatever shares its step and however
+            its row was split into steps (`models.llama_invariant`; no shared pages).
         tree: a draft tree per row (speculative verification), as (depth [B, T], ancestor
             mask [B, T, T]) from `tree_depth_and_mask`: new token i sits at position start +
             depth[i] and attends to its ancestors and itself instead of every earlier new
@@ -211,13 +212,20 @@ def forward(
         raise ValueError("shared-prefix attention does not apply sliding windows; run windowed models without it")
     if shared_pages and shared_pages * page_size < cache.num_sinks:
         raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
-    stored = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T] where each entry is written
+    if attention == "invariant":
+        from models.llama_invariant import invariant_forward  # it builds on this module's parts
+
+        if shared_pages:
+            raise ValueError("batch-invariant attention reads every row's own pages; run it without shared pages")
+        return invariant_forward(
+            weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits, taps=taps, tree=tree,
+            mass_layers=mass_layers,
+        )  # fmt: skip
+    stored, page_of_pos = where_written(cache, batch, t)  # [B, T] where each entry is written
     depth, new_mask = (None, None) if tree is None else tree
     positions = stored if tree is None else batch.start[:, None] + depth  # for masks (table coordinates)
     rope_positions = positions if batch.offset is None else positions + batch.offset[:, None]
-    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
-    page_of_pos = jnp.take_along_axis(table, jnp.minimum(stored // page_size, cache.max_pages_per_seq - 1), axis=1)
     read_table = table[:, shared_pages : shared_pages + num_pages]  # [B, NP]
     shared = table[0, :shared_pages]  # row 0 is never padding
     shared_len = shared_pages * page_size
@@ -242,16 +250,10 @@ def forward(
                 q, k = _transform_query_key(q, k, cache.query_transform[idx], cache.key_transform[idx])
             k_store, v_store = cache.encode(k, v, idx, kernel=attention == "pallas")
             if idx in mass_layers:
-                k_held, _ = cache.read(table[:, : shared_pages + num_pages], idx)
-                masses.append(
-                    page_attention_mass(
-                        q, cache.decode(k_store, v_store, idx)[0], k_held, batch.start, batch.num_new, page_size,
-                        new_mask=new_mask, window=window, positions=positions,
-                    )
-                )  # fmt: skip
-                last = jnp.maximum(batch.num_new - 1, 0)
-                q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0].astype(jnp.float32)
-                queries.append(q_last.reshape(b, cfg.num_kv_heads, -1, cfg.head_dim).mean(axis=2).reshape(b, -1))
+                held = table[:, : shared_pages + num_pages]
+                mass, query = attention_mass(q, k_store, v_store, cache, idx, held, batch, cfg, new_mask, positions)
+                masses.append(mass)
+                queries.append(query)
             sinks = None
             if cache.num_sinks:
                 # Sink positions are kept in bf16: the bits go to the per-slot buffer, and a
@@ -329,11 +331,28 @@ def forward(
     if not all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
-    k_groups, v_groups = cache.stack_layers(new_k, new_v)
     logits = vocab_logits(x, weights.lm_head)
-    update = KVUpdate(
+    update = kv_update(cache, batch, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries)
+    return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
+
+
+def where_written(cache: PagedKVCache, batch: StepBatch, t: int) -> tuple[jax.Array, jax.Array]:
+    """(stored [B, T]: the position each new token is written at, its page [B, T])."""
+    stored = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
+    index = jnp.minimum(stored // cache.page_size, cache.max_pages_per_seq - 1)
+    return stored, jnp.take_along_axis(table, index, axis=1)
+
+
+def kv_update(cache, batch, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries) -> KVUpdate:
+    """A step's `KVUpdate` from its per-layer storage pytrees (leaves [B, T, Hkv, ...]), sink
+    bits, and attention masses and query summaries of the `mass_layers`."""
+    t = page_of_pos.shape[1]
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
+    k_groups, v_groups = cache.stack_layers(new_k, new_v)
+    return KVUpdate(
         pages=jnp.where(valid, page_of_pos, NULL_PAGE),
-        offsets=stored % page_size,
+        offsets=(batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % cache.page_size,
         k=k_groups,
         v=v_groups,
         slots=batch.slots,
@@ -345,7 +364,23 @@ def forward(
         attention_mass=sum(masses) / len(masses) if masses else None,
         query_summary=jnp.concatenate(queries, axis=-1) if queries else None,
     )
-    return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
+
+
+def attention_mass(q, k_store, v_store, cache, layer, held, batch, cfg, new_mask, positions):
+    """For a `mass_layers` layer: ([B, pages held] the softmax mass the new tokens put on each
+    page of `held` [B, NP], [B, Hkv * Dh] the row's last new query averaged over the query
+    heads of each KV head)."""
+    k_held, _ = cache.read(held, layer)
+    new_k = cache.decode(k_store, v_store, layer)[0]
+    window = cfg.window(layer)
+    mass = page_attention_mass(
+        q, new_k, k_held, batch.start, batch.num_new, cache.page_size, new_mask=new_mask, window=window,
+        positions=positions,
+    )  # fmt: skip
+    b = q.shape[0]
+    last = jnp.maximum(batch.num_new - 1, 0)
+    q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0].astype(jnp.float32)
+    return mass, q_last.reshape(b, cfg.num_kv_heads, -1, cfg.head_dim).mean(axis=2).reshape(b, -1)
 
 
 def tree_depth_and_mask(parents: jax.Array) -> tuple[jax.Array, jax.Array]:

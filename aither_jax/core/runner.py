@@ -68,8 +68,11 @@ class ModelRunner:
         self.mass_layers: tuple[int, ...] = ()  # layers whose attention mass per page steps return
         # Decode steps whose rows share cached prefix pages read them once for the whole batch
         # (see `models.llama.forward`); counted in num_shared_prefix_steps. Not with sliding-
-        # window layers (Gemma), whose shared part would need the window too.
-        self.shared_prefix_attention = bool(shared_prefix_attention) and not cfg.window_layers
+        # window layers (Gemma), whose shared part would need the window too, nor batch-invariant
+        # ones, which read each row's pages as the row alone would.
+        self.shared_prefix_attention = (
+            bool(shared_prefix_attention) and not cfg.window_layers and attention != "invariant"
+        )
         self.num_shared_prefix_steps = 0
         # Slots admitted on cached pages whose sink tokens were recomputed (-s<n> formats).
         self.num_sink_refills = 0

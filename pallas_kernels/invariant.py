@@ -1,0 +1,170 @@
+"""Batch-invariant computation: each token's result is the same bits whatever else shares the
+call (other rows, padding rows, a longer context bucket, more tokens per row).
+
+XLA picks how to compute an operation from its shapes: its CPU backend multiplies a single
+row as a matrix-vector product and splits the inner dimension differently from 48 rows up,
+hands large elementwise ops (exp among them) and multiply-reduces to a library with its own
+polynomials and orders, and fuses differently, which decides where a multiply and an add
+become one rounding (FMA). GPU libraries pick kernels and split-K schemes by shape. The
+results differ in the last bit, and a quantized KV cache turns such a bit into another code
+at a codebook boundary: a request's greedy tokens then depended on its batch companions, on
+how its prompt was chunked, and on whether a speculative verify pass or plain decoding
+computed its keys.
+
+So here every computation runs as one compiled program of fixed shapes, applied to one unit
+of work after another (`jax.lax.map`, `jax.lax.fori_loop`): a tile of ROW_TILE tokens for
+everything a token does alone (norms, projections, RoPE, quantization, the MLP, logits; a
+tile of keys for decoding the cache), and for attention a tile of ROW_TILE queries against
+one block of KEY_BLOCK keys of each query's row at a time. The same program on the same
+inputs gives the same bits, and a row-wise program never mixes the rows of its tile.
+
+Attention takes each row's keys and values by position, the step's new ones placed after
+the stored ones as if written first and then read (plain decoding reads every earlier token
+from the cache). An online softmax walks the blocks that hold keys some query of the tile
+can see; a block where a query sees nothing leaves its state unchanged exactly (weight
+exp(0) = 1 on what it has, zeros added) or, before its first visible key, is wiped exactly
+(weight 0), so the blocks a tile walks for its other queries change no query's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Tokens per program tile: a decode step of one row pays for ROW_TILE (on a GPU a small
+# matmul costs the same for 1 and 16 rows; the CPU cost is in docs/BENCHMARKS.md, fidelity).
+ROW_TILE = 16
+# Keys per attention block, aligned to positions.
+KEY_BLOCK = 64
+MASK_VALUE = -1e30
+
+
+def row_tiled(fn: Callable[..., Any], *xs: Any, tile: int = ROW_TILE) -> Any:
+    """fn applied to the rows of pytrees `xs` (leaves [N, ...]) ROW_TILE rows at a time, one
+    tile after another (zero rows pad the last). fn maps tiles [tile, ...] to a pytree of
+    [tile, ...] arrays, each row depending on its own rows only. Returns leaves [N, ...]."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    padded = -(-n // tile) * tile
+
+    def split(a):
+        a = jnp.pad(a, [(0, padded - n)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(padded // tile, tile, *a.shape[1:])
+
+    out = jax.lax.map(lambda t: fn(*t), jax.tree.map(split, xs))
+    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:n], out)
+
+
+def by_position(stored: Any, new: Any, ctx_lens: jax.Array, num_new: jax.Array, size: int) -> Any:
+    """Each row's stored entries [B, Sctx, ...] with its new ones [B, T, ...] placed at
+    positions ctx_len .. ctx_len + num_new - 1, as pytrees of leaves [B, size, ...] (stored
+    past Sctx: zeros)."""
+    t = jax.tree.leaves(new)[0].shape[1]
+    pos = jnp.arange(size, dtype=jnp.int32)[None, :]
+    u = pos - ctx_lens[:, None]
+    is_new = (u >= 0) & (u < num_new[:, None])
+    u = jnp.clip(u, 0, t - 1)
+
+    def place(old, fresh):
+        old = jnp.pad(old, [(0, 0), (0, size - old.shape[1])] + [(0, 0)] * (old.ndim - 2))
+        index = u.reshape(*u.shape, *([1] * (fresh.ndim - 2)))
+        mask = is_new.reshape(*is_new.shape, *([1] * (fresh.ndim - 2)))
+        return jnp.where(mask, jnp.take_along_axis(fresh, index, axis=1), old)
+
+    return jax.tree.map(place, stored, new)
+
+
+def padded_length(num_ctx: int, t: int) -> int:
+    """Positions `invariant_attention` lays each row out on: whole key blocks covering the
+    stored context read and the new tokens."""
+    return -(-max(num_ctx, t, 1) // KEY_BLOCK) * KEY_BLOCK
+
+
+def invariant_attention(
+    q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens (RoPE applied)
+    k: jax.Array,  # [B, S, Hkv, Dh] float32 keys by position, stored and new (`by_position`)
+    v: jax.Array,  # [B, S, Hkv, Dh]
+    ctx_lens: jax.Array,  # [B] int32 tokens stored per row before this step
+    num_new: jax.Array,  # [B] int32 valid new tokens per row
+    *,
+    scale: float | None = None,
+    new_mask: jax.Array | None = None,
+    window: int | None = None,
+    positions: jax.Array | None = None,
+) -> jax.Array:  # [B, T, Hq, Dh]
+    """`paged_attention_reference`'s attention (same masks: `new_mask` among the new tokens,
+    a sliding `window` over `positions`) with each query's output a function of its own row's
+    visible keys only (module docstring). Keys and values at or past a row's length may hold
+    anything (NaN included).
+
+    The program's unit is ROW_TILE (row, query) pairs: each pair reads its own row's block of
+    keys, so one decode step's rows share a unit, and a prefill chunk's queries fill units of
+    their own.
+    """
+    b, t, hq, dh = q.shape
+    size, hkv = k.shape[1], k.shape[2]
+    if size % KEY_BLOCK:
+        raise ValueError(f"rows must be laid out on whole blocks of {KEY_BLOCK} positions, got {size}")
+    scale = dh**-0.5 if scale is None else scale
+    if positions is None:
+        positions = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    among_new = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)) if new_mask is None else new_mask, (b, t, t))
+    key_pos = jnp.arange(size, dtype=jnp.int32)[None, :]
+    u = key_pos - ctx_lens[:, None]  # [B, S]: which new token sits at each position
+    is_new = (u >= 0) & (u < num_new[:, None])
+    # The position each key counts at for the window: a new token's own (a tree node's depth's).
+    logical = jnp.where(is_new, jnp.take_along_axis(positions, jnp.clip(u, 0, t - 1), axis=1), key_pos)
+
+    def pairs(a):  # [B, T, ...] -> [B T, ...]
+        return a.reshape(b * t, *a.shape[2:])
+
+    row = pairs(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)))
+    index = pairs(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t)))
+    valid = index < num_new[row]
+
+    def unit(q_u, row_u, index_u, pos_u, valid_u, sees_u):  # [RT, Hq, Dh], [RT] x4, [RT, T]
+        ctx_u, new_u = ctx_lens[row_u], num_new[row_u]
+        # Blocks holding keys some query of the unit sees: up to each query's own position,
+        # from (with a window) the earliest query's window start.
+        end = jnp.max(jnp.where(valid_u, ctx_u + index_u + 1, 0))
+        first = 0
+        if window is not None:
+            earliest = jnp.min(jnp.where(valid_u, pos_u, jnp.iinfo(jnp.int32).max))
+            first = jnp.clip((earliest - window + 1) // KEY_BLOCK, 0, size // KEY_BLOCK)
+
+        def block(j, state):
+            m, denom, acc = state
+            start = j * KEY_BLOCK
+            kpos = start + jnp.arange(KEY_BLOCK, dtype=jnp.int32)[None, :]  # [1, KB]
+            kb = jnp.take(jax.lax.dynamic_slice_in_dim(k, start, KEY_BLOCK, axis=1), row_u, axis=0)  # [RT, KB, Hkv, Dh]
+            vb = jnp.take(jax.lax.dynamic_slice_in_dim(v, start, KEY_BLOCK, axis=1), row_u, axis=0)
+            stored = kpos < ctx_u[:, None]  # [RT, KB]
+            new_index = kpos - ctx_u[:, None]
+            fresh = (new_index >= 0) & (new_index < new_u[:, None])
+            visible = stored | (fresh & jnp.take_along_axis(sees_u, jnp.clip(new_index, 0, t - 1), axis=1))
+            if window is not None:
+                lpos = jnp.take(jax.lax.dynamic_slice_in_dim(logical, start, KEY_BLOCK, axis=1), row_u, axis=0)
+                visible &= pos_u[:, None] - lpos < window
+            vb = jnp.where((stored | fresh)[:, :, None, None], vb, 0.0)  # free pages may hold NaN
+            kq = jnp.repeat(kb, hq // hkv, axis=2)  # [RT, KB, Hq, Dh]
+            vq = jnp.repeat(vb, hq // hkv, axis=2)
+            s = jnp.einsum("rhd,rkhd->rhk", q_u, kq, precision=jax.lax.Precision.HIGHEST) * scale
+            s = jnp.where(visible[:, None, :], s, MASK_VALUE)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.where(visible[:, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            acc = acc * alpha[..., None] + jnp.einsum("rhk,rkhd->rhd", p, vq, precision=jax.lax.Precision.HIGHEST)
+            return m_new, denom * alpha + jnp.sum(p, axis=-1), acc
+
+        init = (
+            jnp.full((ROW_TILE, hq), MASK_VALUE, jnp.float32),
+            jnp.zeros((ROW_TILE, hq), jnp.float32),
+            jnp.zeros((ROW_TILE, hq, dh), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(first, -(-end // KEY_BLOCK), block, init)
+        return acc / jnp.maximum(denom, 1e-30)[..., None]
+
+    out = row_tiled(unit, pairs(q.astype(jnp.float32)), row, index, pairs(positions), valid, pairs(among_new))
+    return out.reshape(b, t, hq, dh).astype(q.dtype)
