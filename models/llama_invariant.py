@@ -92,8 +92,11 @@ def invariant_forward(
             def decode(k_t, v_t, idx=idx):  # a tile of positions' storage -> float32 keys, values
                 return tuple(a.astype(jnp.float32) for a in cache.decode(k_t, v_t, idx))
 
-            flat = jax.tree.map(lambda a: a.reshape(b * size, *a.shape[2:]), (k_rows, v_rows))
-            k_pos, v_pos = (a.reshape(b, size, *a.shape[1:]) for a in row_tiled(decode, *flat, tile=KEY_BLOCK))
+            if cache.quantized(idx):  # decoding is arithmetic (a rotation): in fixed tiles
+                flat = jax.tree.map(lambda a: a.reshape(b * size, *a.shape[2:]), (k_rows, v_rows))
+                k_pos, v_pos = (a.reshape(b, size, *a.shape[1:]) for a in row_tiled(decode, *flat, tile=KEY_BLOCK))
+            else:  # a conversion, exact in any shape
+                k_pos, v_pos = decode(k_rows, v_rows)
             if num_sinks and cache.quantized(idx):
                 # Sink positions attend to bf16 values: the slot's stored ones, the new ones.
                 fresh = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)  # [B, T, 2, Hkv, Dh]

@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 16])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--speculative-prompts", type=int, default=8)
+    p.add_argument("--modes", nargs="+", choices=("default", "invariant"), default=["default", "invariant"])
     p.add_argument("--out", type=pathlib.Path, default=None, help="default out/invariance-<model>.json")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     prompts = (chat + [f["question"] for f in factual])[: max(args.concurrency)]
     rows = []
     for kv in args.kv_cache_dtype:
-        for invariant in (False, True):
+        for invariant in [mode == "invariant" for mode in args.modes]:
             rows.append(measure(args.model, kv, invariant, prompts, args))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     env = bench_record.environment()

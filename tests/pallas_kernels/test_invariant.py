@@ -93,7 +93,8 @@ def test_tree_masks_match_the_reference(sequence):
         ref = paged_attention_reference(
             q, k_new, v_new, k_ctx, v_ctx, ctx_lens, num_new, new_mask=mask, window=window, positions=positions
         )
-        np.testing.assert_allclose(out, ref, atol=2e-6)
+        valid = np.arange(5)[None, :] < np.asarray(num_new)[:, None]
+        np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-6)
 
 
 def _ancestors(parents: np.ndarray) -> np.ndarray:
