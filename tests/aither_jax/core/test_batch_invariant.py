@@ -90,3 +90,8 @@ def test_speculative_greedy_is_plain_greedy_to_the_bit(alone, monkeypatch):
         assert run(llm, PROMPTS) == plain
         drafted, accepted = counters.num_draft_tokens - drafted, counters.num_accepted_tokens - accepted
         assert accepted > 0 and (accepted < drafted) == wrong
+
+
+def test_batch_invariant_runs_its_own_attention():
+    with pytest.raises(ValueError, match="batch_invariant runs its own attention"):
+        aj.LLM(MODEL, batch_invariant=True, attention="pallas", progress=False)
