@@ -33,7 +33,7 @@ from models.llama import (
     where_written,
 )
 from models.weights import ModelWeights
-from pallas_kernels.invariant import KEY_BLOCK, by_position, invariant_attention, padded_length, row_tiled
+from pallas_kernels.invariant import KEY_BLOCK, invariant_attention, row_tiled
 
 
 def invariant_forward(
@@ -57,7 +57,6 @@ def invariant_forward(
     positions = stored if tree is None else batch.start[:, None] + depth
     rope_positions = (positions if batch.offset is None else positions + batch.offset[:, None]).reshape(n)
     table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)][:, :num_pages]  # [B, NP]
-    size = padded_length(num_pages * cache.page_size, t)
     num_sinks = cache.num_sinks
 
     def rows(tree_):  # leaves [N, ...] -> [B, T, ...]
@@ -85,29 +84,19 @@ def invariant_forward(
                 m = min(t, num_sinks)
                 sink_k.append(bits[:, :m, 0])
                 sink_v.append(bits[:, :m, 1])
-            k_ctx, v_ctx = cache.gather(table, idx)
-            k_rows = by_position(k_ctx, k_store, batch.start, batch.num_new, size)
-            v_rows = by_position(v_ctx, v_store, batch.start, batch.num_new, size)
-
-            def decode(k_t, v_t, idx=idx):  # a tile of positions' storage -> float32 keys, values
-                return tuple(a.astype(jnp.float32) for a in cache.decode(k_t, v_t, idx))
-
-            if cache.quantized(idx):  # decoding is arithmetic (a rotation): in fixed tiles
-                flat = jax.tree.map(lambda a: a.reshape(b * size, *a.shape[2:]), (k_rows, v_rows))
-                k_pos, v_pos = (a.reshape(b, size, *a.shape[1:]) for a in row_tiled(decode, *flat, tile=KEY_BLOCK))
-            else:  # a conversion, exact in any shape
-                k_pos, v_pos = decode(k_rows, v_rows)
+            k_ctx, v_ctx = cache.gather(table, idx)  # storage [B, NP * S, Hkv, ...]
+            k_ctx, v_ctx, k_new, v_new = _decoded(cache, idx, (k_ctx, v_ctx), (k_store, v_store))
             if num_sinks and cache.quantized(idx):
                 # Sink positions attend to bf16 values: the slot's stored ones, the new ones.
                 fresh = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)  # [B, T, 2, Hkv, Dh]
-                stored_k, stored_v = cache.sinks(batch.slots, idx)
-                on_sink = (jnp.arange(size) < num_sinks)[None, :, None, None]
-                sink_k_pos = by_position(stored_k, fresh[:, :, 0], batch.start, batch.num_new, size)
-                sink_v_pos = by_position(stored_v, fresh[:, :, 1], batch.start, batch.num_new, size)
-                k_pos, v_pos = jnp.where(on_sink, sink_k_pos, k_pos), jnp.where(on_sink, sink_v_pos, v_pos)
+                on_sink = (batch.start[:, None] + jnp.arange(t)[None, :] < num_sinks)[:, :, None, None]
+                k_new, v_new = jnp.where(on_sink, fresh[:, :, 0], k_new), jnp.where(on_sink, fresh[:, :, 1], v_new)
+                if num_pages:
+                    stored_k, stored_v = cache.sinks(batch.slots, idx)
+                    k_ctx, v_ctx = k_ctx.at[:, :num_sinks].set(stored_k), v_ctx.at[:, :num_sinks].set(stored_v)
             attn = invariant_attention(
-                q, k_pos, v_pos, batch.start, batch.num_new, new_mask=new_mask, window=cfg.window(idx),
-                positions=positions,
+                q, k_new, v_new, k_ctx, v_ctx, batch.start, batch.num_new, new_mask=new_mask,
+                window=cfg.window(idx), positions=positions,
             ).astype(x.dtype)  # fmt: skip
             if idx in mass_layers:
                 mass, query = attention_mass(q, k_store, v_store, cache, idx, table, batch, cfg, new_mask, positions)
@@ -134,3 +123,22 @@ def invariant_forward(
     logits = row_tiled(head, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
     update = kv_update(cache, batch, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries)
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
+
+
+def _decoded(cache: PagedKVCache, layer: int, stored, new) -> tuple[jax.Array, ...]:
+    """Keys and values of `layer` as float32 from storage: the stored ones [B, S, ...] and the
+    new ones [B, T, ...], decoded by one program (tiles of KEY_BLOCK vectors) when decoding is
+    arithmetic, converted otherwise. Returns (k_ctx, v_ctx, k_new, v_new)."""
+
+    def decode(k, v):
+        return tuple(a.astype(jnp.float32) for a in cache.decode(k, v, layer))
+
+    if not cache.quantized(layer):  # a conversion: exact in any shape
+        return *decode(*stored), *decode(*new)
+    b, s = jax.tree.leaves(stored)[0].shape[:2]
+    t = jax.tree.leaves(new)[0].shape[1]
+    flat = jax.tree.map(lambda a, n: jnp.concatenate([a.reshape(b * s, *a.shape[2:]), n.reshape(b * t, *n.shape[2:])]),
+                        stored, new)  # fmt: skip
+    k, v = row_tiled(decode, *flat, tile=KEY_BLOCK)
+    return k[: b * s].reshape(b, s, *k.shape[1:]), v[: b * s].reshape(b, s, *v.shape[1:]), \
+        k[b * s :].reshape(b, t, *k.shape[1:]), v[b * s :].reshape(b, t, *v.shape[1:])  # fmt: skip

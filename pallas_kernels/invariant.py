@@ -61,35 +61,18 @@ def row_tiled(fn: Callable[..., Any], *xs: Any, tile: int = ROW_TILE) -> Any:
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:n], out)
 
 
-def by_position(stored: Any, new: Any, ctx_lens: jax.Array, num_new: jax.Array, size: int) -> Any:
-    """Each row's stored entries [B, Sctx, ...] with its new ones [B, T, ...] placed at
-    positions ctx_len .. ctx_len + num_new - 1, as pytrees of leaves [B, size, ...] (stored
-    past Sctx: zeros)."""
-    t = jax.tree.leaves(new)[0].shape[1]
-    pos = jnp.arange(size, dtype=jnp.int32)[None, :]
-    u = pos - ctx_lens[:, None]
-    is_new = (u >= 0) & (u < num_new[:, None])
-    u = jnp.clip(u, 0, t - 1)
-
-    def place(old, fresh):
-        old = jnp.pad(old, [(0, 0), (0, size - old.shape[1])] + [(0, 0)] * (old.ndim - 2))
-        index = u.reshape(*u.shape, *([1] * (fresh.ndim - 2)))
-        mask = is_new.reshape(*is_new.shape, *([1] * (fresh.ndim - 2)))
-        return jnp.where(mask, jnp.take_along_axis(fresh, index, axis=1), old)
-
-    return jax.tree.map(place, stored, new)
-
-
 def padded_length(num_ctx: int, t: int) -> int:
-    """Positions `invariant_attention` lays each row out on: whole key blocks covering the
-    stored context read and the new tokens."""
+    """Positions `invariant_attention` lays each row's keys out on: whole key blocks covering
+    the stored context read and the new tokens."""
     return -(-max(num_ctx, t, 1) // KEY_BLOCK) * KEY_BLOCK
 
 
 def invariant_attention(
     q: jax.Array,  # [B, T, Hq, Dh] queries of the new tokens (RoPE applied)
-    k: jax.Array,  # [B, S, Hkv, Dh] float32 keys by position, stored and new (`by_position`)
-    v: jax.Array,  # [B, S, Hkv, Dh]
+    k_new: jax.Array,  # [B, T, Hkv, Dh] keys of the new tokens, as stored
+    v_new: jax.Array,  # [B, T, Hkv, Dh]
+    k_ctx: jax.Array,  # [B, Sctx, Hkv, Dh] keys stored before this step, by position
+    v_ctx: jax.Array,  # [B, Sctx, Hkv, Dh]
     ctx_lens: jax.Array,  # [B] int32 tokens stored per row before this step
     num_new: jax.Array,  # [B] int32 valid new tokens per row
     *,
@@ -98,41 +81,44 @@ def invariant_attention(
     window: int | None = None,
     positions: jax.Array | None = None,
 ) -> jax.Array:  # [B, T, Hq, Dh]
-    """`paged_attention_reference`'s attention (same masks: `new_mask` among the new tokens,
-    a sliding `window` over `positions`) with each query's output a function of its own row's
-    visible keys only (module docstring). Keys and values at or past a row's length may hold
-    anything (NaN included).
+    """`paged_attention_reference` (same arguments and masks: `new_mask` a draft tree's
+    ancestors among the new tokens, `positions` their positions, a sliding `window`) with each
+    query's output a function of the keys it sees only (module docstring). Stored entries at or
+    past a row's length may hold anything (NaN included).
 
-    The program's unit is PAIR_TILE (row, query) pairs: each pair reads its own row's block of
-    keys, so one decode step's rows share units, and a prefill chunk's queries fill units of
-    their own.
+    Each query sees its keys laid out at their positions: the stored ones, then the new tokens
+    on its own path (for a chain, every new token up to itself; for a tree node, its ancestors
+    at their depths), as plain decoding would read them back once written. The program's unit
+    is PAIR_TILE (row, query) pairs, each reading its own keys, so one decode step's rows share
+    units and a prefill chunk's queries fill units of their own.
     """
     b, t, hq, dh = q.shape
-    size, hkv = k.shape[1], k.shape[2]
-    if size % KEY_BLOCK:
-        raise ValueError(f"rows must be laid out on whole blocks of {KEY_BLOCK} positions, got {size}")
+    hkv = k_new.shape[2]
     scale = dh**-0.5 if scale is None else scale
     if positions is None:
         positions = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    among_new = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)) if new_mask is None else new_mask, (b, t, t))
-    key_pos = jnp.arange(size, dtype=jnp.int32)[None, :]
-    u = key_pos - ctx_lens[:, None]  # [B, S]: which new token sits at each position
-    is_new = (u >= 0) & (u < num_new[:, None])
-    # The position each key counts at for the window: a new token's own (a tree node's depth's).
-    logical = jnp.where(is_new, jnp.take_along_axis(positions, jnp.clip(u, 0, t - 1), axis=1), key_pos)
+    size = padded_length(k_ctx.shape[1], t)
+    pad = [(0, 0), (0, size - k_ctx.shape[1]), (0, 0), (0, 0)]
+    k_ctx, v_ctx = jnp.pad(k_ctx.astype(jnp.float32), pad), jnp.pad(v_ctx.astype(jnp.float32), pad)
+    k_new, v_new = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
+    depth = positions - ctx_lens[:, None]  # [B, T] each new token's depth past the stored ones
+    if new_mask is None:  # a chain: the token at depth d is new token d
+        path = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t, t))
+    else:  # path[b, q, d]: the ancestor of node q at depth d
+        at_depth = new_mask[:, :, None, :] & (depth[:, None, None, :] == jnp.arange(t)[None, None, :, None])
+        path = jnp.argmax(at_depth, axis=-1).astype(jnp.int32)  # [B, T(q), T(d)]
 
     def pairs(a):  # [B, T, ...] -> [B T, ...]
         return a.reshape(b * t, *a.shape[2:])
 
     row = pairs(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)))
-    index = pairs(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t)))
-    valid = index < num_new[row]
+    valid = pairs(jnp.arange(t, dtype=jnp.int32)[None, :] < num_new[:, None])
 
-    def unit(q_u, row_u, index_u, pos_u, valid_u, sees_u):  # [RT, Hkv, G, Dh], [RT] x4, [RT, T]
-        ctx_u, new_u = ctx_lens[row_u], num_new[row_u]
+    def unit(q_u, row_u, pos_u, depth_u, valid_u, path_u):  # [RT, Hkv, G, Dh], [RT] x4, [RT, T]
+        ctx_u = ctx_lens[row_u]
         # Blocks holding keys some query of the unit sees: up to each query's own position,
         # from (with a window) the earliest query's window start.
-        end = jnp.max(jnp.where(valid_u, ctx_u + index_u + 1, 0))
+        end = jnp.max(jnp.where(valid_u, pos_u + 1, 0))
         first = 0
         if window is not None:
             earliest = jnp.min(jnp.where(valid_u, pos_u, jnp.iinfo(jnp.int32).max))
@@ -141,17 +127,22 @@ def invariant_attention(
         def block(j, state):
             m, denom, acc = state
             start = j * KEY_BLOCK
-            kpos = start + jnp.arange(KEY_BLOCK, dtype=jnp.int32)[None, :]  # [1, KB]
-            kb = jnp.take(jax.lax.dynamic_slice_in_dim(k, start, KEY_BLOCK, axis=1), row_u, axis=0)  # [RT, KB, Hkv, Dh]
-            vb = jnp.take(jax.lax.dynamic_slice_in_dim(v, start, KEY_BLOCK, axis=1), row_u, axis=0)
+            kpos = start + jnp.arange(KEY_BLOCK, dtype=jnp.int32)[None, :]  # [1, KB] positions
             stored = kpos < ctx_u[:, None]  # [RT, KB]
-            new_index = kpos - ctx_u[:, None]
-            fresh = (new_index >= 0) & (new_index < new_u[:, None])
-            visible = stored | (fresh & jnp.take_along_axis(sees_u, jnp.clip(new_index, 0, t - 1), axis=1))
+            d = kpos - ctx_u[:, None]
+            on_path = (d >= 0) & (d <= depth_u[:, None])
+            node = jnp.take_along_axis(path_u, jnp.clip(d, 0, t - 1), axis=1)  # [RT, KB] new token there
+            here = (stored | on_path)[:, :, None, None]
+
+            def keys(ctx, new):  # [RT, KB, Hkv, Dh]: stored, else the path's new token, else 0
+                held = jnp.take(jax.lax.dynamic_slice_in_dim(ctx, start, KEY_BLOCK, axis=1), row_u, axis=0)
+                fresh = new[row_u[:, None], node]
+                return jnp.where(here, jnp.where(stored[:, :, None, None], held, fresh), 0.0)  # free pages: NaN
+
+            kb, vb = keys(k_ctx, k_new), keys(v_ctx, v_new)
+            visible = stored | on_path
             if window is not None:
-                lpos = jnp.take(jax.lax.dynamic_slice_in_dim(logical, start, KEY_BLOCK, axis=1), row_u, axis=0)
-                visible &= pos_u[:, None] - lpos < window
-            vb = jnp.where((stored | fresh)[:, :, None, None], vb, 0.0)  # free pages may hold NaN
+                visible &= pos_u[:, None] - kpos < window
             hi = jax.lax.Precision.HIGHEST
             s = jnp.einsum("rhgd,rkhd->rhgk", q_u, kb, precision=hi) * scale  # [RT, Hkv, G, KB]
             seen = visible[:, None, None, :]
@@ -172,5 +163,6 @@ def invariant_attention(
         return acc / jnp.maximum(denom, 1e-30)[..., None]
 
     grouped = q.astype(jnp.float32).reshape(b * t, hkv, hq // hkv, dh)
-    out = row_tiled(unit, grouped, row, index, pairs(positions), valid, pairs(among_new), tile=PAIR_TILE)
+    args = (grouped, row, pairs(positions), pairs(depth), valid, pairs(path))
+    out = row_tiled(unit, *args, tile=PAIR_TILE)
     return out.reshape(b, t, hq, dh).astype(q.dtype)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.invariant import by_position, invariant_attention, padded_length, row_tiled
+from pallas_kernels.invariant import invariant_attention, row_tiled
 from pallas_kernels.paged_attention import paged_attention_reference
 
 HQ, HKV, DH = 6, 2, 64
@@ -25,12 +25,7 @@ def sequence():
     return q, k, v
 
 
-@jax.jit(static_argnames=("window",))
-def attend(q, k_new, v_new, k_ctx, v_ctx, ctx_lens, num_new, window=None):
-    size = padded_length(k_ctx.shape[1], q.shape[1])
-    k_rows = by_position(k_ctx, k_new, ctx_lens, num_new, size)
-    v_rows = by_position(v_ctx, v_new, ctx_lens, num_new, size)
-    return invariant_attention(q, k_rows, v_rows, ctx_lens, num_new, window=window)
+attend = jax.jit(invariant_attention, static_argnames=("window",))
 
 
 def place(sequence, rows: int, t: int, pages: int, row: int, seed: int):
@@ -83,18 +78,28 @@ def test_tree_masks_match_the_reference(sequence):
     q, k_new, v_new, k_ctx, v_ctx, ctx_lens, num_new = place(sequence, 2, 5, 12, 0, seed=7)
     parents = np.array([[-1, 0, 0, 1, 2], [-1, 0, 1, 2, 3]])
     mask = jnp.asarray(_ancestors(parents))
-    size = padded_length(k_ctx.shape[1], 5)
-    rows = [by_position(a, b, ctx_lens, num_new, size) for a, b in ((k_ctx, k_new), (v_ctx, v_new))]
     for window in (None, 40):
         depth = mask.sum(-1) - 1  # a node's depth: its ancestors
         positions = ctx_lens[:, None] + depth
-        out = invariant_attention(q, *rows, ctx_lens, num_new, new_mask=mask, window=window, positions=positions)
+        args = (q, k_new, v_new, k_ctx, v_ctx, ctx_lens, num_new)
+        out = attend(*args, new_mask=mask, window=window, positions=positions)
         k_ctx, v_ctx = np.nan_to_num(k_ctx), np.nan_to_num(v_ctx)
         ref = paged_attention_reference(
             q, k_new, v_new, k_ctx, v_ctx, ctx_lens, num_new, new_mask=mask, window=window, positions=positions
         )
         valid = np.arange(5)[None, :] < np.asarray(num_new)[:, None]
         np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-6)
+        # Row 0's node 4 (path 0 -> 2 -> 4) is the same bits as the last token of that path
+        # verified as a chain, or decoded alone after the path's first two tokens were stored.
+        path = [0, 2, 4]
+        chain = attend(q[:1, path], k_new[:1, path], v_new[:1, path], k_ctx[:1], v_ctx[:1], ctx_lens[:1],
+                       jnp.asarray([3]), window=window)  # fmt: skip
+        assert np.array_equal(np.asarray(chain)[0, 2], np.asarray(out)[0, 4])
+        stored_k, stored_v, n = k_ctx[:1].copy(), v_ctx[:1].copy(), int(ctx_lens[0])
+        stored_k[0, n : n + 2], stored_v[0, n : n + 2] = k_new[0, path[:2]], v_new[0, path[:2]]
+        alone = attend(q[:1, 4:5], k_new[:1, 4:5], v_new[:1, 4:5], stored_k, stored_v, ctx_lens[:1] + 2,
+                       jnp.asarray([1]), window=window)  # fmt: skip
+        assert np.array_equal(np.asarray(alone)[0, 0], np.asarray(out)[0, 4])
 
 
 def _ancestors(parents: np.ndarray) -> np.ndarray:
