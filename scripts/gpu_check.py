@@ -126,6 +126,15 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         540,
         "model",
     ),
+    # Batch invariance compiled for the GPU: bit equality of attention across rows, tokens per
+    # row and page buckets, and of the engine's tokens and log probabilities together, alone and
+    # speculative, on the stand-in; the invariant forward pass against the reference.
+    "invariance": (
+        [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/pallas_kernels/test_invariant.py"]
+        + ["tests/aither_jax/core/test_batch_invariant.py", "tests/models/test_llama_invariant.py"],
+        400,
+        "model",
+    ),
     # Draft training data made by the GPU (resumable: a later call goes on where this one stopped).
     "draft": (
         [PY, "-m", "aither_jax.train_draft", "--out", ".gpu/draft-run", "--num-prompts", "768"]
