@@ -190,8 +190,7 @@ def forward(
             unquantized or QJL formats, use the reference); "xla" reads the same layers with
             the rotated-domain algorithm in jnp (for backends without the kernels); "reference"
             encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere;
-            "invariant" gives every token the same results whatever shares its step and however
-            its row was split into steps (`models.llama_invariant`; no shared pages).
+            "invariant" is `models.llama_invariant.invariant_forward`'s (the step functions pick it).
         tree: a draft tree per row (speculative verification), as (depth [B, T], ancestor
             mask [B, T, T]) from `tree_depth_and_mask`: new token i sits at position start +
             depth[i] and attends to its ancestors and itself instead of every earlier new
@@ -213,14 +212,7 @@ def forward(
     if shared_pages and shared_pages * page_size < cache.num_sinks:
         raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
     if attention == "invariant":
-        from models.llama_invariant import invariant_forward  # it builds on this module's parts
-
-        if shared_pages:
-            raise ValueError("batch-invariant attention reads every row's own pages; run it without shared pages")
-        return invariant_forward(
-            weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=all_logits, taps=taps, tree=tree,
-            mass_layers=mass_layers,
-        )  # fmt: skip
+        raise ValueError("batch-invariant steps run models.llama_invariant.invariant_forward, not forward")
     stored, page_of_pos = where_written(cache, batch, t)  # [B, T] where each entry is written
     depth, new_mask = (None, None) if tree is None else tree
     positions = stored if tree is None else batch.start[:, None] + depth  # for masks (table coordinates)

@@ -22,7 +22,20 @@ from aither_jax.device.verify import verify, verify_tree
 from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
 from models.llama import KVUpdate, StepBatch, compact_update, forward, tree_depth_and_mask
+from models.llama_invariant import invariant_forward
 from models.weights import ModelWeights
+
+
+def model_forward(
+    weights: ModelWeights, cache: PagedKVCache, tokens: jax.Array, batch: StepBatch, *, attention: str, **kwargs
+) -> tuple[jax.Array, KVUpdate, jax.Array | None]:
+    """`models.llama.forward` (its arguments), or for attention "invariant" its batch-invariant
+    twin `models.llama_invariant.invariant_forward`, which reads no shared pages."""
+    if attention != "invariant":
+        return forward(weights, cache, tokens, batch, attention=attention, **kwargs)
+    if kwargs.pop("shared_pages", 0):
+        raise ValueError("batch-invariant attention reads every row's own pages; run it without shared pages")
+    return invariant_forward(weights, cache, tokens, batch, **kwargs)
 
 
 @step_jit(
@@ -66,7 +79,7 @@ def forward_step(
         cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps, shared_pages=shared_pages,
         mass_layers=mass_layers,
     )  # fmt: skip
-    logits, update, hidden = forward(weights, cache, tokens, batch, **static)
+    logits, update, hidden = model_forward(weights, cache, tokens, batch, **static)
     if all_logits:
         last = jnp.maximum(batch.num_new - 1, 0)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -104,7 +117,7 @@ def verify_step(
     the accepted path [B, T] (trees) or None).
     """
     tree = None if parents is None else tree_depth_and_mask(parents)
-    logits, update, hidden = forward(
+    logits, update, hidden = model_forward(
         weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps,
         tree=tree,
     )  # fmt: skip
@@ -222,7 +235,7 @@ def refill_sinks(
     are read-only. Only the slots' sink buffers change.
     """
     view = cache.replace(block_tables=jnp.full_like(cache.block_tables, NULL_PAGE))
-    _, update, _ = forward(
+    _, update, _ = model_forward(
         weights, view, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=False, attention=attention
     )
     return cache.write_sinks(update.slots, update.start, update.num_new, update.sink_k, update.sink_v)
