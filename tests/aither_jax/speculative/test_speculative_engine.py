@@ -46,7 +46,7 @@ def test_shipped_draft_is_present_and_small():
     [
         ("dflash", "bf16", 8, 16, 1, False),
         ("dflash", "bf16", 8, 4, 4, False),
-        ("dflash", "turboquant", 8, 4, 4, False),
+        ("dflash", "turboquant", 8, 4, 1, False),  # denoising steps change the drafts only: S = 4 runs on bf16
         ("dflash", "bf16", 1, 16, 4, False),
         ("dflash", "bf16", 1, 16, 1, False),
         ("dflash", "bf16", 1, 4, 1, False),
