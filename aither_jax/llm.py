@@ -120,7 +120,7 @@ class LLM:
         batch_invariant: every request's greedy tokens are the same whatever shares its batch,
             however its prompt was chunked and whether speculation verified them, with every KV
             format (`models.llama_invariant`): each token's keys, values and logits are computed
-            by programs of fixed shapes. Costs speed (docs/BENCHMARKS.md, fidelity); turns off
+            by programs of fixed shapes. Costs speed (docs/BENCHMARKS.md, "Batch invariance"); turns off
             `shared_prefix_attention`.
         seed: seeds requests that bring no seed of their own.
         speculative: speculative decoding: None (off), "dflash" (the draft shipped for the

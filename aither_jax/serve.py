@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-invariant",
         action="store_true",
         help="a request's greedy tokens do not depend on what shares its batch, how its prompt was chunked or "
-        "speculation, with every KV format (slower; docs/BENCHMARKS.md, fidelity)",
+        "speculation, with every KV format (slower; docs/BENCHMARKS.md, 'Batch invariance')",
     )
     p.add_argument(
         "--shared-prefix-attention",

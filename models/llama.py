@@ -191,6 +191,7 @@ def forward(
             the rotated-domain algorithm in jnp (for backends without the kernels); "reference"
             encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere;
             "invariant" is `models.llama_invariant.invariant_forward`'s (the step functions pick it).
+
         tree: a draft tree per row (speculative verification), as (depth [B, T], ancestor
             mask [B, T, T]) from `tree_depth_and_mask`: new token i sits at position start +
             depth[i] and attends to its ancestors and itself instead of every earlier new
@@ -213,11 +214,10 @@ def forward(
         raise ValueError(f"shared pages must hold the {cache.num_sinks} sink tokens, got {shared_pages} pages")
     if attention == "invariant":
         raise ValueError("batch-invariant steps run models.llama_invariant.invariant_forward, not forward")
-    stored, page_of_pos = where_written(cache, batch, t)  # [B, T] where each entry is written
+    table, stored, page_of_pos = where_written(cache, batch, t)  # [B, MP]; [B, T] where each entry is written
     depth, new_mask = (None, None) if tree is None else tree
     positions = stored if tree is None else batch.start[:, None] + depth  # for masks (table coordinates)
     rope_positions = positions if batch.offset is None else positions + batch.offset[:, None]
-    table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
     read_table = table[:, shared_pages : shared_pages + num_pages]  # [B, NP]
     shared = table[0, :shared_pages]  # row 0 is never padding
     shared_len = shared_pages * page_size
@@ -324,27 +324,28 @@ def forward(
         last = jnp.maximum(batch.num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, D]
     logits = vocab_logits(x, weights.lm_head)
-    update = kv_update(cache, batch, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries)
+    update = kv_update(cache, batch, stored, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries)
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 
-def where_written(cache: PagedKVCache, batch: StepBatch, t: int) -> tuple[jax.Array, jax.Array]:
-    """(stored [B, T]: the position each new token is written at, its page [B, T])."""
+def where_written(cache: PagedKVCache, batch: StepBatch, t: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(each row's block table [B, MP], the position each new token is written at [B, T], its
+    page [B, T])."""
     stored = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]  # [B, MP]
+    table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)]
     index = jnp.minimum(stored // cache.page_size, cache.max_pages_per_seq - 1)
-    return stored, jnp.take_along_axis(table, index, axis=1)
+    return table, stored, jnp.take_along_axis(table, index, axis=1)
 
 
-def kv_update(cache, batch, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries) -> KVUpdate:
-    """A step's `KVUpdate` from its per-layer storage pytrees (leaves [B, T, Hkv, ...]), sink
-    bits, and attention masses and query summaries of the `mass_layers`."""
-    t = page_of_pos.shape[1]
-    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
+def kv_update(cache, batch, stored, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries) -> KVUpdate:
+    """A step's `KVUpdate` from where its tokens go (`where_written`), its per-layer storage
+    pytrees (leaves [B, T, Hkv, ...]), sink bits, and the attention masses and query summaries
+    of the `mass_layers`."""
+    valid = jnp.arange(stored.shape[1], dtype=jnp.int32)[None, :] < batch.num_new[:, None]  # [B, T]
     k_groups, v_groups = cache.stack_layers(new_k, new_v)
     return KVUpdate(
         pages=jnp.where(valid, page_of_pos, NULL_PAGE),
-        offsets=(batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]) % cache.page_size,
+        offsets=stored % cache.page_size,
         k=k_groups,
         v=v_groups,
         slots=batch.slots,

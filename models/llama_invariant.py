@@ -52,11 +52,11 @@ def invariant_forward(
     """`models.llama.forward` (its arguments, without `shared_pages`), batch-invariant."""
     b, t = tokens.shape
     n = b * t
-    stored, page_of_pos = where_written(cache, batch, t)
+    table, stored, page_of_pos = where_written(cache, batch, t)
+    table = table[:, :num_pages]  # [B, NP]
     depth, new_mask = (None, None) if tree is None else tree
     positions = stored if tree is None else batch.start[:, None] + depth
     rope_positions = (positions if batch.offset is None else positions + batch.offset[:, None]).reshape(n)
-    table = cache.block_tables[jnp.minimum(batch.slots, cache.max_seqs - 1)][:, :num_pages]  # [B, NP]
     num_sinks = cache.num_sinks
 
     def rows(tree_):  # leaves [N, ...] -> [B, T, ...]
@@ -89,7 +89,7 @@ def invariant_forward(
             if num_sinks and cache.quantized(idx):
                 # Sink positions attend to bf16 values: the slot's stored ones, the new ones.
                 fresh = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)  # [B, T, 2, Hkv, Dh]
-                on_sink = (batch.start[:, None] + jnp.arange(t)[None, :] < num_sinks)[:, :, None, None]
+                on_sink = (stored < num_sinks)[:, :, None, None]
                 k_new, v_new = jnp.where(on_sink, fresh[:, :, 0], k_new), jnp.where(on_sink, fresh[:, :, 1], v_new)
                 if num_pages:
                     stored_k, stored_v = cache.sinks(batch.slots, idx)
@@ -121,7 +121,7 @@ def invariant_forward(
         return vocab_logits(rms_norm(x_t, weights.final_norm, cfg.rms_norm_eps), weights.lm_head)
 
     logits = row_tiled(head, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
-    update = kv_update(cache, batch, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries)
+    update = kv_update(cache, batch, stored, page_of_pos, new_k, new_v, sink_k, sink_v, masses, queries)
     return logits, update, jnp.concatenate(tapped, axis=-1) if taps else None
 
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 # Tokens per program tile: a decode step of one row pays for ROW_TILE (on a GPU a small
-# matmul costs the same for 1 and 16 rows; the CPU cost is in docs/BENCHMARKS.md, fidelity).
+# matmul costs the same for 1 and 16 rows; the CPU cost is in docs/BENCHMARKS.md, "Batch invariance").
 ROW_TILE = 16
 # (row, query) pairs per attention tile: one decode step's rows, or a prefill chunk's queries.
 # On 2 CPU cores 4 decodes one stream ~14% faster than 16 and 16 streams ~5% faster; prefill
@@ -59,12 +59,6 @@ def row_tiled(fn: Callable[..., Any], *xs: Any, tile: int = ROW_TILE) -> Any:
 
     out = jax.lax.map(lambda t: fn(*t), jax.tree.map(split, xs))
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:n], out)
-
-
-def padded_length(num_ctx: int, t: int) -> int:
-    """Positions `invariant_attention` lays each row's keys out on: whole key blocks covering
-    the stored context read and the new tokens."""
-    return -(-max(num_ctx, t, 1) // KEY_BLOCK) * KEY_BLOCK
 
 
 def invariant_attention(
@@ -97,7 +91,7 @@ def invariant_attention(
     scale = dh**-0.5 if scale is None else scale
     if positions is None:
         positions = ctx_lens[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    size = padded_length(k_ctx.shape[1], t)
+    size = -(-max(k_ctx.shape[1], t) // KEY_BLOCK) * KEY_BLOCK  # whole blocks past every key position
     pad = [(0, 0), (0, size - k_ctx.shape[1]), (0, 0), (0, 0)]
     k_ctx, v_ctx = jnp.pad(k_ctx.astype(jnp.float32), pad), jnp.pad(v_ctx.astype(jnp.float32), pad)
     k_new, v_new = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
