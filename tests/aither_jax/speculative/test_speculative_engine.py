@@ -1,4 +1,7 @@
-"""Speculative decoding in the engine on the real model (float32 weights).
+"""Speculative decoding in the engine (float32 weights): on the real model with its shipped
+draft once, else on the two-block stand-in target (common.STAND_IN) with a draft made for it,
+whose drafts `steer_drafts` sets right up to known points, so every verify pass accepts some
+drafts and rejects the rest.
 
 Greedy speculative output must equal plain greedy output token for token, whatever the
 method, batch, block size or denoising steps, with a bf16 KV cache. With a TurboQuant cache
@@ -17,22 +20,66 @@ import pytest
 import aither_jax as aj
 from aither_jax.speculative.ngram import ngram_propose
 from models.registry import shipped_draft
-from tests.aither_jax.speculative.common import CHAIN, COMMON, GREEDY, MAX_GAP, PROMPTS
+from tests.aither_jax.speculative.common import (
+    CHAIN,
+    COMMON,
+    GREEDY,
+    MAX_GAP,
+    PROMPTS,
+    STAND_IN,
+    STAND_IN_TQ,
+    steer_drafts,
+)
+
+CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def baselines():
-    """Plain greedy outputs per (KV format, batch size)."""
+def baselines(stand_in_key_transform):
+    """Plain greedy outputs per (KV format, batch size, model settings: STAND_IN or COMMON)."""
     cache = {}
 
-    def get(kv, batch):
-        if (kv, batch) not in cache:
-            llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, **COMMON)
-            outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
-            cache[kv, batch] = [o.token_ids for o in outs]
-        return cache[kv, batch]
+    def get(kv, batch, settings=STAND_IN):
+        kv = STAND_IN_TQ if kv == "turboquant" and settings is STAND_IN else kv
+        key = kv, batch, settings is STAND_IN
+        if key not in cache:
+            llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, **settings)
+            cache[key] = [o.token_ids for o in llm.chat(CONVERSATIONS, GREEDY)]
+        return cache[key]
 
     return get
+
+
+def stand_in(stand_in_draft, kv, batch, spec) -> aj.LLM:
+    """An engine on the stand-in target whose DFlash drafts are steered to plain decoding's
+    output (`steer_drafts`): every third output position wrong."""
+    if isinstance(spec, str):
+        spec = {"method": spec}
+    if spec["method"] == "dflash":
+        spec = spec | {"model": stand_in_draft}
+    kv = STAND_IN_TQ if kv == "turboquant" else kv
+    return aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative=spec, **STAND_IN)
+
+
+def steer_to(llm, outputs, monkeypatch) -> None:
+    answers = {tuple(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True))): o
+               for c, o in zip(CONVERSATIONS, outputs, strict=True)}  # fmt: skip
+    steer_drafts(llm.engine, lambda seq: answers[tuple(seq.prompt_ids)], monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"method": "dflash", "num_speculative_tokens": 15, "steps": 1, "prompt_lookup": False}]
+    + [{"method": "ngram", "num_speculative_tokens": 7}],
+    ids=["shipped-draft", "prompt-lookup"],
+)
+def test_real_drafts_on_the_real_model(baselines, spec):
+    """The real model with its shipped draft, and with prompt lookup, drafting unsteered:
+    greedy output is plain greedy output token for token, and some drafts are accepted."""
+    llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
+    outs = llm.chat(CONVERSATIONS, GREEDY)
+    assert [o.token_ids for o in outs] == baselines("bf16", 8, COMMON)
+    assert llm.engine.spec_counters.num_accepted_tokens > 0
 
 
 def test_shipped_draft_is_present_and_small():
@@ -42,30 +89,28 @@ def test_shipped_draft_is_present_and_small():
 
 
 @pytest.mark.parametrize(
-    ("method", "kv", "batch", "block", "steps", "kernels"),
+    ("kv", "batch", "block", "steps", "kernels"),
     [
-        ("dflash", "bf16", 8, 16, 1, False),
-        ("dflash", "bf16", 8, 4, 4, False),
-        ("dflash", "turboquant", 8, 4, 1, False),  # denoising steps change the drafts only: S = 4 runs on bf16
-        ("dflash", "bf16", 1, 16, 4, False),
-        ("dflash", "bf16", 1, 16, 1, False),
-        ("dflash", "bf16", 1, 4, 1, False),
-        ("dflash", "turboquant", 1, 4, 1, False),
-        ("dflash", "bf16", 8, 16, 2, True),  # the Pallas drafting kernels (interpreted on CPU)
-        ("ngram", "bf16", 8, 8, 1, False),
+        ("bf16", 8, 16, 1, False),
+        ("bf16", 8, 4, 4, False),
+        ("turboquant", 8, 4, 1, False),  # denoising steps change the drafts only: S = 4 runs on bf16
+        ("bf16", 1, 16, 4, False),
+        ("bf16", 1, 16, 1, False),
+        ("bf16", 1, 4, 1, False),
+        ("turboquant", 1, 4, 1, False),
+        ("bf16", 8, 16, 2, True),  # the Pallas drafting kernels (interpreted on CPU)
     ],
 )
-def test_greedy_speculative_equals_plain_greedy(baselines, method, kv, batch, block, steps, kernels):
-    spec = {"method": method, "num_speculative_tokens": block - 1}
-    if method == "dflash":
-        spec |= {"steps": steps, "draft_kernels": kernels, "prompt_lookup": False}  # the draft model alone
-    llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative=spec, **COMMON)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
+def test_greedy_speculative_equals_plain_greedy(
+    baselines, stand_in_draft, monkeypatch, kv, batch, block, steps, kernels
+):
+    spec = {"method": "dflash", "num_speculative_tokens": block - 1, "steps": steps, "draft_kernels": kernels}
+    llm = stand_in(stand_in_draft, kv, batch, spec | {"prompt_lookup": False})  # the draft model alone
+    steer_to(llm, baselines(kv, batch), monkeypatch)
+    outs = llm.chat(CONVERSATIONS, GREEDY)
     _check_greedy(llm, outs, baselines(kv, batch), kv)
     e = llm.engine
-    assert (
-        e.spec_counters.num_drafts > 0 and 0 <= e.spec_counters.num_accepted_tokens <= e.spec_counters.num_draft_tokens
-    )
+    assert 0 < e.spec_counters.num_accepted_tokens < e.spec_counters.num_draft_tokens
     assert e.spec_counters.accepted_per_pos.sum() == e.spec_counters.num_accepted_tokens
     assert list(e.spec_counters.accepted_per_pos) == sorted(
         e.spec_counters.accepted_per_pos, reverse=True
@@ -95,14 +140,12 @@ def _check_greedy(llm, outs, plain, kv):
 
 
 @pytest.mark.parametrize(("kv", "batch"), [("bf16", 8), ("turboquant", 1)])
-def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
+def test_tree_drafts_keep_plain_greedy_output(baselines, stand_in_draft, monkeypatch, kv, batch):
     """Drafts as a tree of 15 nodes per row (prompt lookup rows verify their chains beside
     them): greedy output is plain greedy output, and some verify passes accept a path that
     leaves the draft's first choices (the point of a tree)."""
-    llm = aj.LLM(
-        "smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative={"method": "dflash", "tree": 15},
-        **COMMON,
-    )  # fmt: skip
+    llm = stand_in(stand_in_draft, kv, batch, {"method": "dflash", "tree": 15})
+    steer_to(llm, baselines(kv, batch), monkeypatch)
     e = llm.engine
     paths, verify = [], e.runner.verify
 
@@ -113,7 +156,7 @@ def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
         return out
 
     e.runner.verify = spy
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
+    outs = llm.chat(CONVERSATIONS, GREEDY)
     _check_greedy(llm, outs, baselines(kv, batch), kv)
     off_chain = 0
     for parents, accepted, path in paths:
@@ -130,12 +173,12 @@ def test_tree_drafts_keep_plain_greedy_output(baselines, kv, batch):
     )
 
 
-def test_adaptive_draft_length_keeps_the_output(baselines):
+def test_adaptive_draft_length_keeps_the_output(baselines, stand_in_draft, monkeypatch):
     """With drafts per step chosen as the engine goes (0, 1, 3, 7 or 15), greedy output is
     still plain greedy output token for token, and every option really ran."""
-    spec = {"method": "dflash", "adaptive": True}
-    llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
+    llm = stand_in(stand_in_draft, "bf16", 8, {"method": "dflash", "adaptive": True})
+    steer_to(llm, baselines("bf16", 8), monkeypatch)
+    outs = llm.chat(CONVERSATIONS, GREEDY)
     assert [o.token_ids for o in outs] == baselines("bf16", 8)
     chooser = llm.engine.draft_length
     assert chooser.options == [0, 1, 3, 7, 15] and all(chooser.chosen[k] > 0 for k in chooser.options)
@@ -146,7 +189,7 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
     """dflash with prompt_lookup: a row whose context has an n-gram match gets prompt lookup's
     drafts, every other row the draft model's; a step where every row matches does not run
     the draft model; greedy output is still plain greedy output token for token."""
-    spec = CHAIN | {"prompt_lookup": True}
+    spec = CHAIN | {"prompt_lookup": True}  # the real model: the stand-in's text never repeats
     llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
     e = llm.engine
     model_calls, steps = [], []
@@ -166,8 +209,8 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
         return out, parents
 
     e.drafter.propose, e.speculator.propose = spy_model, spy
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY)
-    assert [o.token_ids for o in outs] == baselines("bf16", 8)
+    outs = llm.chat(CONVERSATIONS, GREEDY)
+    assert [o.token_ids for o in outs] == baselines("bf16", 8, COMMON)
     mixed = skipped = matched = 0
     for contexts, limits, model, out in steps:
         lookup = [ngram_propose(c, k) if k else [] for c, k in zip(contexts, limits, strict=True)]

@@ -1,12 +1,13 @@
-"""Speculative decoding on the real model: after rejections in every row, each row's target
-keys/values and draft context equal what plain decoding of its committed tokens gives (within
-the rounding of the cache format: see test_speculative_engine.py's docstring)."""
+"""Speculative decoding on the stand-in target (common.STAND_IN) with drafts steered to plain
+decoding's output: after rejections in every row, each row's target keys/values and draft
+context equal what plain decoding of its committed tokens gives (within the rounding of the
+cache format: see test_speculative_engine.py's docstring)."""
 
 import numpy as np
 import pytest
 
 import aither_jax as aj
-from tests.aither_jax.speculative.common import CHAIN, COMMON
+from tests.aither_jax.speculative.common import CHAIN, STAND_IN, STAND_IN_TQ, steer_drafts
 
 ROLLBACK_PROMPTS = [
     "Name five fruits and say what colour each one is.",
@@ -32,17 +33,30 @@ ROLLBACK_TOL = {"fp32": 1e-4, "bf16": 0.03, "turboquant": 0.3}
     ],
     ids=["chain-fp32-1", "tree-fp32-1", "chain-bf16-3", "tree-bf16-3", "chain-turboquant-3"],
 )
-def test_rollback_leaves_the_caches_of_plain_decoding(spec, kv, num_rows):
+def test_rollback_leaves_the_caches_of_plain_decoding(
+    stand_in_draft, stand_in_key_transform, monkeypatch, spec, kv, num_rows
+):
     """Rows of different prompts decode side by side, so a row's rejected drafts could land in
     its own later positions or in another row's pages. After rejections in every row, each row's
     target keys/values and draft context are those plain decoding of its committed tokens gives,
     every vector within ROLLBACK_TOL[kv]."""
     convs = [[{"role": "user", "content": p}] for p in ROLLBACK_PROMPTS[:num_rows]]
+    fmt = STAND_IN_TQ if kv == "turboquant" else kv
     # One spare slot: `hidden_states` below scores in a slot of its own.
-    llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=num_rows + 1, speculative=spec, **COMMON)
-    tok = llm.tokenizer
+    plain = aj.LLM("smollm2-135m", kv_cache_dtype=fmt, max_num_seqs=num_rows + 1, **STAND_IN)
+    tok = plain.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in convs]
     params = aj.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    refs = [plain.engine.add_request(ids, params) for ids in prompts]
+    # A step commits at most 16 tokens, so the speculative run below stops by 61 tokens a row;
+    # plain decoding stops at 62 of its 64, its caches still held.
+    while min(len(r.output_ids) for r in refs) < 62:
+        plain.engine.step()
+    answers = {tuple(ids): r.output_ids for ids, r in zip(prompts, refs, strict=True)}
+
+    spec = spec | {"model": stand_in_draft}
+    llm = aj.LLM("smollm2-135m", kv_cache_dtype=fmt, max_num_seqs=num_rows + 1, speculative=spec, **STAND_IN)
+    steer_drafts(llm.engine, lambda seq: answers[tuple(seq.prompt_ids)], monkeypatch)
     seqs = [llm.engine.add_request(ids, params) for ids in prompts]
 
     def mixed(s):  # the row has had drafts both rejected and accepted
@@ -51,16 +65,12 @@ def test_rollback_leaves_the_caches_of_plain_decoding(spec, kv, num_rows):
     def longest():
         return max(len(s.output_ids) for s in seqs)
 
-    # At least 30 tokens a row, then on until every row is mixed; a step commits at most 16
-    # tokens, so stopping by 46 keeps every row short of its 64 and none finishes.
+    # At least 30 tokens a row, then on until every row is mixed; stopping by 46 keeps every
+    # row short of its 64 and none finishes.
     while longest() < 46 and (longest() < 30 or not all(map(mixed, seqs))):
         llm.engine.step()
     assert all(map(mixed, seqs)), [(s.num_draft_tokens, s.num_accepted_tokens, len(s.output_ids)) for s in seqs]
 
-    plain = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=num_rows + 1, **COMMON)
-    refs = [plain.engine.add_request(ids, params) for ids in prompts]
-    while any(len(r.output_ids) < len(s.output_ids) for r, s in zip(refs, seqs, strict=True)):
-        plain.engine.step()
     drafter, page_size = llm.engine.drafter, llm.engine.page_size
     from models.draft import context_features, context_kv
 

@@ -1,6 +1,6 @@
-"""Speculative decoding on the real model: seeded sampled output equals plain sampling's, the
-sampled tokens follow the target's distribution (and a broken verifier fails that test), and
-warm-up compiles every drafting and verify shape."""
+"""Speculative decoding on the stand-in target (common.STAND_IN): seeded sampled output equals
+plain sampling's, the sampled tokens follow the target's distribution (and a broken verifier
+fails that test), and warm-up compiles every drafting and verify shape."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,25 +9,37 @@ import pytest
 import aither_jax as aj
 from aither_jax.device import steps
 from aither_jax.device.verify import verify
-from tests.aither_jax.speculative.common import CHAIN, COMMON, PROMPTS
+from tests.aither_jax.speculative.common import CHAIN, PROMPTS, STAND_IN, steer_drafts
+
+
+def with_draft(method, draft: str) -> dict:
+    """A speculative config (a method name or a dict) with the stand-in's draft for dflash."""
+    spec = {"method": method} if isinstance(method, str) else dict(method)
+    return spec | {"model": draft} if spec["method"] == "dflash" else spec
 
 
 @pytest.mark.parametrize("method", [CHAIN, "ngram", {"method": "dflash", "tree": 8}, "dflash"])
-def test_sampled_speculative_equals_plain_sampling_with_the_same_seed(method):
+def test_sampled_speculative_equals_plain_sampling_with_the_same_seed(method, stand_in_draft, monkeypatch):
     """The verifier draws each position's token with the key plain decoding uses there, so a
     seeded sampled request emits the same tokens with or without speculation (float32 logits,
-    bf16 KV), whatever shares its batch."""
+    bf16 KV), whatever shares its batch. Drafts are steered to plain sampling's tokens
+    (every third position wrong), so some are accepted and some rejected in every row."""
     convs = [[{"role": "user", "content": p}] for p in PROMPTS[:6]] + [[{"role": "user", "content": PROMPTS[0]}]]
     params = [aj.SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(6)]
     params.append(params[0])  # the same request twice in one batch
-    plain = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=4, **COMMON)
-    expected = [o.token_ids for o in plain.chat(convs, params)]
+    plain = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=4, **STAND_IN)
+    outs = plain.chat(convs, params)
+    expected = [o.token_ids for o in outs]
+    answers = {(tuple(o.prompt_token_ids), p.seed): o.token_ids for o, p in zip(outs, params, strict=True)}
     del plain
-    llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=4, speculative=method, **COMMON)
+    spec = with_draft(method, stand_in_draft)
+    llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=4, speculative=spec, **STAND_IN)
+    steer_drafts(llm.engine, lambda seq: answers[tuple(seq.prompt_ids), seq.params.seed], monkeypatch)
     got = [o.token_ids for o in llm.chat(convs, params)]
     assert got == expected
     assert got[0] == got[-1]
-    assert llm.engine.spec_counters.num_accepted_tokens > 0  # some emitted tokens came through accepted drafts
+    c = llm.engine.spec_counters
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens  # some emitted tokens came through accepted drafts
 
 
 def test_sampled_speculative_matches_the_targets_distribution(monkeypatch):
@@ -70,7 +82,7 @@ def _two_token_chisquare(monkeypatch, n: int = 800):
 
     llm = aj.LLM(
         "smollm2-135m", kv_cache_dtype="fp32", max_num_seqs=32, speculative="ngram", enable_prefix_caching=True,
-        **COMMON,
+        **STAND_IN,
     )  # fmt: skip
     tok = llm.tokenizer
     conv = [{"role": "user", "content": "Pick a colour."}]
@@ -122,11 +134,12 @@ def _two_token_chisquare(monkeypatch, n: int = 800):
     [{"method": "dflash", "num_speculative_tokens": 7}, {"method": "ngram", "num_speculative_tokens": 7}]
     + [{"method": "dflash", "tree": 7}],
 )
-def test_warmup_covers_drafting_and_verify_shapes(spec, caplog):
+def test_warmup_covers_drafting_and_verify_shapes(spec, stand_in_draft, monkeypatch, caplog):
     llm = aj.LLM(
-        "smollm2-135m", speculative=spec,
-        max_num_seqs=2, num_pages=40, **{**COMMON, "max_model_len": 256},
+        "smollm2-135m", speculative=with_draft(spec, stand_in_draft),
+        max_num_seqs=2, num_pages=40, **{**STAND_IN, "max_model_len": 256},
     )  # fmt: skip
+    steer_drafts(llm.engine, lambda seq: [], monkeypatch)  # prompt lookup alone: placeholder drafts
     convs = [[{"role": "user", "content": p}] for p in PROMPTS[4:6]]
     llm.chat(convs, aj.SamplingParams(max_tokens=1, temperature=0.0))  # compiles the prefill shapes
     assert llm.warmup(max_len=120, sampling=False) == 2  # rows {1, 2} x pages {8}
