@@ -191,7 +191,6 @@ def forward(
             the rotated-domain algorithm in jnp (for backends without the kernels); "reference"
             encodes with the jnp codec, decodes the pages and runs the jnp reference everywhere;
             "invariant" is `models.llama_invariant.invariant_forward`'s (the step functions pick it).
-
         tree: a draft tree per row (speculative verification), as (depth [B, T], ancestor
             mask [B, T, T]) from `tree_depth_and_mask`: new token i sits at position start +
             depth[i] and attends to its ancestors and itself instead of every earlier new

@@ -3,7 +3,7 @@ two-block stand-in target with a draft made for it, and drafts steered to a know
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 
@@ -38,6 +38,19 @@ STAND_IN = dict(COMMON, _num_layers=2)
 STAND_IN_TQ = "tq-k6v5-k5@0-v4@1-pc-s2"
 
 
+def stand_in_llm(kv: str, max_num_seqs: int, speculative=None, *, draft: str | None = None, **options) -> aj.LLM:
+    """An `LLM` on the stand-in target: KV format `kv` ("turboquant": STAND_IN_TQ), and a
+    speculative config (a method name or a dict) whose dflash drafts come from `draft`."""
+    if isinstance(speculative, str):
+        speculative = {"method": speculative}
+    if speculative is not None and speculative["method"] == "dflash":
+        speculative = speculative | {"model": draft}
+    return aj.LLM(
+        "smollm2-135m", kv_cache_dtype=STAND_IN_TQ if kv == "turboquant" else kv, max_num_seqs=max_num_seqs,
+        speculative=speculative, **{**STAND_IN, **options},
+    )  # fmt: skip
+
+
 def write_stand_in_draft(path) -> str:
     """A DFlash draft (random weights, one layer, block of 16) for the stand-in target: it runs
     every drafting path; `steer_drafts` then decides which of its drafts are right."""
@@ -51,15 +64,18 @@ def every_third_wrong(position: int) -> bool:
     return position % 3 == 2
 
 
-def steer_drafts(engine, answer: Callable, monkeypatch, wrong: Callable[[int], bool] = every_third_wrong) -> None:
+def steer_drafts(
+    engine, answers: Mapping[tuple[int, ...], list[int]], monkeypatch, wrong: Callable[[int], bool] = every_third_wrong
+) -> None:
     """Lets the speculator draft as it does (the draft model runs, its context is written;
     prompt lookup alone, which finds nothing in the stand-in's text, proposes placeholders
-    through `monkeypatch`), then sets each draft token to what `answer(sequence)` (the full output plain decoding
-    gives) has at that position, except at output positions where `wrong` says so: there,
-    and past the known answer, a token that is not the answer's. In a tree, the right tokens
-    lie along one path that takes each node's second child where it has one, so accepted
-    paths leave the draft's first choices; every other node is wrong. A row's drafts are then
-    right up to a known point: verification must accept exactly those and nothing after."""
+    through `monkeypatch`), then sets each draft token to what the answer to its prompt
+    (`answers[prompt ids]`: the output plain decoding gives) has at that position, except at
+    output positions where `wrong` says so: there, and past the known answer, a token that is
+    not the answer's. In a tree, the right tokens lie along one path that takes each node's
+    second child where it has one, so accepted paths leave the draft's first choices; every
+    other node is wrong. A row's drafts are then right up to a known point: verification must
+    accept exactly those and nothing after."""
     if engine.speculator.drafter is None:
         monkeypatch.setattr(speculate, "ngram_propose", lambda tokens, k, **_: [0] * k)
     propose, vocab = engine.speculator.propose, engine.cfg.vocab_size
@@ -69,7 +85,7 @@ def steer_drafts(engine, answer: Callable, monkeypatch, wrong: Callable[[int], b
         out = []
         for i, ((seq, _), d) in enumerate(zip(rows, drafts, strict=True)):
             done = len(seq.output_ids)
-            want = list(answer(seq))[done:]
+            want = list(answers.get(tuple(seq.prompt_ids), []))[done:]
             chain = list(range(len(d))) if parents is None else parents[i]
             out.append(_steer(d, chain, want, done, wrong, vocab))
         return out, parents
@@ -78,11 +94,12 @@ def steer_drafts(engine, answer: Callable, monkeypatch, wrong: Callable[[int], b
 
 
 def _steer(drafts, parents, want, done, wrong, vocab) -> list[int]:
+    """`drafts` (node i + 1 of a tree whose node parents[i] is its parent, 0 the root) set
+    right along the steered path (`steer_drafts`), `want` being the answer from the root on."""
     children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents, start=1):
-        children.setdefault(parent, []).append(node)
     depth = [0] * (len(drafts) + 1)
-    for node, parent in enumerate(parents, start=1):
+    for node, parent in enumerate(parents, start=1):  # a parent comes before its children
+        children.setdefault(parent, []).append(node)
         depth[node] = depth[parent] + 1
     right, node = set(), 0
     while children.get(node) and depth[node] < len(want) and not wrong(done + depth[node]):

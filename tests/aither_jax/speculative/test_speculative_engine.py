@@ -18,53 +18,38 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
+from aither_jax.context.prompt import chat_prompt
 from aither_jax.speculative.ngram import ngram_propose
 from models.registry import shipped_draft
-from tests.aither_jax.speculative.common import (
-    CHAIN,
-    COMMON,
-    GREEDY,
-    MAX_GAP,
-    PROMPTS,
-    STAND_IN,
-    STAND_IN_TQ,
-    steer_drafts,
-)
+from tests.aither_jax.speculative.common import CHAIN, COMMON, GREEDY, MAX_GAP, PROMPTS, stand_in_llm, steer_drafts
 
 CONVERSATIONS = [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
 def baselines(stand_in_key_transform):
-    """Plain greedy outputs per (KV format, batch size, model settings: STAND_IN or COMMON)."""
+    """Plain greedy outputs per (KV format, batch size, on the stand-in or the real model)."""
     cache = {}
 
-    def get(kv, batch, settings=STAND_IN):
-        kv = STAND_IN_TQ if kv == "turboquant" and settings is STAND_IN else kv
-        key = kv, batch, settings is STAND_IN
-        if key not in cache:
-            llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, **settings)
-            cache[key] = [o.token_ids for o in llm.chat(CONVERSATIONS, GREEDY)]
-        return cache[key]
+    def get(kv, batch, real=False):
+        if (kv, batch, real) not in cache:
+            if real:
+                llm = aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, **COMMON)
+            else:
+                llm = stand_in_llm(kv, batch)
+            cache[kv, batch, real] = [o.token_ids for o in llm.chat(CONVERSATIONS, GREEDY)]
+        return cache[kv, batch, real]
 
     return get
 
 
-def stand_in(stand_in_draft, kv, batch, spec) -> aj.LLM:
-    """An engine on the stand-in target whose DFlash drafts are steered to plain decoding's
-    output (`steer_drafts`): every third output position wrong."""
-    if isinstance(spec, str):
-        spec = {"method": spec}
-    if spec["method"] == "dflash":
-        spec = spec | {"model": stand_in_draft}
-    kv = STAND_IN_TQ if kv == "turboquant" else kv
-    return aj.LLM("smollm2-135m", kv_cache_dtype=kv, max_num_seqs=batch, speculative=spec, **STAND_IN)
-
-
-def steer_to(llm, outputs, monkeypatch) -> None:
-    answers = {tuple(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c, add_generation_prompt=True))): o
-               for c, o in zip(CONVERSATIONS, outputs, strict=True)}  # fmt: skip
-    steer_drafts(llm.engine, lambda seq: answers[tuple(seq.prompt_ids)], monkeypatch)
+def stand_in(stand_in_draft, kv, batch, spec, baseline, monkeypatch) -> aj.LLM:
+    """An engine on the stand-in target whose drafts are steered to plain decoding's output
+    `baseline` (`steer_drafts`): every third output position wrong."""
+    llm = stand_in_llm(kv, batch, spec, draft=stand_in_draft)
+    prompts = [tuple(chat_prompt(llm.tokenizer, c).ids) for c in CONVERSATIONS]
+    steer_drafts(llm.engine, dict(zip(prompts, baseline, strict=True)), monkeypatch)
+    return llm
 
 
 @pytest.mark.parametrize(
@@ -78,7 +63,7 @@ def test_real_drafts_on_the_real_model(baselines, spec):
     greedy output is plain greedy output token for token, and some drafts are accepted."""
     llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=8, speculative=spec, **COMMON)
     outs = llm.chat(CONVERSATIONS, GREEDY)
-    assert [o.token_ids for o in outs] == baselines("bf16", 8, COMMON)
+    assert [o.token_ids for o in outs] == baselines("bf16", 8, real=True)
     assert llm.engine.spec_counters.num_accepted_tokens > 0
 
 
@@ -105,8 +90,8 @@ def test_greedy_speculative_equals_plain_greedy(
     baselines, stand_in_draft, monkeypatch, kv, batch, block, steps, kernels
 ):
     spec = {"method": "dflash", "num_speculative_tokens": block - 1, "steps": steps, "draft_kernels": kernels}
-    llm = stand_in(stand_in_draft, kv, batch, spec | {"prompt_lookup": False})  # the draft model alone
-    steer_to(llm, baselines(kv, batch), monkeypatch)
+    spec |= {"prompt_lookup": False}  # the draft model alone
+    llm = stand_in(stand_in_draft, kv, batch, spec, baselines(kv, batch), monkeypatch)
     outs = llm.chat(CONVERSATIONS, GREEDY)
     _check_greedy(llm, outs, baselines(kv, batch), kv)
     e = llm.engine
@@ -144,8 +129,7 @@ def test_tree_drafts_keep_plain_greedy_output(baselines, stand_in_draft, monkeyp
     """Drafts as a tree of 15 nodes per row (prompt lookup rows verify their chains beside
     them): greedy output is plain greedy output, and some verify passes accept a path that
     leaves the draft's first choices (the point of a tree)."""
-    llm = stand_in(stand_in_draft, kv, batch, {"method": "dflash", "tree": 15})
-    steer_to(llm, baselines(kv, batch), monkeypatch)
+    llm = stand_in(stand_in_draft, kv, batch, {"method": "dflash", "tree": 15}, baselines(kv, batch), monkeypatch)
     e = llm.engine
     paths, verify = [], e.runner.verify
 
@@ -176,8 +160,8 @@ def test_tree_drafts_keep_plain_greedy_output(baselines, stand_in_draft, monkeyp
 def test_adaptive_draft_length_keeps_the_output(baselines, stand_in_draft, monkeypatch):
     """With drafts per step chosen as the engine goes (0, 1, 3, 7 or 15), greedy output is
     still plain greedy output token for token, and every option really ran."""
-    llm = stand_in(stand_in_draft, "bf16", 8, {"method": "dflash", "adaptive": True})
-    steer_to(llm, baselines("bf16", 8), monkeypatch)
+    spec = {"method": "dflash", "adaptive": True}
+    llm = stand_in(stand_in_draft, "bf16", 8, spec, baselines("bf16", 8), monkeypatch)
     outs = llm.chat(CONVERSATIONS, GREEDY)
     assert [o.token_ids for o in outs] == baselines("bf16", 8)
     chooser = llm.engine.draft_length
@@ -210,7 +194,7 @@ def test_prompt_lookup_drafts_the_rows_whose_context_repeats(baselines):
 
     e.drafter.propose, e.speculator.propose = spy_model, spy
     outs = llm.chat(CONVERSATIONS, GREEDY)
-    assert [o.token_ids for o in outs] == baselines("bf16", 8, COMMON)
+    assert [o.token_ids for o in outs] == baselines("bf16", 8, real=True)
     mixed = skipped = matched = 0
     for contexts, limits, model, out in steps:
         lookup = [ngram_propose(c, k) if k else [] for c, k in zip(contexts, limits, strict=True)]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
-from tests.aither_jax.speculative.common import CHAIN, STAND_IN, STAND_IN_TQ, steer_drafts
+from aither_jax.context.prompt import chat_prompt
+from tests.aither_jax.speculative.common import CHAIN, stand_in_llm, steer_drafts
 
 ROLLBACK_PROMPTS = [
     "Name five fruits and say what colour each one is.",
@@ -41,22 +42,17 @@ def test_rollback_leaves_the_caches_of_plain_decoding(
     target keys/values and draft context are those plain decoding of its committed tokens gives,
     every vector within ROLLBACK_TOL[kv]."""
     convs = [[{"role": "user", "content": p}] for p in ROLLBACK_PROMPTS[:num_rows]]
-    fmt = STAND_IN_TQ if kv == "turboquant" else kv
     # One spare slot: `hidden_states` below scores in a slot of its own.
-    plain = aj.LLM("smollm2-135m", kv_cache_dtype=fmt, max_num_seqs=num_rows + 1, **STAND_IN)
-    tok = plain.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in convs]
+    plain = stand_in_llm(kv, num_rows + 1)
+    prompts = [chat_prompt(plain.tokenizer, c).ids for c in convs]
     params = aj.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     refs = [plain.engine.add_request(ids, params) for ids in prompts]
     # A step commits at most 16 tokens, so the speculative run below stops by 61 tokens a row;
     # plain decoding stops at 62 of its 64, its caches still held.
     while min(len(r.output_ids) for r in refs) < 62:
         plain.engine.step()
-    answers = {tuple(ids): r.output_ids for ids, r in zip(prompts, refs, strict=True)}
-
-    spec = spec | {"model": stand_in_draft}
-    llm = aj.LLM("smollm2-135m", kv_cache_dtype=fmt, max_num_seqs=num_rows + 1, speculative=spec, **STAND_IN)
-    steer_drafts(llm.engine, lambda seq: answers[tuple(seq.prompt_ids)], monkeypatch)
+    llm = stand_in_llm(kv, num_rows + 1, spec, draft=stand_in_draft)
+    steer_drafts(llm.engine, {tuple(ids): r.output_ids for ids, r in zip(prompts, refs, strict=True)}, monkeypatch)
     seqs = [llm.engine.add_request(ids, params) for ids in prompts]
 
     def mixed(s):  # the row has had drafts both rejected and accepted

@@ -9,13 +9,7 @@ import pytest
 import aither_jax as aj
 from aither_jax.device import steps
 from aither_jax.device.verify import verify
-from tests.aither_jax.speculative.common import CHAIN, PROMPTS, STAND_IN, steer_drafts
-
-
-def with_draft(method, draft: str) -> dict:
-    """A speculative config (a method name or a dict) with the stand-in's draft for dflash."""
-    spec = {"method": method} if isinstance(method, str) else dict(method)
-    return spec | {"model": draft} if spec["method"] == "dflash" else spec
+from tests.aither_jax.speculative.common import CHAIN, PROMPTS, stand_in_llm, steer_drafts
 
 
 @pytest.mark.parametrize("method", [CHAIN, "ngram", {"method": "dflash", "tree": 8}, "dflash"])
@@ -27,14 +21,12 @@ def test_sampled_speculative_equals_plain_sampling_with_the_same_seed(method, st
     convs = [[{"role": "user", "content": p}] for p in PROMPTS[:6]] + [[{"role": "user", "content": PROMPTS[0]}]]
     params = [aj.SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(6)]
     params.append(params[0])  # the same request twice in one batch
-    plain = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=4, **STAND_IN)
+    plain = stand_in_llm("bf16", 4)
     outs = plain.chat(convs, params)
     expected = [o.token_ids for o in outs]
-    answers = {(tuple(o.prompt_token_ids), p.seed): o.token_ids for o, p in zip(outs, params, strict=True)}
     del plain
-    spec = with_draft(method, stand_in_draft)
-    llm = aj.LLM("smollm2-135m", kv_cache_dtype="bf16", max_num_seqs=4, speculative=spec, **STAND_IN)
-    steer_drafts(llm.engine, lambda seq: answers[tuple(seq.prompt_ids), seq.params.seed], monkeypatch)
+    llm = stand_in_llm("bf16", 4, method, draft=stand_in_draft)
+    steer_drafts(llm.engine, {tuple(o.prompt_token_ids): o.token_ids for o in outs}, monkeypatch)
     got = [o.token_ids for o in llm.chat(convs, params)]
     assert got == expected
     assert got[0] == got[-1]
@@ -80,10 +72,7 @@ def _two_token_chisquare(monkeypatch, n: int = 800):
     the target's exact joint distribution: (p-value, counts, the engine)."""
     from scipy.stats import chisquare
 
-    llm = aj.LLM(
-        "smollm2-135m", kv_cache_dtype="fp32", max_num_seqs=32, speculative="ngram", enable_prefix_caching=True,
-        **STAND_IN,
-    )  # fmt: skip
+    llm = stand_in_llm("fp32", 32, "ngram", enable_prefix_caching=True)
     tok = llm.tokenizer
     conv = [{"role": "user", "content": "Pick a colour."}]
     ids = tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True))
@@ -135,11 +124,8 @@ def _two_token_chisquare(monkeypatch, n: int = 800):
     + [{"method": "dflash", "tree": 7}],
 )
 def test_warmup_covers_drafting_and_verify_shapes(spec, stand_in_draft, monkeypatch, caplog):
-    llm = aj.LLM(
-        "smollm2-135m", speculative=with_draft(spec, stand_in_draft),
-        max_num_seqs=2, num_pages=40, **{**STAND_IN, "max_model_len": 256},
-    )  # fmt: skip
-    steer_drafts(llm.engine, lambda seq: [], monkeypatch)  # prompt lookup alone: placeholder drafts
+    llm = stand_in_llm("auto", 2, spec, draft=stand_in_draft, num_pages=40, max_model_len=256)
+    steer_drafts(llm.engine, {}, monkeypatch)  # prompt lookup alone: placeholder drafts
     convs = [[{"role": "user", "content": p}] for p in PROMPTS[4:6]]
     llm.chat(convs, aj.SamplingParams(max_tokens=1, temperature=0.0))  # compiles the prefill shapes
     assert llm.warmup(max_len=120, sampling=False) == 2  # rows {1, 2} x pages {8}
