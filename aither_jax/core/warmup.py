@@ -16,16 +16,24 @@ from tqdm.auto import tqdm
 from aither_jax.compile.buckets import bucket
 from aither_jax.compile.code_maps import CodeMapBudget
 from aither_jax.compile.services import CompileServices
-from aither_jax.compile.shapes import checked_shape, shape_record
+from aither_jax.compile.shapes import checked_shape, shape_key, shape_record
 from aither_jax.compile.step_jit import compile_workers
 from aither_jax.core.runner import MIN_TOKEN_BUCKET, ModelRunner
 from aither_jax.core.speculate import chain_parents
 from aither_jax.device.sampling import SamplingBatch
-from aither_jax.device.steps import decode_steps, forward_step, refill_sinks, verify_step, write_step
+from aither_jax.device.steps import decode_steps, forward_step, refill_sinks, sample_step, verify_step, write_step
 from models.kv_spec import MAX_SINK_TOKENS
 from models.llama import StepBatch
 
 log = logging.getLogger(__name__)
+
+
+def program_key(record: dict[str, Any]) -> tuple:
+    """What fixes a shape record's compiled program: its fields, except that forward steps
+    greedy or not, and returning no logits or the last ones, share one (`forward_step`)."""
+    if record["kind"] != "forward":
+        return shape_key(record)
+    return shape_key({**record, "greedy": True, "logits": "all" if record["logits"] == "all" else "none"})
 
 
 class Compiler:
@@ -197,7 +205,7 @@ class Compiler:
                 log.warning("step shape %s skipped: %s", record, why)
             else:
                 usable.append(record)
-        writes: set[str] = set()
+        compiled: set = set()  # programs submitted: records that share one are compiled once
         done = 0
         self.code_budget.release_if_over()  # earlier shapes' code does not stop this one
         bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
@@ -220,17 +228,25 @@ class Compiler:
                         self.code_budget.limit,
                     )
                     break
+                if record["kind"] == "forward" and not record["greedy"] and ("sample", record["rows"]) not in compiled:
+                    compiled.add(("sample", record["rows"]))
+                    submit(self._lower_sampler(record["rows"]))
+                if program_key(record) in compiled:  # a greedy twin's program (or the same record twice)
+                    r.shapes.add(record)
+                    done += 1
+                    continue
+                compiled.add(program_key(record))
                 lowered, update, hidden = self._lower(record)
                 submit(lowered)
                 if update is not None:
                     key = str(jax.tree.map(lambda a: (a.shape, a.dtype), update))
-                    if key not in writes:
-                        writes.add(key)
+                    if key not in compiled:
+                        compiled.add(key)
                         submit(write_step.lower(r.cache, update))
                 if hidden is not None and r.drafter is not None:  # the draft context write
                     key = f"draft {hidden.shape}"
-                    if key not in writes:
-                        writes.add(key)
+                    if key not in compiled:
+                        compiled.add(key)
                         submit(r.drafter.lower_write(hidden, r.cache.block_tables, record["rows"]))
                 r.shapes.add(record)
                 done += 1
@@ -300,11 +316,19 @@ class Compiler:
             tokens, batch, params, record["pages"], record["logits"], record["greedy"],
             taps=tuple(record["taps"]), shared_pages=record["shared_pages"],
         )  # fmt: skip
-        lowered = forward_step.lower(*args, **static)
+        static["all_logits"] = static.pop("return_logits") == "all"
+        del static["greedy_only"]  # sampled rows draw in `sample_step` (`_lower_sampler`)
+        lowered = forward_step.lower(*args[:4], **static)
         # Only a call with the draft's own taps writes the draft's context (`forward` with other
         # taps, for scoring or for a draft's training data, returns them and writes nothing).
         drafting = bool(r.taps) and tuple(record["taps"]) == tuple(r.taps)
-        return lowered, lowered.out_info[2], lowered.out_info[3] if drafting else None
+        return lowered, lowered.out_info[3], lowered.out_info[4] if drafting else None
+
+    def _lower_sampler(self, num_rows: int):
+        """`sample_step` lowered for forward steps of `num_rows` rows with sampled rows."""
+        _, batch, params = self.runner.padding_rows(num_rows, greedy_only=False)
+        logits = jax.ShapeDtypeStruct((num_rows, self.runner.weights.lm_head.shape[0]), np.float32)
+        return sample_step.lower(logits, params, batch.start)
 
     def _warm_speculative(self, batch: StepBatch, params: SamplingBatch, num_pages: int, greedy_only: bool) -> None:
         """Compiles the drafting call and the verify pass of one decode shape on padding rows."""

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from aither_jax.compile.step_jit import step_jit
-from aither_jax.device.sampling import SamplingBatch, sample_tokens
+from aither_jax.device.sampling import SamplingBatch, greedy_tokens, sample_tokens
 from aither_jax.device.verify import verify, verify_tree
 from models.config import ModelConfig
 from models.kv_cache import NULL_PAGE, PagedKVCache
@@ -38,43 +38,35 @@ def model_forward(
     return invariant_forward(weights, cache, tokens, batch, **kwargs)
 
 
-@step_jit(
-    static_argnames=(
-        "cfg",
-        "num_pages",
-        "return_logits",
-        "greedy_only",
-        "attention",
-        "taps",
-        "shared_pages",
-        "mass_layers",
-    )
-)
+@step_jit(static_argnames=("cfg", "num_pages", "all_logits", "attention", "taps", "shared_pages", "mass_layers"))
 def forward_step(
     weights: ModelWeights,
     cache: PagedKVCache,
     tokens: jax.Array,  # [B, T] int32
     batch: StepBatch,
-    sampling: SamplingBatch,
     *,
     cfg: ModelConfig,
     num_pages: int,
-    return_logits: str,
-    greedy_only: bool,
+    all_logits: bool,
     attention: str = "reference",
     taps: tuple[int, ...] = (),
     shared_pages: int = 0,
     mass_layers: tuple[int, ...] = (),
-) -> tuple[jax.Array, jax.Array | None, KVUpdate, jax.Array | None]:
-    """Samples the token after each row's last new token (`models.llama.forward` explains
-    `num_pages`, `shared_pages` and `mass_layers`).
+) -> tuple[jax.Array, jax.Array, jax.Array | None, KVUpdate, jax.Array | None]:
+    """Runs the model over [B, T] new tokens and picks each row's greedy next token
+    (`models.llama.forward` explains `num_pages`, `shared_pages` and `mass_layers`).
+
+    Sampled rows draw from the returned last logits in `sample_step`, a call of its own: the
+    sampler (top-k/top-p thresholds, Gumbel draws over the whole vocabulary) compiles in about
+    2.5 s on 2 CPU cores, and as a separate program it compiles once per row count instead of
+    once per forward shape (tokens per row, pages read, ...), whose programs are then the same
+    for greedy and sampled batches.
 
     Returns:
-        next_tokens [B] int32; logits float32 by `return_logits`: None ("none"), each row's
-        last new position [B, V] ("last") or every position [B, T, V] ("all"); the update
-        to apply with `write_step`; the hidden states of the layers in `taps` (or None).
+        greedy next tokens [B] int32; each row's last new position's logits [B, V] float32;
+        every position's logits [B, T, V] with `all_logits` (else None); the update to apply
+        with `write_step`; the hidden states of the layers in `taps` (or None).
     """
-    all_logits = return_logits == "all"
     static = dict(
         cfg=cfg, num_pages=num_pages, all_logits=all_logits, attention=attention, taps=taps, shared_pages=shared_pages,
         mass_layers=mass_layers,
@@ -85,9 +77,15 @@ def forward_step(
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     else:
         last_logits = logits
-    next_tokens = sample_tokens(last_logits, sampling, update.seq_lens, greedy_only=greedy_only)
-    returned = {"none": None, "last": last_logits, "all": logits}[return_logits]
-    return next_tokens, returned, update, hidden
+    return greedy_tokens(last_logits), last_logits, logits if all_logits else None, update, hidden
+
+
+@step_jit
+def sample_step(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array) -> jax.Array:
+    """The next token of every row of a forward step with sampled rows: `sample_tokens` of its
+    last logits [B, V] at `positions` [B] (the rows' lengths after the step), greedy rows
+    included (temperature 0 takes the argmax)."""
+    return sample_tokens(logits, sampling, positions, greedy_only=False)
 
 
 @step_jit(static_argnames=("cfg", "num_pages", "greedy_only", "attention", "taps", "return_logits"))
@@ -156,22 +154,24 @@ def decode_steps(
     (vLLM's multi-step scheduling): one dispatch and one host sync for `num_steps` tokens.
 
     Row b takes limits[b] steps (the call runs max(limits)); in the later ones it is a
-    padding row (no slot, so nothing is written for it). Each step is `forward_step` then
-    `write_step`, the same functions a single step calls, so every token and every page
-    written is what single steps give. `num_pages` must cover every row's final length,
-    start + limits.
+    padding row (no slot, so nothing is written for it). Each step is `forward_step` (then
+    `sample_step`'s sampler on batches with sampled rows) and `write_step`, the functions a
+    single step calls, so every token and every page written is what single steps give.
+    `num_pages` must cover every row's final length, start + limits.
 
     Returns (the sampled tokens [B, num_steps] int32: entries j >= limits[b] are not
     meaningful, the cache).
     """
-    static = dict(cfg=cfg, num_pages=num_pages, return_logits="none", greedy_only=greedy_only, attention=attention)
+    static = dict(cfg=cfg, num_pages=num_pages, all_logits=False, attention=attention)
 
     def forward_at(cache, last, j):
         live = j < limits
         slots = jnp.where(live, batch.slots, cache.max_seqs)
         batch_j = StepBatch(slots, batch.start + j, jnp.where(live, batch.num_new, 0), batch.offset)
         # The step functions' bodies (`__wrapped__`): a jit inside a jit takes no compiler options.
-        next_tokens, _, update, _ = forward_step.__wrapped__(weights, cache, last, batch_j, sampling, **static)
+        next_tokens, logits, _, update, _ = forward_step.__wrapped__(weights, cache, last, batch_j, **static)
+        if not greedy_only:
+            next_tokens = sample_step.__wrapped__(logits, sampling, update.seq_lens)
         return next_tokens, update
 
     def step(j, carry):
@@ -260,10 +260,18 @@ def model_step(
     sampling: SamplingBatch,
     **static,
 ) -> tuple[jax.Array, jax.Array | None, PagedKVCache, jax.Array | None, jax.Array | None]:
-    """One full step: `forward_step` (which takes the keyword arguments `static`) then
-    `write_step`. Returns (next_tokens, logits, cache, tapped hidden states or None, with
-    `mass_layers` (attention mass per page read, each row's query summary) else None)."""
-    next_tokens, logits, update, hidden = forward_step(weights, cache, tokens, batch, sampling, **static)
+    """One full step: `forward_step` (which takes the keyword arguments `static`, but
+    `return_logits` ("none", "last" or "all") for its `all_logits`), `sample_step` unless
+    `greedy_only`, then `write_step`. Returns (next_tokens, logits by `return_logits`, cache,
+    tapped hidden states or None, with `mass_layers` (attention mass per page read, each row's
+    query summary) else None)."""
+    return_logits, greedy_only = static.pop("return_logits"), static.pop("greedy_only")
+    next_tokens, last, every, update, hidden = forward_step(
+        weights, cache, tokens, batch, all_logits=return_logits == "all", **static
+    )
+    if not greedy_only:
+        next_tokens = sample_step(last, sampling, update.seq_lens)
+    logits = {"none": None, "last": last, "all": every}[return_logits]
     mass = None if update.attention_mass is None else (update.attention_mass, update.query_summary)
     update = update.replace(attention_mass=None, query_summary=None)
     return next_tokens, logits, write_step(cache, update), hidden, mass

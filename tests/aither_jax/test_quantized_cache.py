@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
+from aither_jax.eval import NEAR_TIE_NATS, divergence_gap
 from models.kv_cache import init_cache
 from models.registry import load_model
 from pallas_kernels.tq_attention import tq_paged_attention_reference
@@ -153,12 +154,21 @@ def test_quality_orders_by_bits(real_logits, long_ids):
     assert drift["tq8"] < drift["tq4"] < drift["tq2"]
 
 
+CODE_FLIP_NATS = 0.5
+
+
 def test_batch_equals_alone_with_quantized_cache(tiny_tq4):
     prompts = ["Once upon a time", "The capital of Spain is", TEXT[:400]]
     params = aj.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     together = tiny_tq4.generate(prompts, params)
-    for p, out in zip(prompts, together, strict=True):
-        assert out.token_ids == tiny_tq4.generate([p], params)[0].token_ids
+    alone = [tiny_tq4.generate([p], params)[0] for p in prompts]
+    # XLA's CPU matmuls sum in another order for another row count; on some CPUs (AMD EPYC
+    # Zen 3) that last bit moves a key across a codebook cell boundary, and the flipped code
+    # moves this random-weight stand-in's logits by up to ~0.4 nats (measured 0.37), so a row
+    # may part from its run alone where two tokens lie that close. A row reading another
+    # row's pages parts by far more.
+    gaps = [divergence_gap(tiny_tq4, a, b) for a, b in zip(alone, together, strict=True)]
+    assert sum(g == 0.0 for g in gaps) >= 2 and all(g is not None and g <= CODE_FLIP_NATS for g in gaps), gaps
 
 
 def test_quantized_pool_layout_and_size(real):
@@ -275,7 +285,8 @@ def test_pallas_attention_path_matches_reference_path(short_ids, exact_40, monke
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.95
     params = aj.SamplingParams(max_tokens=4, temperature=0.0)
     gaps.clear()
-    assert ker.generate([TEXT[:100]], params)[0].token_ids == ref.generate([TEXT[:100]], params)[0].token_ids
+    gap = divergence_gap(ref, ref.generate([TEXT[:100]], params)[0], ker.generate([TEXT[:100]], params)[0])
+    assert gap is not None and gap <= NEAR_TIE_NATS, gap  # the same tokens, or parted at a near-tie
     assert len(gaps) >= 4 * 4 and max(gaps) < 1e-4
 
 
@@ -299,7 +310,8 @@ def test_pallas_path_loading_byte_planes_matches_reference_path(short_ids, exact
     assert np.abs(a - b).mean() < 0.3 * np.abs(b - exact_40).mean()
     assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.95
     params = aj.SamplingParams(max_tokens=4, temperature=0.0)
-    assert ker.generate([TEXT[:100]], params)[0].token_ids == ref.generate([TEXT[:100]], params)[0].token_ids
+    gap = divergence_gap(ref, ref.generate([TEXT[:100]], params)[0], ker.generate([TEXT[:100]], params)[0])
+    assert gap is not None and gap <= NEAR_TIE_NATS, gap  # the same tokens, or parted at a near-tie
 
 
 def test_xla_attention_path_matches_reference_path(stand_in_model, short_ids, exact_40, monkeypatch, tmp_path):

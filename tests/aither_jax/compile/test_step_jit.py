@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from aither_jax.compile import step_jit as sj
-from aither_jax.device.steps import forward_step, write_step
+from aither_jax.device.steps import forward_step, sample_step, write_step
 
 
 @pytest.fixture
@@ -58,8 +58,9 @@ def test_cpu_steps_do_work_that_does_not_depend_on_a_layer_where_the_layer_needs
 
 
 def test_the_engine_steps_are_step_functions():
-    assert isinstance(forward_step, sj.StepFunction) and isinstance(write_step, sj.StepFunction)
-    assert forward_step.__name__ == "forward_step" and "Samples the token" in forward_step.__doc__
+    for step in (forward_step, sample_step, write_step):
+        assert isinstance(step, sj.StepFunction)
+    assert forward_step.__name__ == "forward_step" and "greedy next token" in forward_step.__doc__
 
 
 def test_an_option_the_compiler_rejects_is_dropped_with_a_warning(fresh_options, monkeypatch, caplog):

@@ -10,7 +10,7 @@ import aither_jax as aj
 from aither_jax.compile.buckets import bucket, page_bucket
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.core.runner import MIN_PAGE_BUCKET, MIN_WIDE_PAGE_BUCKET, WIDE_STEP_ROWS
-from aither_jax.device.steps import decode_steps
+from aither_jax.device.steps import decode_steps, forward_step
 from tests.conftest import TINY
 
 GREEDY = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -222,6 +222,20 @@ def test_warmup_compiles_decode_shapes_and_later_new_shapes_warn(caplog):
         llm.warmup(max_len=1000)
 
 
+def test_sampled_batches_run_the_greedy_forward_programs():
+    """Sampled rows draw from the forward step's last logits in `sample_step`, a call of its
+    own, so a sampled batch runs exactly the forward programs its greedy twin compiled."""
+    llm = aj.LLM(
+        "smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, num_pages=44, progress=False, **TINY
+    )
+    prompts = ["A short prompt", "Another one"]
+    greedy = llm.generate(prompts, aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    programs = forward_step.jitted._cache_size()
+    sampled = llm.generate(prompts, aj.SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True))
+    assert forward_step.jitted._cache_size() == programs
+    assert [o.token_ids for o in sampled] != [o.token_ids for o in greedy]
+
+
 def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
     """Steps of WIDE_STEP_ROWS rows or more read from MIN_WIDE_PAGE_BUCKET pages up, narrower
     ones from MIN_PAGE_BUCKET: warm-up to 8 pages compiles pages {8} for rows 1, 2 and 4 and
@@ -272,10 +286,12 @@ def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch,
 
     monkeypatch.setattr(compiler, "precompile", counted)
     assert llm.warmup(max_len=120, sampling=True, workers=2) == 4  # rows {1, 2} x {greedy, sampled}, 8 pages
-    # Per shape a decode step (and with ngram 2 verify buckets, 4 and 8 tokens), one write per
-    # distinct update shape; fused decode steps (`decode_steps`) write inside the call.
-    # With DFlash also the drafting call of each greedy shape and the draft's context writes.
-    want = {"turboquant": 4 + 1, "ngram-verify": 4 + 1 + 8, "decode-steps": 4, "dflash": 4 + 1 + 8 + 2 + 1}
+    # A decode step per row count (greedy and sampled shapes share it; the sampler, one per
+    # row count, may be compiled already: it depends on nothing but the rows), with ngram per
+    # shape 2 verify buckets (4 and 8 tokens), one write per distinct update shape; fused
+    # decode steps (`decode_steps`, one per shape) write inside the call. With DFlash also the
+    # drafting call of each greedy shape and the draft's context writes.
+    want = {"turboquant": 2 + 1, "ngram-verify": 2 + 1 + 8, "decode-steps": 4, "dflash": 2 + 1 + 8 + 2 + 1}
     assert counts["after"] - counts["before"] >= want[request.node.callspec.id]
     assert CompileCounter.count() == counts["after"]
     with pytest.raises(ValueError, match="workers"):
