@@ -80,6 +80,15 @@ def give_key_transform(monkeypatch, stand_in, directory) -> None:
 
 
 @pytest.fixture(scope="session")
+def stand_in_draft(tmp_path_factory) -> str:
+    """The path of a DFlash draft with random weights made for the two-block stand-in
+    (tests/aither_jax/speculative/common.py: STAND_IN), for tests that run drafting paths."""
+    from tests.aither_jax.speculative.common import write_stand_in_draft
+
+    return write_stand_in_draft(tmp_path_factory.mktemp("draft") / "stand-in-dflash.npz")
+
+
+@pytest.fixture(scope="session")
 def llm_f32() -> aj.LLM:
     return aj.LLM(MODEL, **F32)
 

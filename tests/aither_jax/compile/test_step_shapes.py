@@ -6,15 +6,11 @@ from __future__ import annotations
 import json
 import logging
 
-import jax
 import pytest
 
 import aither_jax as aj
 from aither_jax.compile import shape_file
 from aither_jax.compile.counter import CompileCounter
-from models.draft import DraftConfig, init_params
-from models.draft_io import save_draft
-from models.registry import load_model
 from tests.conftest import TINY
 
 PROMPTS = [
@@ -24,17 +20,6 @@ PROMPTS = [
 ]
 GREEDY = aj.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SAMPLED = aj.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory) -> str:
-    """A DFlash draft with random weights for the stand-in (a draft ships for the real model
-    only): which of its proposals are accepted does not matter here, only that a run drafts
-    and verifies."""
-    cfg = DraftConfig.for_target(load_model("smollm2-135m", "float32", num_layers=TINY["_num_layers"]).config)
-    path = tmp_path_factory.mktemp("draft") / "draft.npz"
-    save_draft(path, cfg, init_params(cfg, jax.random.key(0)))
-    return str(path)
 
 
 def _workload(llm: aj.LLM) -> list[list[int]]:
@@ -59,13 +44,13 @@ def _workload(llm: aj.LLM) -> list[list[int]]:
     ],
     ids=["turboquant-sinks-copies", "dflash", "fused-steps"],
 )
-def test_a_run_precompiled_from_recorded_shapes_compiles_nothing(tmp_path, tiny_draft, extra, kinds, pages):
+def test_a_run_precompiled_from_recorded_shapes_compiles_nothing(tmp_path, stand_in_draft, extra, kinds, pages):
     """Engine A runs a workload and records its shapes (every kind it ran, `on_new_shape`
     told once per shape); through a file, engine B compiles them on 2 threads; the same
     workload on B then compiles nothing and gives A's tokens. The engines differ in pool size,
     so B shares no executable with A (nor with other tests: the sizes are unique to this test)."""
     if "speculative" in extra:
-        extra = {**extra, "speculative": {**extra["speculative"], "model": tiny_draft}}
+        extra = {**extra, "speculative": {**extra["speculative"], "model": stand_in_draft}}
     settings = dict(dtype="float32", max_model_len=320, max_num_seqs=4, max_prefill_chunk=64, progress=False, **extra)
     a = aj.LLM("smollm2-135m", num_pages=pages, **settings)
     told: list[dict] = []

@@ -265,7 +265,12 @@ def test_wide_steps_start_from_a_smaller_page_bucket(caplog):
             **TINY,
         },
         {"kv_cache_dtype": "fp32", "num_pages": 38, "num_scheduler_steps": 4, **TINY},
-        {"kv_cache_dtype": "fp32", "num_pages": 39, "speculative": {"method": "dflash", "num_speculative_tokens": 3}},
+        {
+            "kv_cache_dtype": "fp32",
+            "num_pages": 39,
+            "speculative": {"method": "dflash", "num_speculative_tokens": 3},
+            **TINY,
+        },
     ],
     ids=["turboquant", "ngram-verify", "decode-steps", "dflash"],
 )
@@ -274,7 +279,9 @@ def test_threaded_warmup_leaves_the_warmup_calls_nothing_to_compile(monkeypatch,
     cache writes, verify passes, drafting calls and draft context writes); its own calls of
     the same shapes must then find every
     executable compiled. (num_pages is unique to this test, so no earlier test compiled
-    these shapes.)"""
+    these shapes.) DFlash drafts with a random-weight draft made for the stand-in."""
+    if "speculative" in extra and extra["speculative"]["method"] == "dflash":
+        extra = {**extra, "speculative": {**extra["speculative"], "model": request.getfixturevalue("stand_in_draft")}}
     llm = aj.LLM("smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=2, progress=False, **extra)
     compiler, counts = llm.engine.compiler, {}
     precompile = compiler.precompile

@@ -1,16 +1,10 @@
-"""The speculative tests' session fixtures."""
+"""The speculative tests' session fixtures (and `stand_in_draft` in tests/conftest.py)."""
 
 import pytest
 
 from models.registry import load_model
-from tests.aither_jax.speculative.common import STAND_IN, write_stand_in_draft
+from tests.aither_jax.speculative.common import STAND_IN
 from tests.conftest import MODEL, give_key_transform
-
-
-@pytest.fixture(scope="session")
-def stand_in_draft(tmp_path_factory) -> str:
-    """The path of a DFlash draft made for the stand-in target (common.STAND_IN)."""
-    return write_stand_in_draft(tmp_path_factory.mktemp("draft") / "stand-in-dflash.npz")
 
 
 @pytest.fixture(scope="session")
