@@ -21,7 +21,15 @@ from aither_jax.compile.step_jit import compile_workers
 from aither_jax.core.runner import MIN_TOKEN_BUCKET, ModelRunner
 from aither_jax.core.speculate import chain_parents
 from aither_jax.device.sampling import SamplingBatch
-from aither_jax.device.steps import decode_steps, forward_step, refill_sinks, sample_step, verify_step, write_step
+from aither_jax.device.steps import (
+    accept_step,
+    decode_steps,
+    forward_step,
+    refill_sinks,
+    sample_step,
+    verify_forward,
+    write_step,
+)
 from models.kv_spec import MAX_SINK_TOKENS
 from models.llama import StepBatch
 
@@ -29,11 +37,15 @@ log = logging.getLogger(__name__)
 
 
 def program_key(record: dict[str, Any]) -> tuple:
-    """What fixes a shape record's compiled program: its fields, except that forward steps
-    greedy or not, and returning no logits or the last ones, share one (`forward_step`)."""
-    if record["kind"] != "forward":
-        return shape_key(record)
-    return shape_key({**record, "greedy": True, "logits": "all" if record["logits"] == "all" else "none"})
+    """What fixes a shape record's model program: its fields, except that forward steps greedy
+    or not, and returning no logits or the last ones, share one (`forward_step`, sampled rows
+    drawing in `sample_step`), and verify passes greedy or not, returning logits or not, share
+    one (`verify_forward`, then `accept_step` per greedy and logits)."""
+    if record["kind"] == "forward":
+        return shape_key({**record, "greedy": True, "logits": "all" if record["logits"] == "all" else "none"})
+    if record["kind"] == "verify":
+        return shape_key({**record, "greedy": True, "logits": False})
+    return shape_key(record)
 
 
 class Compiler:
@@ -205,7 +217,8 @@ class Compiler:
                 log.warning("step shape %s skipped: %s", record, why)
             else:
                 usable.append(record)
-        compiled: set = set()  # programs submitted: records that share one are compiled once
+        compiled: set = set()  # the writes, samplers and verifications submitted
+        outputs: dict[tuple, Any] = {}  # each program submitted (`program_key`): its outputs' shapes
         done = 0
         self.code_budget.release_if_over()  # earlier shapes' code does not stop this one
         bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
@@ -228,26 +241,28 @@ class Compiler:
                         self.code_budget.limit,
                     )
                     break
-                if record["kind"] == "forward" and not record["greedy"] and ("sample", record["rows"]) not in compiled:
-                    compiled.add(("sample", record["rows"]))
-                    submit(self._lower_sampler(record["rows"]))
-                if program_key(record) in compiled:  # a greedy twin's program (or the same record twice)
-                    r.shapes.add(record)
-                    done += 1
-                    continue
-                compiled.add(program_key(record))
-                lowered, update, hidden = self._lower(record)
-                submit(lowered)
-                if update is not None:
-                    key = str(jax.tree.map(lambda a: (a.shape, a.dtype), update))
-                    if key not in compiled:
-                        compiled.add(key)
-                        submit(write_step.lower(r.cache, update))
-                if hidden is not None and r.drafter is not None:  # the draft context write
-                    key = f"draft {hidden.shape}"
-                    if key not in compiled:
-                        compiled.add(key)
-                        submit(r.drafter.lower_write(hidden, r.cache.block_tables, record["rows"]))
+                kind, rows = record["kind"], record.get("rows")
+                if kind == "forward" and not record["greedy"] and ("sample", rows) not in compiled:
+                    compiled.add(("sample", rows))
+                    submit(self._lower_sampler(rows))
+                key = program_key(record)
+                if key not in outputs:  # else a twin's program (greedy or not, ...) is compiling
+                    lowered, update, hidden = self._lower(record)
+                    outputs[key] = lowered.out_info
+                    submit(lowered)
+                    if update is not None:
+                        write = str(jax.tree.map(lambda a: (a.shape, a.dtype), update))
+                        if write not in compiled:
+                            compiled.add(write)
+                            submit(write_step.lower(r.cache, update))
+                    if hidden is not None and r.drafter is not None:  # the draft context write
+                        write = f"draft {hidden.shape}"
+                        if write not in compiled:
+                            compiled.add(write)
+                            submit(r.drafter.lower_write(hidden, r.cache.block_tables, rows))
+                if kind == "verify" and shape_key(record) not in compiled:
+                    compiled.add(shape_key(record))
+                    submit(self._lower_accept(record, outputs[key]))
                 r.shapes.add(record)
                 done += 1
             for future in futures:
@@ -307,11 +322,11 @@ class Compiler:
             return decode_steps.lower(*args, **static), None, None
         if kind == "verify":
             parents = chain_parents(*tokens.shape) if r.drafter is not None and r.drafter.tree else None
-            args, static = r.verify_args(
-                tokens, batch, params, record["pages"], record["greedy"], record["logits"], parents
-            )
-            lowered = verify_step.lower(*args, **static)
-            return lowered, lowered.out_info[3], lowered.out_info[4]
+            args, static = r.verify_args(tokens, batch, params, record["pages"], True, False, parents)
+            for name in ("greedy_only", "return_logits", "parents"):  # `accept_step`'s (`_lower_accept`)
+                del static[name]
+            lowered = verify_forward.lower(*args[:4], parents, **static)
+            return lowered, lowered.out_info[1], lowered.out_info[2]
         args, static = r.forward_args(
             tokens, batch, params, record["pages"], record["logits"], record["greedy"],
             taps=tuple(record["taps"]), shared_pages=record["shared_pages"],
@@ -323,6 +338,17 @@ class Compiler:
         # taps, for scoring or for a draft's training data, returns them and writes nothing).
         drafting = bool(r.taps) and tuple(record["taps"]) == tuple(r.taps)
         return lowered, lowered.out_info[3], lowered.out_info[4] if drafting else None
+
+    def _lower_accept(self, record: dict[str, Any], forward_outputs) -> Any:
+        """`accept_step` lowered for a verify record, on the outputs of its `verify_forward`."""
+        r = self.runner
+        tokens, batch, params = r.padding_rows(record["rows"], record["greedy"], record["tokens"])
+        parents = chain_parents(*tokens.shape) if r.drafter is not None and r.drafter.tree else None
+        logits, update, hidden = forward_outputs
+        return accept_step.lower(
+            logits, tokens, batch, params, update, hidden, parents, greedy_only=record["greedy"],
+            return_logits=record["logits"],
+        )  # fmt: skip
 
     def _lower_sampler(self, num_rows: int):
         """`sample_step` lowered for forward steps of `num_rows` rows with sampled rows."""

@@ -88,44 +88,61 @@ def sample_step(logits: jax.Array, sampling: SamplingBatch, positions: jax.Array
     return sample_tokens(logits, sampling, positions, greedy_only=False)
 
 
-@step_jit(static_argnames=("cfg", "num_pages", "greedy_only", "attention", "taps", "return_logits"))
-def verify_step(
+@step_jit(static_argnames=("cfg", "num_pages", "attention", "taps"))
+def verify_forward(
     weights: ModelWeights,
     cache: PagedKVCache,
     tokens: jax.Array,  # [B, T] int32: each row's last committed token, then its drafts
     batch: StepBatch,  # num_new = 1 + the row's drafts
-    sampling: SamplingBatch,
+    parents: jax.Array | None = None,
     *,
     cfg: ModelConfig,
     num_pages: int,
-    greedy_only: bool,
     attention: str = "reference",
     taps: tuple[int, ...] = (),
-    return_logits: bool = False,
-    parents: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, KVUpdate, jax.Array | None, jax.Array | None]:
-    """Runs the target over every row's [last token, drafts] and verifies the drafts.
+) -> tuple[jax.Array, KVUpdate, jax.Array | None]:
+    """The target over every row's [last token, drafts] (a tree per row with `parents` [B, T],
+    see `models.llama.forward`): (logits [B, T, V] float32, the update, tapped hidden states).
+    Verification itself (`accept_step`) is a call of its own: this program, the bulk of the
+    compilation, is then the same for greedy and sampled rows and for logits returned or not."""
+    tree = None if parents is None else tree_depth_and_mask(parents)
+    return model_forward(
+        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps,
+        tree=tree,
+    )  # fmt: skip
 
-    With `parents` [B, T] the drafts are a tree per row (`models.llama.forward`), verified by
-    `verify_tree`; the update, logits and hidden states are then reordered so that entry j is
-    the accepted path's token at depth j, as a chain's would be.
+
+@step_jit(static_argnames=("greedy_only", "return_logits"), donate_argnames=("update",))
+def accept_step(
+    logits: jax.Array,  # [B, T, V] float32 from `verify_forward`
+    tokens: jax.Array,  # [B, T] int32
+    batch: StepBatch,
+    sampling: SamplingBatch,
+    update: KVUpdate,
+    hidden: jax.Array | None,
+    parents: jax.Array | None = None,
+    *,
+    greedy_only: bool,
+    return_logits: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, KVUpdate, jax.Array | None, jax.Array | None]:
+    """Verifies the drafts of a `verify_forward` pass.
+
+    With `parents` the drafts are a tree per row, verified by `verify_tree`; the update,
+    logits and hidden states are then reordered so that entry j is the accepted path's token
+    at depth j, as a chain's would be.
 
     Returns (accepted drafts [B], the token after them [B], logits [B, T, V] or None, the
     update (lengths count only the last token and the accepted drafts), tapped hidden states,
     the accepted path [B, T] (trees) or None).
     """
-    tree = None if parents is None else tree_depth_and_mask(parents)
-    logits, update, hidden = model_forward(
-        weights, cache, tokens, batch, cfg=cfg, num_pages=num_pages, all_logits=True, attention=attention, taps=taps,
-        tree=tree,
-    )  # fmt: skip
     path = None
-    if tree is None:
+    if parents is None:
         drafts, num_drafts = tokens[:, 1:], batch.num_new - 1
         accepted, next_tokens = verify(logits, drafts, num_drafts, sampling, batch.start, greedy_only=greedy_only)
     else:
+        depth = tree_depth_and_mask(parents)[0]
         accepted, next_tokens, path = verify_tree(
-            logits, tokens, parents, tree[0], batch.num_new, sampling, batch.start, greedy_only=greedy_only
+            logits, tokens, parents, depth, batch.num_new, sampling, batch.start, greedy_only=greedy_only
         )
         update = compact_update(update, path)
         logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
@@ -133,6 +150,26 @@ def verify_step(
             hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
     update = update.replace(seq_lens=jnp.minimum(batch.start + 1 + accepted, update.seq_lens))
     return accepted, next_tokens, logits if return_logits else None, update, hidden, path
+
+
+def verify_step(
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: jax.Array,
+    batch: StepBatch,
+    sampling: SamplingBatch,
+    *,
+    greedy_only: bool,
+    return_logits: bool = False,
+    parents: jax.Array | None = None,
+    **static,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, KVUpdate, jax.Array | None, jax.Array | None]:
+    """A verify pass: `verify_forward` (which takes the keyword arguments `static`) then
+    `accept_step`; returns what `accept_step` returns."""
+    logits, update, hidden = verify_forward(weights, cache, tokens, batch, parents, **static)
+    return accept_step(
+        logits, tokens, batch, sampling, update, hidden, parents, greedy_only=greedy_only, return_logits=return_logits
+    )
 
 
 @step_jit(static_argnames=("cfg", "num_pages", "greedy_only", "attention", "num_steps"), donate_argnames=("cache",))

@@ -57,12 +57,12 @@ def test_a_broken_verifier_fails_the_same_distribution_test(monkeypatch):
         return jnp.where(has_drafts, rest[0] + 1, checked[0]), jnp.where(has_drafts, rest[1], checked[1])
 
     monkeypatch.setattr(steps, "verify", first_unchecked)
-    steps.verify_step.clear_cache()  # verify_step traced with the right verifier must not be reused
+    steps.accept_step.clear_cache()  # accept_step traced with the right verifier must not be reused
     try:
         p_value, counts, _ = _two_token_chisquare(monkeypatch)
     finally:
         monkeypatch.undo()
-        steps.verify_step.clear_cache()  # nor this one by later tests
+        steps.accept_step.clear_cache()  # nor this one by later tests
     assert p_value < 1e-6, (p_value, counts)
 
 
