@@ -1,10 +1,13 @@
-"""The step entry points: one model step (prefill chunk or decode) with sampling fused in.
+"""The step entry points: one model step (prefill chunk or decode), a verify pass, fused decode
+steps, and the cache's page copies and sink refills.
 
-A step is two jitted calls. `forward_step` runs the model and the sampler and only reads
-the cache; `write_step` stores the new keys/values with the cache donated, so XLA updates
-the pages in place. In a single jitted function XLA copied the whole KV pool (several times)
-before the scatter, because the last layer's page reads do not feed the new keys and so
-cannot be proven to run before the in-place write. Shapes come from a bounded set of buckets
+A step is two jitted calls. `forward_step` runs the model, picks greedy tokens and only reads
+the cache (a batch with sampled rows then draws them in `sample_step`); `write_step` stores the
+new keys/values with the cache donated, so XLA updates the pages in place. In a single jitted
+function XLA copied the whole KV pool (several times) before the scatter, because the last
+layer's page reads do not feed the new keys and so cannot be proven to run before the in-place
+write. A verify pass is `verify_forward` (the target over the drafts) and `accept_step` (the
+verification), then `write_step`. Shapes come from a bounded set of buckets
 chosen by the engine (batch rows, tokens per row, pages read), so steady-state decoding
 reuses compiled executables.
 """
