@@ -321,7 +321,7 @@ class Compiler:
             args, static = r.steps_args(tokens, batch, params, limits, record["pages"], record["greedy"])
             return decode_steps.lower(*args, **static), None, None
         if kind == "verify":
-            parents = chain_parents(*tokens.shape) if r.drafter is not None and r.drafter.tree else None
+            parents = self._padding_parents(tokens)
             args, static = r.verify_args(tokens, batch, params, record["pages"], True, False, parents)
             for name in ("greedy_only", "return_logits", "parents"):  # `accept_step`'s (`_lower_accept`)
                 del static[name]
@@ -343,12 +343,17 @@ class Compiler:
         """`accept_step` lowered for a verify record, on the outputs of its `verify_forward`."""
         r = self.runner
         tokens, batch, params = r.padding_rows(record["rows"], record["greedy"], record["tokens"])
-        parents = chain_parents(*tokens.shape) if r.drafter is not None and r.drafter.tree else None
+        parents = self._padding_parents(tokens)
         logits, update, hidden = forward_outputs
         return accept_step.lower(
             logits, tokens, batch, params, update, hidden, parents, greedy_only=record["greedy"],
             return_logits=record["logits"],
         )  # fmt: skip
+
+    def _padding_parents(self, tokens: np.ndarray) -> np.ndarray | None:
+        """A verify call's tree parents on padding `tokens` (chains), or None without trees."""
+        r = self.runner
+        return chain_parents(*tokens.shape) if r.drafter is not None and r.drafter.tree else None
 
     def _lower_sampler(self, num_rows: int):
         """`sample_step` lowered for forward steps of `num_rows` rows with sampled rows."""
