@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -214,6 +214,8 @@ class LLM:
                 self.kv_spec, self.config, max_num_seqs=max_num_seqs, max_model_len=per_seq, page_size=page_size
             )
         self.progress = progress
+        # Called once a batch's requests are queued, before its steps run (a fleet's balloon).
+        self.before_steps: Callable[[], object] | None = None
         tiers = TierConfig(
             host_gib=kv_offloading_size,
             disk_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
@@ -318,6 +320,8 @@ class LLM:
                         p.ids, params, pin_tokens=p.num_pinned, sections=p.sections, unpin_ids=p.unpin_ids
                     )
                 )
+            if self.before_steps is not None:
+                self.before_steps()
             show = self.progress if use_tqdm is None else use_tqdm
             with tqdm(total=len(seqs), desc="generating", unit="req", disable=not show) as bar:
                 while self.engine.has_unfinished():

@@ -200,6 +200,28 @@ class Engine:
         return self.store.cache
 
     @property
+    def num_pages(self) -> int:
+        """Pages in the KV pool, the null page included."""
+        return self.scheduler.allocator.num_pages
+
+    def resize_pool(self, num_pages: int) -> int:
+        """Grows or shrinks the KV pool (every pool sharing page ids) to `num_pages` pages,
+        between steps; returns the count it reached. A shrink gives back idle cached pages from
+        the top (to the tiers below, if any) and stops above the highest page still in use. The
+        steps compile again for the new pool size when they next run (or load from the
+        persistent cache). Used by the fleet's balloon (aither_jax/fleet/balloon.py).
+
+        Raises:
+            ValueError: bounded residency is on, or fewer pages than one full-length sequence needs.
+        """
+        if self.bounded is not None:
+            raise ValueError("a pool under bounded residency (max_resident_tokens) cannot be resized")
+        num_pages = self.scheduler.resize_pool(num_pages)
+        if num_pages != self.store.num_usable_pages + 1:
+            self.store.resize(num_pages)
+        return num_pages
+
+    @property
     def drafter(self) -> DFlashProposer | None:
         return self.store.drafter
 

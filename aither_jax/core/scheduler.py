@@ -72,6 +72,8 @@ class Scheduler:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         self.page_size = page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self.fractions = fractions  # the pinned and protected caps, as shares of the pool
         self.sink_tokens = sink_tokens
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunk = max_prefill_chunk
@@ -124,6 +126,39 @@ class Scheduler:
     @property
     def num_usable_pages(self) -> int:
         return self.allocator.num_pages - 1
+
+    def resize_pool(self, num_pages: int) -> int:
+        """Grows or shrinks the pool's page ids to `num_pages` (between steps; the device pools
+        follow in `PageStore.resize`) and scales the pinned and protected caps with it. A shrink
+        first drops the idle cached pages it cuts off (to the tiers below, if any) and stops above
+        the highest page still held (by a sequence or a pin). Returns the new page count.
+
+        Raises:
+            ValueError: fewer pages than one sequence of full length needs.
+        """
+        least = self.max_pages_per_seq + 1
+        if num_pages < least:
+            raise ValueError(
+                f"a pool of {num_pages} pages is too small: one sequence of full length needs {least - 1} pages "
+                "plus the null page"
+            )
+        old = self.allocator.num_pages
+        if num_pages < old:
+            cache = self.prefix_cache
+            held = [
+                p for p in range(num_pages, old)
+                if self.allocator.ref_count(p) > 0 and not (cache is not None and cache.idle(p))
+            ]  # fmt: skip
+            num_pages = held[-1] + 1 if held else num_pages
+            if cache is not None:
+                cache.evict_pages(range(num_pages, old))
+        self.allocator.resize(num_pages)
+        usable = num_pages - 1
+        if hasattr(self.policy, "max_protected_pages"):
+            self.policy.max_protected_pages = int(self.fractions["max_protected_fraction"] * usable)
+        if self.prefix_cache is not None:
+            self.prefix_cache.max_pinned_pages = int(self.fractions["max_pinned_fraction"] * usable)
+        return num_pages
 
     def allocate(self, n: int) -> list[int]:
         """`n` free device pages, evicting idle cached pages if it must."""

@@ -13,13 +13,22 @@ and no compile.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
 
 import jax
 
-from aither_jax.fleet.planner import ACTIVATION_WIDTHS, COMPILE_HEADROOM_BYTES, MemoryPlan, ModelNeeds, plan_memory
+from aither_jax.fleet.balloon import Move, PoolState, next_move, pool_state, stamped
+from aither_jax.fleet.planner import (
+    ACTIVATION_WIDTHS,
+    COMPILE_HEADROOM_BYTES,
+    MemoryPlan,
+    ModelNeeds,
+    plan_memory,
+    repaged,
+)
 from aither_jax.fleet.router import Route, Router
 from aither_jax.llm import LLM, RequestOutput, resolve_dtype
 from aither_jax.speculative.config import SpeculativeConfig
@@ -29,6 +38,8 @@ from models.kv_transform import load_key_transforms
 from models.registry import ModelHandle, load_model, resolve_kv_cache_dtype
 
 GIB = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 def tree_bytes(tree) -> int:
@@ -137,6 +148,8 @@ class Fleet:
         gpu_memory_utilization: float | None = None,
         heavy: str | None = None,
         threshold: int = 3,
+        balloon: bool = False,
+        min_move_pages: int | None = None,
         **common,
     ):
         options = (
@@ -156,10 +169,18 @@ class Fleet:
             )
             needs.append(model_needs(name, handles[name], merged))
         self.plan: MemoryPlan = plan_memory(budget, needs)
+        self.planned = dict(self.plan.num_pages)  # the balloon returns toward these
+        self.needs = {n.name: n for n in needs}
         self.llms: dict[str, LLM] = {}
         for name, merged in options.items():
             merged.pop("kv_share", None)
             self.llms[name] = LLM(name, **{**merged, "num_pages": self.plan.num_pages[name]})
+        # The balloon (balloon.py): each batch first lets the pools trade pages.
+        self.moves: list[Move] = []
+        self.min_move_pages = min_move_pages
+        if balloon:
+            for llm in self.llms.values():
+                llm.before_steps = self.rebalance
         self._handles = handles  # keeps the loaded weights shared with the engines
         sizes = {n.name: n.weight_bytes for n in needs}
         if heavy is not None and heavy not in self.llms:
@@ -186,6 +207,45 @@ class Fleet:
                 head = 0 if drafter.vocab is None else tree_bytes(drafter.lm_head)
                 out[(name, "draft_weights")] = tree_bytes(drafter.params) + head
         return out
+
+    def pool_states(self) -> list[PoolState]:
+        """Every model's KV pool as the balloon sees it (between steps)."""
+        return [
+            pool_state(
+                llm.engine,
+                name=name,
+                planned_pages=self.planned[name],
+                min_pages=self.needs[name].min_pages,
+                max_pages=self.needs[name].max_pages,
+                page_bytes=self.needs[name].page_bytes,
+            )  # fmt: skip
+            for name, llm in self.llms.items()
+        ]
+
+    def rebalance(self) -> Move | None:
+        """Makes the balloon's next move, if one is due (balloon.py), and returns it as applied:
+        the lender's pool shrinks first, then the borrower's grows by what the freed bytes
+        hold; the plan's zones follow. Engines must be between steps."""
+        least = self.min_move_pages
+        if least is None:  # by default, one sequence of full length of the smallest floor
+            least = min(n.min_pages for n in self.needs.values())
+        unassigned = self.plan.unassigned_bytes
+        move = next_move(self.pool_states(), min_move_pages=least, unassigned=unassigned)
+        if move is None:
+            return None
+        lender, borrower = self.llms[move.lender].engine, self.llms[move.borrower].engine
+        lender_bytes, borrower_bytes = self.needs[move.lender].page_bytes, self.needs[move.borrower].page_bytes
+        before = lender.num_pages
+        given = before - lender.resize_pool(before - move.lender_pages)  # less if a page is still in use
+        gain = min((given * lender_bytes + unassigned) // borrower_bytes, move.borrower_pages)
+        if gain:
+            borrower.resize_pool(borrower.num_pages + gain)
+        move = stamped(move, given, gain, borrower_bytes)
+        pages = {m: self.llms[m].engine.num_pages for m in (move.lender, move.borrower)}
+        self.plan = repaged(self.plan, list(self.needs.values()), pages)
+        self.moves.append(move)
+        log.info("balloon: %s", move)
+        return move
 
     def route(self, messages: Sequence[dict], *, reasoning_effort: str | None = None, conversation=None) -> Route:
         return self.router.route(messages, reasoning_effort=reasoning_effort, conversation=conversation)

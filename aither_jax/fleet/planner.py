@@ -157,13 +157,37 @@ def plan_memory(budget: int, needs: list[ModelNeeds]) -> MemoryPlan:
                 f"{(budget - used) / MIB:,.1f} MiB left after the other zones; one sequence of its full length "
                 f"needs {n.min_pages}: raise the budget, or lower max_model_len or the other pools"
             )
-        target_bytes = got * (n.page_bytes - n.draft_page_bytes) + n.kv_fixed_bytes
-        zones.append(Zone(n.name, "kv_pool", target_bytes, detail=f"{got} pages"))
-        if n.draft_page_bytes:
-            zones.append(Zone(n.name, "draft_pool", got * n.draft_page_bytes, detail=f"{got} pages"))
-        if n.host_bytes:
-            zones.append(Zone(n.name, "host_tier", n.host_bytes, device=False))
+        zones += _pool_zones(n, got)
     return MemoryPlan(budget, zones, pages)
+
+
+def _pool_zones(n: ModelNeeds, pages: int) -> list[Zone]:
+    """The KV zones of model `n` with a pool of `pages` pages."""
+    zones = [
+        Zone(n.name, "kv_pool", pages * (n.page_bytes - n.draft_page_bytes) + n.kv_fixed_bytes, detail=f"{pages} pages")
+    ]
+    if n.draft_page_bytes:
+        zones.append(Zone(n.name, "draft_pool", pages * n.draft_page_bytes, detail=f"{pages} pages"))
+    if n.host_bytes:
+        zones.append(Zone(n.name, "host_tier", n.host_bytes, device=False))
+    return zones
+
+
+def repaged(plan: MemoryPlan, needs: list[ModelNeeds], pages: dict[str, int]) -> MemoryPlan:
+    """`plan` with the KV pools of the models in `pages` resized (the balloon's moves): their
+    zones restated, every other zone as it was. The caller keeps the device total within
+    the budget."""
+    by_name = {n.name: n for n in needs}
+    zones: list[Zone] = []
+    for z in plan.zones:
+        if z.owner not in pages or z.name not in _POOL_ZONES:
+            zones.append(z)
+        elif z.name == "kv_pool":  # the first of a model's pool zones
+            zones += _pool_zones(by_name[z.owner], pages[z.owner])
+    return MemoryPlan(plan.budget, zones, {**plan.num_pages, **pages})
+
+
+_POOL_ZONES = ("kv_pool", "draft_pool", "host_tier")
 
 
 def _share_pages(free: int, needs: list[ModelNeeds]) -> dict[str, int]:

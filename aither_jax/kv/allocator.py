@@ -64,5 +64,24 @@ class PageAllocator:
                 block.forget()
                 self._free.append(p)
 
+    def resize(self, num_pages: int) -> None:
+        """Grows the pool to `num_pages` pages (the new ids are handed out after the free ones
+        below them) or shrinks it; a shrink needs every page from `num_pages` up free.
+
+        Raises:
+            ValueError: `num_pages` < 2, or a page that would go is in use.
+        """
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2, got {num_pages}")
+        if num_pages < self.num_pages:
+            held = [p for p in range(num_pages, self.num_pages) if self.blocks[p].refs > 0]
+            if held:
+                raise ValueError(f"cannot shrink the pool to {num_pages} pages: page {held[-1]} is in use")
+            self._free = [p for p in self._free if p < num_pages]
+        else:
+            self._free[:0] = range(num_pages - 1, self.num_pages - 1, -1)  # pop() takes them last
+        self.blocks.resize(num_pages)
+        self.num_pages = num_pages
+
     def ref_count(self, page: int) -> int:
         return self.blocks[page].refs

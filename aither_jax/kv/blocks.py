@@ -87,6 +87,14 @@ class BlockTable:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def resize(self, num_pages: int) -> None:
+        """Adds empty records for new pages, or drops the records past `num_pages` (the caller
+        has made sure those pages are free)."""
+        if num_pages < len(self.blocks):
+            del self.blocks[num_pages:]
+        else:
+            self.blocks += [Block(p, self.tier) for p in range(len(self.blocks), num_pages)]
+
     def touch(self, page: int) -> None:
         """Marks `page` as the most recently accessed."""
         self._clock += 1

@@ -191,6 +191,10 @@ class PrefixCache:
     def _idle(self, page: int) -> bool:
         return self.allocator.ref_count(page) == 1 and not self.blocks[page].pins
 
+    def idle(self, page: int) -> bool:
+        """Whether `page` is cached here and nothing else holds it (evicting it frees it)."""
+        return page in self._cached and self._idle(page)
+
     def describe(self, name: bytes) -> dict:
         """What is known of a named page, wherever it is (for a debug dump)."""
         page = self._full.get(name)
@@ -230,7 +234,15 @@ class PrefixCache:
         """Drops up to `n` idle pages, in the policy's order; returns how many."""
         if n <= 0:
             return 0
-        victims = self.policy.victims(self._idle_blocks(), n)
+        return self._evict(self.policy.victims(self._idle_blocks(), n))
+
+    def evict_pages(self, pages: Sequence[int]) -> int:
+        """Drops those of `pages` that are cached and idle (unpinned, held by nothing else),
+        whatever the policy would rank them, moving them to the tiers below as `evict` does;
+        returns how many (a pool about to shrink gives back its top pages this way)."""
+        return self._evict([self.blocks[p] for p in pages if self.idle(p)])
+
+    def _evict(self, victims: list[Block]) -> int:
         if self.tiers is not None:
             demoted = [b for b in victims if b.partial is None]
             leaving = {b.page for b in victims}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from aither_jax.compile.buckets import bucket
@@ -31,6 +32,9 @@ class PageStore:
         self.drafter = drafter
         self.shapes = shapes
         self.num_usable_pages = num_usable_pages
+        # One empty page of the target's pools (empty now), to fill pages a resize adds; the
+        # draft's context pools start as zeros (speculative/dflash.py).
+        self._empty = jax.tree.map(lambda x: x[1:2], (cache.k, cache.v))
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """Copies (source page, destination page) pairs in every pool, in one padded call each."""
@@ -44,6 +48,24 @@ class PageStore:
         self.cache = copy_pages(self.cache, src, dst)
         if self.drafter is not None:
             self.drafter.copy_pages(src, dst)
+
+    def resize(self, num_pages: int) -> None:
+        """Cuts every pool to its first `num_pages` pages, or extends it with empty ones (as
+        `Scheduler.resize_pool` left the page ids). Growing copies each pool once, so for a
+        moment it holds the old pool and the new one."""
+
+        def fit(leaf, empty, axis: int):
+            have = leaf.shape[axis]
+            if num_pages <= have:
+                return jax.lax.slice_in_dim(leaf, 0, num_pages, axis=axis)
+            return jnp.concatenate([leaf, jnp.repeat(empty, num_pages - have, axis=axis)], axis=axis)
+
+        k, v = jax.tree.map(lambda x, e: fit(x, e, 0), (self.cache.k, self.cache.v), self._empty)
+        self.cache = self.cache.replace(k=k, v=v)
+        if self.drafter is not None:
+            zero = lambda x: jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=1))  # noqa: E731
+            self.drafter.pools = jax.tree.map(lambda x: fit(x, zero(x), 1), self.drafter.pools)
+        self.num_usable_pages = num_pages - 1
 
     # -- page bytes for the lower tiers -----------------------------------------------------------
 

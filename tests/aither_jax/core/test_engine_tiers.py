@@ -123,3 +123,42 @@ def test_a_preempted_request_gets_its_pages_back_from_the_host():
     # Two requests of 7 pages each in 11: the newer is preempted; its computed pages leave the
     # device for the host and come back at its readmission instead of being recomputed.
     assert llm.engine.scheduler.num_preemptions >= 1 and llm.engine.tiers.counters.num_host_hits >= 2
+
+
+def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_on_the_host():
+    """`Engine.resize_pool` (the fleet's balloon) between steps: a shrink stops above the
+    pages a running request holds, which then finishes as it would have; a later shrink
+    demotes the idle cached pages it cuts off to the host tier, and grown back, a follow-up
+    finds them there. Answers equal a large pool's."""
+    settings = dict(SETTINGS, max_model_len=128)  # a floor of 9 pages
+    rng = np.random.default_rng(1)
+    first = [rng.integers(100, 5000, 40).tolist() for _ in range(2)]
+    running = rng.integers(100, 5000, 100).tolist()
+    big = aj.LLM(MODEL, num_pages=120, **settings)
+    want = [o.token_ids for o in big.generate([*first, running], GREEDY)]
+    follow_up = running + want[2] + rng.integers(100, 5000, 10).tolist()
+    want_follow_up = big.generate([follow_up], GREEDY)[0].token_ids
+
+    llm = aj.LLM(MODEL, num_pages=40, kv_offloading_size=0.01, **settings)
+    engine = llm.engine
+    assert [o.token_ids for o in llm.generate(first, GREEDY)] == want[:2]
+    seq = engine.add_request(running, GREEDY)
+    engine.step()  # its first prefill chunk, on pages above the cached ones
+    top = max(seq.pages)
+    assert engine.resize_pool(9) == top + 1 == engine.num_pages > 9
+    assert len(engine.scheduler.allocator.blocks) == top + 1
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids == want[2]
+
+    cache, tiers = engine.scheduler.prefix_cache, engine.scheduler.prefix_cache.tiers
+    cut = [p for p in range(9, engine.num_pages) if cache.idle(p)]
+    demoted, hits = tiers.counters.num_demoted, tiers.counters.num_host_hits
+    assert cut and engine.resize_pool(9) == 9
+    assert tiers.counters.num_demoted - demoted == len(cut) and not any(cache.idle(p) for p in cut if p < 9)
+    assert engine.resize_pool(40) == 40
+    out = llm.generate([follow_up], GREEDY)[0]
+    assert out.token_ids == want_follow_up
+    assert tiers.counters.num_host_hits - hits == len(cut)  # the pages cut off came back from the host
+    with pytest.raises(ValueError, match="too small"):
+        engine.resize_pool(8)

@@ -71,3 +71,51 @@ def test_budgets_that_do_not_fit_are_refused():
         Fleet(list(MODELS), memory_budget_gib=0.5, **SETTINGS)
     with pytest.raises(ValueError, match="memory budget"):
         Fleet(list(MODELS), **SETTINGS)  # CPU: a budget is required
+
+
+# The balloon's settings: four sequences of up to 8 pages each, prefix caching on (a shrink gives
+# back cached pages).
+BALLOON = dict(SETTINGS, max_num_seqs=4, enable_prefix_caching=True)
+LONG = " ".join(f"Item {i} of the list is a word." for i in range(12))  # ~100 tokens: 8 pages with its output
+
+
+def test_the_balloon_lends_idle_pages_to_a_waiting_model_and_takes_them_back(fleet):
+    """A budget with room for about 16 pages per pool; four full-length requests to SmolLM2
+    need 32. Before they run, Gemma's idle pages above its floor move to SmolLM2 (as bytes:
+    pages of the two formats differ in size), whose batch then equals a run on an engine built
+    with the grown pool. A request to Gemma afterwards takes them back to the plan. After each
+    move the zones equal what the engines hold, within the budget."""
+    from aither_jax.fleet.fleet import model_needs
+    from models.registry import load_model
+
+    needs = [model_needs(m, load_model(m, "float32", num_layers=2), BALLOON) for m in MODELS]
+    fixed = sum(n.weight_bytes + n.activation_bytes + n.kv_fixed_bytes for n in needs)
+    budget = fixed + 16 * sum(n.page_bytes for n in needs)
+    fl = Fleet(list(MODELS), memory_budget_gib=budget / (1 << 30), balloon=True, min_move_pages=1, **BALLOON)
+    planned = dict(fl.plan.num_pages)
+    light, heavy = MODELS
+
+    def check_zones():
+        allocated = fl.allocated()
+        for m in MODELS:
+            assert fl.plan.zone(m, "kv_pool").bytes == allocated[(m, "kv_pool")], m
+            assert fl.plan.num_pages[m] == fl.llms[m].engine.num_pages, m
+        assert fl.plan.device_bytes <= fl.plan.budget
+
+    params = aj.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [f"{i}: {LONG}" for i in range(4)]
+    outs = fl.generate(prompts, params, model=light)
+    (lend,) = fl.moves
+    assert (lend.lender, lend.borrower, lend.reason) == (heavy, light, "demand")
+    assert fl.llms[heavy].engine.num_pages == planned[heavy] - lend.lender_pages >= fl.needs[heavy].min_pages
+    grown = planned[light] + lend.borrower_pages
+    assert fl.llms[light].engine.num_pages == grown > planned[light]
+    check_zones()
+    alone = aj.LLM(light, **BALLOON, num_pages=grown).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+
+    fl.generate([PROMPT], GREEDY, model=heavy)
+    back = fl.moves[-1]
+    assert (len(fl.moves), back.lender, back.borrower, back.reason) == (2, light, heavy, "return")
+    assert {m: fl.llms[m].engine.num_pages for m in MODELS} == planned
+    check_zones()

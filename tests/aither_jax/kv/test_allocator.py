@@ -46,3 +46,22 @@ def test_misuse_raises(action):
 def test_too_small_pool_rejected():
     with pytest.raises(ValueError, match="at least 2"):
         PageAllocator(1)
+
+
+def test_resize_grows_behind_the_free_pages_and_shrinks_only_free_ones():
+    alloc = PageAllocator(6)
+    held = alloc.allocate(2)  # pages 1, 2
+    alloc.resize(9)
+    assert alloc.num_pages == len(alloc.blocks) == 9 and alloc.num_free == 6
+    assert alloc.allocate(3) == [3, 4, 5]  # the old free pages first, then the new ones
+    assert alloc.allocate(3) == [6, 7, 8]
+    alloc.free([6, 7, 8])
+    with pytest.raises(ValueError, match="page 5 is in use"):
+        alloc.resize(4)  # pages 4 and 5 still held
+    alloc.free([3, 4, 5])
+    alloc.resize(4)
+    assert alloc.num_pages == len(alloc.blocks) == 4 and alloc.num_free == 1
+    assert alloc.allocate(1) == [3] and not alloc.can_allocate(1)
+    assert [alloc.ref_count(p) for p in held] == [1, 1]
+    with pytest.raises(ValueError, match="at least 2"):
+        alloc.resize(1)

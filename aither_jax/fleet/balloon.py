@@ -1,0 +1,125 @@
+"""The balloon: KV memory moves between the pools of models resident together as load shifts.
+
+The planner (planner.py) sizes each model's KV pool once. The balloon then lends idle pages of
+one model to another whose waiting requests lack pages, and once the lender's load is gone
+gives them back toward the plan. Memory moves in bytes: the lender cuts whole pages of its own
+format off the top of its pool, and the borrower grows by as many pages of its format as those
+bytes hold, so the device never holds more than the plan's budget (what a page size leaves
+over stays unassigned).
+
+A lender keeps its floor (one sequence of full length, `ModelNeeds.min_pages`) and every page
+its running sequences may still grow into; a borrower never grows past the pages it can use
+(`ModelNeeds.max_pages`). A resize happens between steps (`Engine.resize_pool`), after which
+the model's steps compile again for the new pool size (or load from the persistent
+compilation cache), so a move is worth it only when large: at least `min_move_pages` of the
+borrower's pages, or everything the borrower lacks if that is less.
+
+`PoolState` is plain numbers and `next_move` a pure function of them; `pool_state` reads an
+engine between its steps, and `aither_jax.fleet.fleet.Fleet.rebalance` applies a move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolState:
+    """One model's KV pool as the balloon sees it, in that model's pages."""
+
+    name: str
+    num_pages: int  # now, the null page included
+    planned_pages: int  # what the memory plan gave it
+    min_pages: int  # its floor
+    max_pages: int  # more is never used
+    page_bytes: int  # one page over every pool sharing page ids
+    spare: int  # pages it could give up now
+    short: int  # pages its waiting requests lack
+    busy: bool  # has running or waiting requests
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """Pages from `lender`'s pool to `borrower`'s (each counted in its own format's pages)."""
+
+    lender: str
+    borrower: str
+    lender_pages: int
+    borrower_pages: int
+    bytes: int  # the borrower's share of the bytes the lender freed
+    reason: str  # "demand": the borrower's requests lacked pages; "return": back toward the plan
+    at: float = 0.0  # time.time() when applied
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def pool_state(engine, *, name: str, planned_pages: int, min_pages: int, max_pages: int, page_bytes: int) -> PoolState:
+    """`engine`'s pool between its steps. Its room is the pages free or held only by the prefix
+    cache, less what its running sequences may still take; its waiting requests' full lengths
+    beyond the room are short, the room beyond them (and above the floor) spare."""
+    sched = engine.scheduler
+    growth = sum(
+        max(sched.pages_needed(len(s.prompt_ids) + s.max_tokens + sched.lookahead) - len(s.pages), 0)
+        for s in sched.running
+    )
+    room = sched.num_free_pages - growth
+    waiting = sum(sched.pages_needed(len(s.prompt_ids) + s.max_tokens + sched.lookahead) for s in sched.waiting)
+    num_pages = engine.num_pages
+    return PoolState(
+        name=name, num_pages=num_pages, planned_pages=planned_pages, min_pages=min_pages, max_pages=max_pages,
+        page_bytes=page_bytes, spare=max(min(room - waiting, num_pages - min_pages), 0),
+        short=max(waiting - max(room, 0), 0),
+        busy=bool(sched.running or sched.waiting),
+    )  # fmt: skip
+
+
+def next_move(states: Sequence[PoolState], *, min_move_pages: int, unassigned: int = 0) -> Move | None:
+    """The one move worth making now, or None.
+
+    Demand first: the model lacking the most bytes borrows from the one with the most spare
+    bytes (neither short itself). With nobody short, a model above its plan and idle gives back
+    to one below its plan. A borrower also takes the budget's `unassigned` bytes (what earlier
+    moves' page sizes left over)."""
+    short = sorted((s for s in states if s.short), key=lambda s: -s.short * s.page_bytes)
+    for borrower in short:
+        want = min(borrower.short, borrower.max_pages - borrower.num_pages)
+        lenders = [s for s in states if s is not borrower and not s.short and s.spare]
+        move = _best(lenders, borrower, want, min(min_move_pages, want), "demand", unassigned)
+        if move is not None:
+            return move
+    if short:
+        return None
+    for borrower in (s for s in states if s.num_pages < s.planned_pages):
+        want = borrower.planned_pages - borrower.num_pages
+        lenders = [s for s in states if s is not borrower and not s.busy and s.num_pages > s.planned_pages]
+        lenders = [dataclasses.replace(s, spare=min(s.spare, s.num_pages - s.planned_pages)) for s in lenders]
+        move = _best(lenders, borrower, want, 1, "return", unassigned)
+        if move is not None:
+            return move
+    return None
+
+
+def _best(
+    lenders: list[PoolState], borrower: PoolState, want: int, least: int, reason: str, unassigned: int
+) -> Move | None:
+    """The move from the lender with the most spare bytes that gives `borrower` at least
+    `least` (and at most `want`) of its pages, or None."""
+    if want <= 0 or least <= 0:
+        return None
+    for lender in sorted(lenders, key=lambda s: -s.spare * s.page_bytes):
+        give = min(lender.spare, max(-(-(want * borrower.page_bytes - unassigned) // lender.page_bytes), 1))
+        gain = min((give * lender.page_bytes + unassigned) // borrower.page_bytes, want)
+        if give > 0 and gain >= least:
+            return Move(lender.name, borrower.name, give, gain, gain * borrower.page_bytes, reason)
+    return None
+
+
+def stamped(move: Move, lender_pages: int, borrower_pages: int, borrower_page_bytes: int) -> Move:
+    """`move` as applied: the pages each pool actually changed by, and when."""
+    return dataclasses.replace(
+        move, lender_pages=lender_pages, borrower_pages=borrower_pages,
+        bytes=borrower_pages * borrower_page_bytes, at=time.time(),
+    )  # fmt: skip
