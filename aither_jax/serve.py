@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="effort (1-5) from which model 'auto' routes to the heavy model (default 3)",
     )
+    p.add_argument(
+        "--kv-balloon",
+        action="store_true",
+        help="with several models, move idle KV pages between their pools as load shifts (a model whose requests "
+        "wait for pages borrows another's idle ones, which go back once it is idle; each move recompiles both "
+        "models' steps for their new pool sizes); moves at /debug/memory",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model; one model)")
@@ -381,7 +388,9 @@ def build_server(args: argparse.Namespace):
         raise ValueError("--default-model auto routes between several models: give --model twice")
     if args.route_heavy is not None and args.route_heavy not in names:
         raise ValueError(f"--route-heavy {args.route_heavy!r} is not a served --model")
-    llms, plan, router = _load(args, own)
+    if args.kv_balloon and len(names) == 1:
+        raise ValueError("--kv-balloon moves KV pages between models: give --model twice")
+    fleet, llms, plan, router = _load(args, own)
     if args.compile_shapes is not None:
         _use_shape_file(next(iter(llms.values())), args)
     for llm in llms.values():
@@ -411,6 +420,11 @@ def build_server(args: argparse.Namespace):
     if router is not None:  # the router speaks of models by their served names
         router.light, router.heavy = (served_names[names.index(m)] for m in (router.light, router.heavy))
     app = build_app(served, config, router=router, plan=plan)
+    balloon = None
+    if args.kv_balloon:
+        from serving.balloon import BalloonLoop
+
+        balloon = BalloonLoop(fleet, {n: m.engine for n, m in zip(names, served, strict=True)})
     pin_text = args.pin_prompt_file.read_text(encoding="utf-8") if args.pin_prompt_file else None
 
     @contextlib.asynccontextmanager
@@ -424,7 +438,11 @@ def build_server(args: argparse.Namespace):
                 for salt in config.root_salts(m.name):
                     pinned = await m.engine.pin(ids, salt)
                     log.info("%s: pinned %d pages (%d tokens) of %s", m.name, pinned, len(ids), args.pin_prompt_file)
+        if balloon is not None:
+            balloon.start()
         yield
+        if balloon is not None:
+            balloon.stop()
         for m in served:
             m.engine.stop()
             tiers = m.engine.engine.tiers
@@ -445,8 +463,8 @@ def build_server(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace, own: dict[str, dict]):
-    """({model: LLM}, the memory plan or None, the router or None). One model without a
-    budget is sized as before (--num-pages, --gpu-memory-utilization, or the default); a
+    """(the fleet or None, {model: LLM}, the memory plan or None, the router or None). One
+    model without a budget is sized as before (--num-pages, --gpu-memory-utilization, or the default); a
     budget, or several models, go through the planner (aither_jax/fleet)."""
     from aither_jax.fleet.fleet import Fleet
     from aither_jax.llm import LLM, resolve_dtype
@@ -497,7 +515,7 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
             "--num-pages sizes one model's pool: with several models, give each its own with "
             "--model-options NAME='{\"num_pages\": N}' (or let --memory-budget share the memory)"
         )
-    plan = router = None
+    fleet = plan = router = None
     try:
         if not several and args.memory_budget is None:
             name = names[0]
@@ -510,7 +528,7 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
                 per_model[names[0]].setdefault("num_pages", args.num_pages)
             fleet = Fleet(
                 per_model, memory_budget_gib=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
-                heavy=args.route_heavy, threshold=args.route_threshold, **common,
+                heavy=args.route_heavy, threshold=args.route_threshold, balloon=args.kv_balloon, **common,
             )  # fmt: skip
             llms, plan = fleet.llms, fleet.plan
             router = fleet.router if several else None
@@ -519,7 +537,7 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
             llms[name].tokenizer.set_chat_template(template)
     except (GGUFError, ChatTemplateError) as e:
         raise ValueError(str(e)) from None
-    return llms, plan, router
+    return fleet, llms, plan, router
 
 
 def _safe_name(name: str) -> str:

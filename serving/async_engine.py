@@ -9,12 +9,14 @@ loop records the error, fails every open request and stops: `/health` then answe
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.core.engine import Engine
@@ -25,6 +27,7 @@ from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.05
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -219,6 +222,36 @@ class AsyncEngine:
             return await done
         finally:
             self._calls.discard(done)
+
+    def call(self, fn: Callable[[], T], timeout: float = 600.0) -> T:
+        """Runs `fn` on the loop thread between steps and returns its result (or raises what it
+        raised); for threads other than the event loop's (the balloon, serving/balloon.py).
+
+        Raises:
+            EngineDeadError: the engine loop has stopped, or stops before running `fn`.
+            TimeoutError: `fn` did not finish within `timeout` seconds.
+        """
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    done.set_exception(e)
+
+        if not self.alive:
+            raise EngineDeadError("the engine has stopped")
+        self._inbox.put(command)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if not self.alive and done.cancel():  # stopped with the call still in the inbox
+                    raise EngineDeadError("the engine has stopped") from None
+                if time.monotonic() >= deadline and done.cancel():
+                    raise TimeoutError(f"the engine loop did not run the call within {timeout} s") from None
 
     def _abort(self, stream: _Stream) -> None:
         if stream.seq is not None:

@@ -16,7 +16,8 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import jax
 
@@ -27,7 +28,7 @@ from aither_jax.fleet.planner import (
     MemoryPlan,
     ModelNeeds,
     plan_memory,
-    repaged,
+    repage,
 )
 from aither_jax.fleet.router import Route, Router
 from aither_jax.llm import LLM, RequestOutput, resolve_dtype
@@ -40,6 +41,7 @@ from models.registry import ModelHandle, load_model, resolve_kv_cache_dtype
 GIB = 1 << 30
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def tree_bytes(tree) -> int:
@@ -176,7 +178,6 @@ class Fleet:
             merged.pop("kv_share", None)
             self.llms[name] = LLM(name, **{**merged, "num_pages": self.plan.num_pages[name]})
         # The balloon (balloon.py): each batch first lets the pools trade pages.
-        self.moves: list[Move] = []
         self.min_move_pages = min_move_pages
         if balloon:
             for llm in self.llms.values():
@@ -208,42 +209,47 @@ class Fleet:
                 out[(name, "draft_weights")] = tree_bytes(drafter.params) + head
         return out
 
-    def pool_states(self) -> list[PoolState]:
-        """Every model's KV pool as the balloon sees it (between steps)."""
-        return [
-            pool_state(
-                llm.engine,
-                name=name,
-                planned_pages=self.planned[name],
-                min_pages=self.needs[name].min_pages,
-                max_pages=self.needs[name].max_pages,
-                page_bytes=self.needs[name].page_bytes,
-            )  # fmt: skip
-            for name, llm in self.llms.items()
-        ]
+    @property
+    def moves(self) -> list[Move]:
+        """The balloon's moves so far, as applied."""
+        return self.plan.moves
 
-    def rebalance(self) -> Move | None:
+    def pool_state(self, name: str) -> PoolState:
+        """Model `name`'s KV pool as the balloon sees it (between its engine's steps)."""
+        need = self.needs[name]
+        return pool_state(
+            self.llms[name].engine, name=name, planned_pages=self.planned[name], min_pages=need.min_pages,
+            max_pages=need.max_pages, page_bytes=need.page_bytes,
+        )  # fmt: skip
+
+    def rebalance(self, run: Callable[[str, Callable[[], T]], T] | None = None) -> Move | None:
         """Makes the balloon's next move, if one is due (balloon.py), and returns it as applied:
         the lender's pool shrinks first, then the borrower's grows by what the freed bytes
-        hold; the plan's zones follow. Engines must be between steps."""
+        hold; the plan's zones follow. `run(model, fn)` calls `fn` where that model's engine is
+        between steps (the server: on its loop thread); by default, here."""
+        run = run or (lambda _model, fn: fn())
         least = self.min_move_pages
         if least is None:  # by default, one sequence of full length of the smallest floor
             least = min(n.min_pages for n in self.needs.values())
         unassigned = self.plan.unassigned_bytes
-        move = next_move(self.pool_states(), min_move_pages=least, unassigned=unassigned)
+        states = [run(name, functools.partial(self.pool_state, name)) for name in self.llms]
+        move = next_move(states, min_move_pages=least, unassigned=unassigned)
         if move is None:
             return None
         lender, borrower = self.llms[move.lender].engine, self.llms[move.borrower].engine
         lender_bytes, borrower_bytes = self.needs[move.lender].page_bytes, self.needs[move.borrower].page_bytes
         before = lender.num_pages
-        given = before - lender.resize_pool(before - move.lender_pages)  # less if a page is still in use
+        given = before - run(move.lender, lambda: lender.resize_pool(before - move.lender_pages))  # less if in use
         gain = min((given * lender_bytes + unassigned) // borrower_bytes, move.borrower_pages)
         if gain:
-            borrower.resize_pool(borrower.num_pages + gain)
+            run(move.borrower, lambda: borrower.resize_pool(borrower.num_pages + gain))
         move = stamped(move, given, gain, borrower_bytes)
-        pages = {m: self.llms[m].engine.num_pages for m in (move.lender, move.borrower)}
-        self.plan = repaged(self.plan, list(self.needs.values()), pages)
-        self.moves.append(move)
+        repage(
+            self.plan,
+            list(self.needs.values()),
+            {m: self.llms[m].engine.num_pages for m in (move.lender, move.borrower)},
+        )
+        self.plan.moves.append(move)
         log.info("balloon: %s", move)
         return move
 

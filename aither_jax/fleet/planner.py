@@ -71,6 +71,7 @@ class MemoryPlan:
     budget: int
     zones: list[Zone]
     num_pages: dict[str, int]
+    moves: list = dataclasses.field(default_factory=list)  # the balloon's, as applied (balloon.Move)
 
     @property
     def device_bytes(self) -> int:
@@ -90,6 +91,7 @@ class MemoryPlan:
             "unassigned_bytes": self.unassigned_bytes,
             "num_pages": dict(self.num_pages),
             "zones": [dataclasses.asdict(z) for z in self.zones],
+            "moves": [m.to_json() for m in self.moves],
         }
 
     def table(self) -> str:
@@ -173,10 +175,10 @@ def _pool_zones(n: ModelNeeds, pages: int) -> list[Zone]:
     return zones
 
 
-def repaged(plan: MemoryPlan, needs: list[ModelNeeds], pages: dict[str, int]) -> MemoryPlan:
-    """`plan` with the KV pools of the models in `pages` resized (the balloon's moves): their
-    zones restated, every other zone as it was. The caller keeps the device total within
-    the budget."""
+def repage(plan: MemoryPlan, needs: list[ModelNeeds], pages: dict[str, int]) -> None:
+    """Restates in place the KV zones of the models in `pages` for their new pool sizes (the
+    balloon's moves); every other zone stays. The caller keeps the device total within the
+    budget."""
     by_name = {n.name: n for n in needs}
     zones: list[Zone] = []
     for z in plan.zones:
@@ -184,7 +186,7 @@ def repaged(plan: MemoryPlan, needs: list[ModelNeeds], pages: dict[str, int]) ->
             zones.append(z)
         elif z.name == "kv_pool":  # the first of a model's pool zones
             zones += _pool_zones(by_name[z.owner], pages[z.owner])
-    return MemoryPlan(plan.budget, zones, {**plan.num_pages, **pages})
+    plan.zones, plan.num_pages = zones, {**plan.num_pages, **pages}  # each swapped whole: readers see one or the other
 
 
 _POOL_ZONES = ("kv_pool", "draft_pool", "host_tier")

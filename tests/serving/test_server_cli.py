@@ -129,6 +129,7 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--default-model", "auto"], "routes between several models"),
         (["--default-model", "llama"], "'llama' is not a served model"),
         (["--route-threshold", "9"], "--route-threshold must be in [1, 5]"),
+        (["--kv-balloon"], "moves KV pages between models: give --model twice"),
         (["--model", "smollm2-135m", "--model", "gemma3-270m"], "several models need a memory budget"),
         (["--model", "smollm2-135m", "--model", "gemma3-270m", "--num-pages", "64"], "give each its own"),
         (
