@@ -35,7 +35,7 @@ test: install
 # The inner loop: tests that load no model weights beyond a tokenizer, on one process.
 FAST_TESTS := tests/test_imports.py tests/aither_jax/kv/test_allocator.py tests/aither_jax/kv/test_blocks.py \
 	tests/aither_jax/kv/test_prefix_cache.py tests/aither_jax/kv/test_disk.py tests/aither_jax/context tests/aither_jax/device \
-	tests/aither_jax/eviction tests/aither_jax/fleet/test_router.py tests/aither_jax/fleet/test_planner.py \
+	tests/aither_jax/eviction tests/aither_jax/fleet/test_router.py tests/aither_jax/fleet/test_planner.py tests/aither_jax/fleet/test_balloon.py \
 	tests/aither_jax/quant tests/aither_jax/compile/test_step_jit.py tests/aither_jax/compile/test_compile_cache.py \
 	tests/aither_jax/speculative/test_verify.py tests/aither_jax/speculative/test_draft_length.py \
 	tests/models/test_gguf_file.py tests/models/test_kv_spec.py tests/models/test_tokenizer.py \

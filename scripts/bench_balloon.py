@@ -7,12 +7,13 @@ the first model while the second is idle, then one to the second. Every prompt i
 tokens and decodes `--max-tokens` greedy, so a batch needs `--batch` x its pages at once;
 without the balloon the rest of a batch waits for pages. The first cycle includes compiling
 (and, with the balloon, recompiling for each new pool size); later cycles find every shape
-compiled, since the pools return to the same sizes. Reported per configuration and cycle:
+compiled, since the pools take the same sizes each cycle (prompts differ per cycle, so no
+cycle reads another's cached prefix). Reported per configuration and cycle:
 wall time, tokens per second, balloon moves, and compilations.
 
 Writes JSON (`--out`) and unless `--no-record` the headline rows (scripts/bench_record.py).
 
-    .venv/bin/python scripts/bench_balloon.py [--batch 8] [--max-tokens 64] [--cycles 2] [--kv-fraction 0.5]
+    .venv/bin/python scripts/bench_balloon.py [--batch 8] [--max-tokens 64] [--cycles 3] [--kv-fraction 0.5]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=8, help="requests per batch (and max_num_seqs)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--cycles", type=int, default=2)
+    p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--kv-fraction", type=float, default=0.5, help="each pool's share of the pages its batch needs")
     p.add_argument("--kv-cache-dtype", default="bf16")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_balloon.json")
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
     handles = {m: load_model(m, "float32") for m in MODELS}  # kept alive: both fleets share these weights
     needs = [model_needs(m, handles[m], options) for m in MODELS]
     params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [f"{i} {TEXT}" for i in range(args.batch)]
-    request_pages = -(-(len(handles[MODELS[0]].tokenizer.encode(prompts[0])) + args.max_tokens) // 16)
+    batch = lambda c: [f"{c}.{i} {TEXT}" for i in range(args.batch)]  # noqa: E731 - new prompts each cycle
+    request_pages = -(-(len(handles[MODELS[0]].tokenizer.encode(batch(0)[0])) + args.max_tokens) // 16)
     fixed = sum(n.weight_bytes + n.activation_bytes + n.kv_fixed_bytes for n in needs)
     kv = sum(int(args.kv_fraction * args.batch * request_pages) * n.page_bytes for n in needs)
     budget_gib = (fixed + kv) / (1 << 30)
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
             for name in MODELS:
                 moves, compiles = len(fleet.moves), CompileCounter.count()
                 start = time.perf_counter()
-                outs = fleet.generate(prompts, params, model=name)
+                outs = fleet.generate(batch(c), params, model=name)
                 wall = time.perf_counter() - start
                 tokens = sum(len(o.token_ids) for o in outs)
                 cycles.append(

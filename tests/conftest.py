@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
@@ -99,28 +100,66 @@ def tiny_f32() -> aj.LLM:
     return aj.LLM(MODEL, **F32, **TINY)
 
 
-@pytest.fixture(scope="session")
-def hf_model(model_path):
-    """HF transformers' llama loaded from the same GGUF, dequantized to dense float32 on CPU."""
+_HF_READER: dict[str, object] = {}  # the last GGUF file HF parsed: {path: its GGUFReader}
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Within the block, HF transformers' GGUF loading parses each file's metadata once: it
+    builds a `gguf.GGUFReader` for the config, again for the weights and again for the
+    tokenizer (about 30 s each for Gemma-3's 262,144-entry vocabulary on 2 cores). The reader
+    of the last file is kept for the next load of the same file (a model's tokenizer and
+    weights load in neighbouring tests)."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        key = os.path.realpath(path)
+        if key not in _HF_READER:
+            _HF_READER.clear()
+            _HF_READER[key] = original(path, *args, **kwargs)
+        return _HF_READER[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def hf_causal_lm(path: str):
+    """HF transformers' model loaded from the GGUF at `path`, dequantized to dense float32 on CPU."""
     # Imported here, not at the top, so tests that never touch the reference skip the cost; they
     # are test extras (pyproject.toml), so a missing one fails the parity tests instead of skipping.
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path),
-        gguf_file=os.path.basename(model_path),
-        quantization_config=transformers.GgufConfig(dequantize=True),
-        dtype=torch.float32,
-    )
+    with _gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path),
+            gguf_file=os.path.basename(path),
+            quantization_config=transformers.GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
     model.eval()
     return model
 
 
-@pytest.fixture(scope="session")
-def hf_tokenizer(model_path):
+def hf_gguf_tokenizer(path: str):
+    """HF transformers' tokenizer built from the GGUF at `path`."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path)
-    )
+    with _gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """HF transformers' llama loaded from the same GGUF, dequantized to dense float32 on CPU."""
+    return hf_causal_lm(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    return hf_gguf_tokenizer(model_path)

@@ -136,6 +136,10 @@ class Fleet:
         heavy: the model effortful requests go to (default: the one with the most
             parameters); the light one is the first other model.
         threshold: effort (1-5) from which a request goes to `heavy`.
+        balloon: move idle KV pages between the pools as load shifts (balloon.py), checked
+            before each batch; `moves` lists what moved.
+        min_move_pages: the smallest move worth its recompiles, in the borrower's pages
+            (default: the smallest floor, one sequence of full length).
         **common: `LLM` keyword arguments for every model (a model's own win).
 
     `fleet.plan` holds the zones (`fleet.plan.table()` prints them); `fleet.llms[name]` each
@@ -180,7 +184,11 @@ class Fleet:
         # The balloon (balloon.py): each batch first lets the pools trade pages.
         self.min_move_pages = min_move_pages
         if balloon:
-            for llm in self.llms.values():
+            for name, llm in self.llms.items():
+                if llm.engine.bounded is not None:
+                    raise ValueError(
+                        f"the balloon cannot resize {name}'s pool under bounded residency (max_resident_tokens)"
+                    )
                 llm.before_steps = self.rebalance
         self._handles = handles  # keeps the loaded weights shared with the engines
         sizes = {n.name: n.weight_bytes for n in needs}

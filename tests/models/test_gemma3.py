@@ -3,8 +3,6 @@ logits over more than the sliding window, and greedy decoding across the window'
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from models.registry import resolve_model
 from models.tokenizer import Tokenizer
 from pallas_kernels.paged_attention import paged_attention_reference
 from tests.aither_jax.test_quantized_cache import check_calls_against_reference
+from tests.conftest import hf_causal_lm, hf_gguf_tokenizer
 
 MODEL = "gemma3-270m"
 # Both sides compute in float32 from the same dequantized weights; the differences come from
@@ -56,25 +55,12 @@ def gemma() -> aj.LLM:
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gemma_path),
-        gguf_file=os.path.basename(gemma_path),
-        quantization_config=transformers.GgufConfig(dequantize=True),
-        dtype=torch.float32,
-    )
-    model.eval()
-    return model
+    return hf_causal_lm(gemma_path)
 
 
 @pytest.fixture(scope="module")
 def hf_gemma_tokenizer(gemma_path):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(gemma_path), gguf_file=os.path.basename(gemma_path)
-    )
+    return hf_gguf_tokenizer(gemma_path)
 
 
 def test_config_reads_the_gemma3_layout(gemma):
