@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cycles", type=int, default=3)
     p.add_argument("--kv-fraction", type=float, default=0.5, help="each pool's share of the pages its batch needs")
     p.add_argument("--kv-cache-dtype", default="bf16")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the models' weights")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_balloon.json")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
@@ -57,10 +58,10 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     options = dict(
-        dtype="float32", kv_cache_dtype=args.kv_cache_dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=args.batch,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=args.batch,
         max_prefill_chunk=128, enable_prefix_caching=True, progress=False,
     )  # fmt: skip
-    handles = {m: load_model(m, "float32") for m in MODELS}  # kept alive: both fleets share these weights
+    handles = {m: load_model(m, args.dtype) for m in MODELS}  # kept alive: both fleets share these weights
     needs = [model_needs(m, handles[m], options) for m in MODELS]
     params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     batch = lambda c: [f"{c}.{i} {TEXT}" for i in range(args.batch)]  # noqa: E731 - new prompts each cycle

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import json
 import lzma
 import os
@@ -116,6 +117,15 @@ STAGES: dict[str, tuple[list[str], int, str]] = {
         [PY, "scripts/bench_serving.py", "--concurrency", "", "--rates", "", "--no-record"]
         + ["--out", "{out}/serving-shared.json", "--server-log", "{out}/serving_server.log", *SHAPE_FILES],
         560,
+        "model",
+    ),
+    # Two models resident at once (issue: both at once >= 0.9x the sum alone) and the balloon
+    # under alternating load (pools holding half a batch; off against on, bfloat16 weights).
+    "fleet": ([PY, "scripts/bench_fleet.py", "--no-record", "--out", "{out}/fleet.json"], 540, "model"),
+    "balloon": (
+        [PY, "scripts/bench_balloon.py", "--dtype", "bfloat16", "--cycles", "2", "--no-record"]
+        + ["--out", "{out}/balloon.json"],
+        540,
         "model",
     ),
     "model-tests": (
@@ -412,6 +422,13 @@ def headline(stage: str, report: dict) -> str:
         from bench_speculative import label
 
         return "; ".join(f"{label(r)}: tau {r['tau_mean']:.2f}, {r['speedup']:.2f}x" for r in report["rows"])
+    if stage == "fleet":
+        return f"both at once {report['together_over_sum_alone']:.2f}x the sum alone"
+    if stage == "balloon":
+        from bench_balloon import steady
+
+        on, off = steady(report["runs"]["on"]), steady(report["runs"]["off"])
+        return f"balloon on {on:.0f} tok/s against off {off:.0f} ({on / off:.2f}x)"
     if stage in SERVING_STAGES:
         rows, sp = report["concurrency"], report["shared_prefix"]
         ttft = "not measured"
@@ -504,7 +521,7 @@ def record(report_dir: pathlib.Path) -> int:
         commands = {e["stage"]: "python " + e["command"] for e in json.loads(summary_path.read_text())}
     done = 0
     steps = [f"decode-steps-{k}" for k in DECODE_STEPS]
-    for stage in (*ATTENTION_STAGES, "decode", *steps, "speculative", *SERVING_STAGES):
+    for stage in (*ATTENTION_STAGES, "decode", *steps, "speculative", *SERVING_STAGES, "fleet", "balloon"):
         path = report_dir / f"{stage}.json"
         if not path.exists():
             continue
@@ -522,6 +539,9 @@ def record(report_dir: pathlib.Path) -> int:
             import bench_speculative
 
             bench_speculative.record(report, command)
+        elif stage in ("fleet", "balloon"):
+            module = importlib.import_module(f"bench_{stage}")
+            module.record(report, command)
         else:
             import bench_serving
 
