@@ -80,12 +80,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_token_bucket = min_token_bucket
         self.allocator = PageAllocator(num_pages)
-        self.policy = make_policy(
-            eviction_policy, max_protected_pages=int(max_protected_fraction * (num_pages - 1)), weights=advisor_weights
-        )
+        max_pinned, max_protected = self._caps(num_pages)
+        self.policy = make_policy(eviction_policy, max_protected_pages=max_protected, weights=advisor_weights)
         self.prefix_cache = None
         if enable_prefix_caching:
-            max_pinned = int(max_pinned_fraction * (num_pages - 1))
             if self.policy.name == "advisor":
                 # Pinned and protected pages together must leave room for one request at full length.
                 held = max_pinned + self.policy.max_protected_pages
@@ -153,12 +151,19 @@ class Scheduler:
             if cache is not None:
                 cache.evict_pages(range(num_pages, old))
         self.allocator.resize(num_pages)
-        usable = num_pages - 1
-        if hasattr(self.policy, "max_protected_pages"):
-            self.policy.max_protected_pages = int(self.fractions["max_protected_fraction"] * usable)
+        max_pinned, max_protected = self._caps(num_pages)
+        if self.policy.protects:
+            self.policy.max_protected_pages = max_protected
         if self.prefix_cache is not None:
-            self.prefix_cache.max_pinned_pages = int(self.fractions["max_pinned_fraction"] * usable)
+            self.prefix_cache.max_pinned_pages = max_pinned
         return num_pages
+
+    def _caps(self, num_pages: int) -> tuple[int, int]:
+        """(pinned, protected) page caps of a pool of `num_pages` pages: their shares of its usable pages."""
+        usable = num_pages - 1
+        return int(self.fractions["max_pinned_fraction"] * usable), int(
+            self.fractions["max_protected_fraction"] * usable
+        )
 
     def allocate(self, n: int) -> list[int]:
         """`n` free device pages, evicting idle cached pages if it must."""

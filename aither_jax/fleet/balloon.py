@@ -61,12 +61,12 @@ def pool_state(engine, *, name: str, planned_pages: int, min_pages: int, max_pag
     cache, less what its running sequences may still take; its waiting requests' full lengths
     beyond the room are short, the room beyond them (and above the floor) spare."""
     sched = engine.scheduler
-    growth = sum(
-        max(sched.pages_needed(len(s.prompt_ids) + s.max_tokens + sched.lookahead) - len(s.pages), 0)
-        for s in sched.running
-    )
-    room = sched.num_free_pages - growth
-    waiting = sum(sched.pages_needed(len(s.prompt_ids) + s.max_tokens + sched.lookahead) for s in sched.waiting)
+
+    def full(seq) -> int:  # pages of `seq` at its full length
+        return sched.pages_needed(len(seq.prompt_ids) + seq.max_tokens + sched.lookahead)
+
+    room = sched.num_free_pages - sum(max(full(s) - len(s.pages), 0) for s in sched.running)
+    waiting = sum(full(s) for s in sched.waiting)
     num_pages = engine.num_pages
     return PoolState(
         name=name, num_pages=num_pages, planned_pages=planned_pages, min_pages=min_pages, max_pages=max_pages,
