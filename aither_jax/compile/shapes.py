@@ -112,7 +112,8 @@ class ShapeRegistry:
         self._records.setdefault(shape_key(record), record)
 
     def records(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._records.values()]
+        """Copies of the records (safe beside another thread's `note`: the values are taken at once)."""
+        return [dict(r) for r in list(self._records.values())]
 
     def clear(self) -> None:
         self._records.clear()

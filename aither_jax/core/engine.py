@@ -209,7 +209,8 @@ class Engine:
         between steps; returns the count it reached. A shrink gives back idle cached pages from
         the top (to the tiers below, if any) and stops above the highest page still in use. The
         steps compile again for the new pool size when they next run (or load from the
-        persistent cache). Used by the fleet's balloon (aither_jax/fleet/balloon.py).
+        persistent cache) unless `precompile_pool` readied them. Used by the fleet's balloon
+        (aither_jax/fleet/balloon.py).
 
         Raises:
             ValueError: bounded residency is on, or fewer pages than one full-length sequence needs.
@@ -220,6 +221,16 @@ class Engine:
         if num_pages != self.store.num_usable_pages + 1:
             self.store.resize(num_pages)
         return num_pages
+
+    def precompile_pool(
+        self, num_pages: int, shapes: Iterable[dict[str, Any]] | None = None, *, workers: int | None = None
+    ) -> int:
+        """Compiles step shapes (default: every one this engine has run, `step_shapes`) for a
+        pool of `num_pages` pages, so that a later `resize_pool(num_pages)` compiles nothing.
+        It lowers over abstract pools and touches no engine state, so it may run on another
+        thread while this engine steps (the server's balloon does). Returns the shapes compiled."""
+        shapes = self.step_shapes() if shapes is None else list(shapes)
+        return self.compiler.for_pool(num_pages).precompile(shapes, workers=workers)
 
     @property
     def drafter(self) -> DFlashProposer | None:

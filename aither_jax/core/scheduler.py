@@ -142,14 +142,9 @@ class Scheduler:
             )
         old = self.allocator.num_pages
         if num_pages < old:
-            cache = self.prefix_cache
-            held = [
-                p for p in range(num_pages, old)
-                if self.allocator.ref_count(p) > 0 and not (cache is not None and cache.idle(p))
-            ]  # fmt: skip
-            num_pages = held[-1] + 1 if held else num_pages
-            if cache is not None:
-                cache.evict_pages(range(num_pages, old))
+            num_pages = max(num_pages, self.min_pool_size())
+            if self.prefix_cache is not None:
+                self.prefix_cache.evict_pages(range(num_pages, old))
         self.allocator.resize(num_pages)
         max_pinned, max_protected = self._caps(num_pages)
         if self.policy.protects:
@@ -157,6 +152,20 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.max_pinned_pages = max_pinned
         return num_pages
+
+    def min_pool_size(self) -> int:
+        """The fewest pages `resize_pool` can shrink to now: one sequence of full length plus
+        the null page, and above the highest page a sequence or a pin holds (idle cached pages
+        above it can go)."""
+        cache = self.prefix_cache
+        top = next(
+            (
+                p for p in range(self.allocator.num_pages - 1, 0, -1)
+                if self.allocator.ref_count(p) > 0 and not (cache is not None and cache.idle(p))
+            ),
+            0,
+        )  # fmt: skip
+        return max(self.max_pages_per_seq + 1, top + 1)
 
     def _caps(self, num_pages: int) -> tuple[int, int]:
         """(pinned, protected) page caps of a pool of `num_pages` pages: their shares of its usable pages."""

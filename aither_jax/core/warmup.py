@@ -4,6 +4,7 @@ on several threads."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,16 @@ class Compiler:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
+
+    def for_pool(self, num_pages: int) -> Compiler:
+        """A compiler of this engine's calls over abstract pools of `num_pages` pages
+        (`PageStore.abstract`): its `precompile` readies the steps for a resize to that size
+        while the engine keeps stepping on its live pools, on another thread if need be."""
+        runner = copy.copy(self.runner)
+        runner.store = self.runner.store.abstract(num_pages)
+        compiler = copy.copy(self)
+        compiler.runner = runner
+        return compiler
 
     @property
     def code_budget(self) -> CodeMapBudget:

@@ -9,13 +9,13 @@ over stays unassigned).
 
 A lender keeps its floor (one sequence of full length, `ModelNeeds.min_pages`) and every page
 its running sequences may still grow into; a borrower never grows past the pages it can use
-(`ModelNeeds.max_pages`). A resize happens between steps (`Engine.resize_pool`), after which
-the model's steps compile again for the new pool size (or load from the persistent
-compilation cache), so a move is worth it only when large: at least `min_move_pages` of the
-borrower's pages, or everything the borrower lacks if that is less.
+(`ModelNeeds.max_pages`). A resize happens between steps (`Engine.resize_pool`); the pool
+size is part of every step's shapes, so the steps are compiled for the new size first
+(`Fleet.prepare`) and each size holds its own code: a move is worth it only when large, at
+least `min_move_pages` of the borrower's pages, or everything the borrower lacks if that is less.
 
 `PoolState` is plain numbers and `next_move` a pure function of them; `pool_state` reads an
-engine between its steps, and `aither_jax.fleet.fleet.Fleet.rebalance` applies a move.
+engine between its steps, and `aither_jax.fleet.fleet.Fleet` prepares and applies a move.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class Move:
 def pool_state(engine, *, name: str, planned_pages: int, min_pages: int, max_pages: int, page_bytes: int) -> PoolState:
     """`engine`'s pool between its steps. Its room is the pages free or held only by the prefix
     cache, less what its running sequences may still take; its waiting requests' full lengths
-    beyond the room are short, the room beyond them (and above the floor) spare."""
+    beyond the room are short, the room beyond them spare, as far as a shrink can reach (the
+    floor, and above the highest page in use)."""
     sched = engine.scheduler
 
     def full(seq) -> int:  # pages of `seq` at its full length
@@ -68,9 +69,10 @@ def pool_state(engine, *, name: str, planned_pages: int, min_pages: int, max_pag
     room = sched.num_free_pages - sum(max(full(s) - len(s.pages), 0) for s in sched.running)
     waiting = sum(full(s) for s in sched.waiting)
     num_pages = engine.num_pages
+    floor = max(min_pages, sched.min_pool_size())  # a shrink stops above pages in use
     return PoolState(
         name=name, num_pages=num_pages, planned_pages=planned_pages, min_pages=min_pages, max_pages=max_pages,
-        page_bytes=page_bytes, spare=max(min(room - waiting, num_pages - min_pages), 0),
+        page_bytes=page_bytes, spare=max(min(room - waiting, num_pages - floor), 0),
         short=max(waiting - max(room, 0), 0),
         busy=bool(sched.running or sched.waiting),
     )  # fmt: skip

@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -42,6 +43,12 @@ GIB = 1 << 30
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Calls a function where a model's engine is between steps: run(model, fn) -> fn().
+Runner = Callable[[str, Callable[[], T]], T]
+
+
+def _here(_model: str, fn: Callable[[], T]) -> T:
+    return fn()
 
 
 def tree_bytes(tree) -> int:
@@ -140,6 +147,8 @@ class Fleet:
             before each batch; `moves` lists what moved.
         min_move_pages: the smallest move worth its recompiles, in the borrower's pages
             (default: the smallest floor, one sequence of full length).
+        prepare_moves: before a move, compile both models' steps for their new pool sizes on
+            several threads (`prepare`) rather than one shape at a time as steps first need them.
         **common: `LLM` keyword arguments for every model (a model's own win).
 
     `fleet.plan` holds the zones (`fleet.plan.table()` prints them); `fleet.llms[name]` each
@@ -156,6 +165,7 @@ class Fleet:
         threshold: int = 3,
         balloon: bool = False,
         min_move_pages: int | None = None,
+        prepare_moves: bool = True,
         **common,
     ):
         options = (
@@ -183,6 +193,10 @@ class Fleet:
             self.llms[name] = LLM(name, **{**merged, "num_pages": self.plan.num_pages[name]})
         # The balloon (balloon.py): each batch first lets the pools trade pages.
         self.min_move_pages = min_move_pages
+        self.prepare_moves = prepare_moves
+        # Per model, the pool sizes its steps are compiled for: size -> how many step shapes
+        # it had then (a size is ready while no new shape has been seen since).
+        self._ready: dict[str, dict[int, int]] = {name: {} for name in self.llms}
         if balloon:
             for name, llm in self.llms.items():
                 if llm.engine.bounded is not None:
@@ -230,22 +244,60 @@ class Fleet:
             max_pages=need.max_pages, page_bytes=need.page_bytes,
         )  # fmt: skip
 
-    def rebalance(self, run: Callable[[str, Callable[[], T]], T] | None = None) -> Move | None:
-        """Makes the balloon's next move, if one is due (balloon.py), and returns it as applied:
-        the lender's pool shrinks first, then the borrower's grows by what the freed bytes
-        hold; the plan's zones follow. `run(model, fn)` calls `fn` where that model's engine is
-        between steps (the server: on its loop thread); by default, here."""
-        run = run or (lambda _model, fn: fn())
+    def next_move(self, run: Runner | None = None) -> Move | None:
+        """The balloon's next move if one is due (balloon.py), not yet applied. `run(model, fn)`
+        calls `fn` where that model's engine is between steps (the server: on its loop
+        thread); by default, here."""
+        run = run or _here
         least = self.min_move_pages
         if least is None:  # by default, one sequence of full length of the smallest floor
             least = min(n.min_pages for n in self.needs.values())
-        unassigned = self.plan.unassigned_bytes
         states = [run(name, functools.partial(self.pool_state, name)) for name in self.llms]
-        move = next_move(states, min_move_pages=least, unassigned=unassigned)
-        if move is None:
-            return None
+        return next_move(states, min_move_pages=least, unassigned=self.plan.unassigned_bytes)
+
+    def targets(self, move: Move) -> dict[str, int]:
+        """The pool sizes `move` leaves its two models with, from their sizes now."""
+        lender, borrower = self.llms[move.lender].engine, self.llms[move.borrower].engine
+        return {
+            move.lender: lender.num_pages - move.lender_pages,
+            move.borrower: borrower.num_pages + move.borrower_pages,
+        }
+
+    def ready(self, move: Move) -> bool:
+        """Whether both models' steps are compiled for the sizes `move` leaves them with."""
+        return all(self._compiled_for(name, size) for name, size in self.targets(move).items())
+
+    def _compiled_for(self, name: str, size: int) -> bool:
+        """Whether every step shape model `name` has run is compiled for a pool of `size`
+        pages: it left that size (or `prepare` compiled for it) with no shape seen since."""
+        return self._ready[name].get(size) == len(self.llms[name].engine.step_shapes())
+
+    def prepare(self, move: Move, *, workers: int | None = None) -> int:
+        """Compiles the step shapes of each model of `move` for the pool size the move leaves
+        it with (`Engine.precompile_pool`) where they are not yet, so that applying it compiles
+        nothing. Safe on another thread while the engines step; returns the shapes compiled."""
+        done = 0
+        for name, size in self.targets(move).items():
+            if self._compiled_for(name, size):
+                continue
+            engine = self.llms[name].engine
+            shapes = engine.step_shapes()
+            start = time.perf_counter()
+            done += engine.precompile_pool(size, shapes, workers=workers)
+            self._ready[name][size] = len(shapes)
+            log.info("balloon: %s's %d step shapes compiled for %d pages in %.1f s",
+                     name, len(shapes), size, time.perf_counter() - start)  # fmt: skip
+        return done
+
+    def apply(self, move: Move, run: Runner | None = None) -> Move:
+        """Makes `move` and returns it as applied: the lender's pool shrinks first, then the
+        borrower's grows by what the freed bytes hold; the plan's zones follow."""
+        run = run or _here
+        unassigned = self.plan.unassigned_bytes
         lender, borrower = self.llms[move.lender].engine, self.llms[move.borrower].engine
         lender_bytes, borrower_bytes = self.needs[move.lender].page_bytes, self.needs[move.borrower].page_bytes
+        for name, engine in ((move.lender, lender), (move.borrower, borrower)):  # each leaves a complete size
+            self._ready[name][engine.num_pages] = len(engine.step_shapes())
         before = lender.num_pages
         given = before - run(move.lender, lambda: lender.resize_pool(before - move.lender_pages))  # less if in use
         gain = min((given * lender_bytes + unassigned) // borrower_bytes, move.borrower_pages)
@@ -260,6 +312,16 @@ class Fleet:
         self.plan.moves.append(move)
         log.info("balloon: %s", move)
         return move
+
+    def rebalance(self, run: Runner | None = None) -> Move | None:
+        """Makes the balloon's next move, if one is due, and returns it as applied; with
+        `prepare_moves`, first compiles the steps for the new pool sizes (`prepare`)."""
+        move = self.next_move(run)
+        if move is None:
+            return None
+        if self.prepare_moves and not self.ready(move):
+            self.prepare(move)
+        return self.apply(move, run)
 
     def route(self, messages: Sequence[dict], *, reasoning_effort: str | None = None, conversation=None) -> Route:
         return self.router.route(messages, reasoning_effort=reasoning_effort, conversation=conversation)

@@ -8,6 +8,7 @@ of them in one padded call each, so no caller repeats a page operation per pool.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import jax
@@ -66,6 +67,28 @@ class PageStore:
             zero = lambda x: jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=1))  # noqa: E731
             self.drafter.pools = jax.tree.map(lambda x: fit(x, zero(x), 1), self.drafter.pools)
         self.num_usable_pages = num_pages - 1
+
+    def abstract(self, num_pages: int | None = None) -> PageStore:
+        """A copy of this store whose pools are abstract values (shapes and dtypes, no
+        buffers) of `num_pages` pages (default: as now), for lowering step calls ahead of a
+        resize (`Engine.precompile_pool`) on another thread: it holds none of the live buffers,
+        which the next step donates."""
+        num_pages = self.num_usable_pages + 1 if num_pages is None else num_pages
+
+        def shape(leaf, axis: int | None = None):
+            dims = list(leaf.shape)
+            if axis is not None:
+                dims[axis] = num_pages
+            return jax.ShapeDtypeStruct(tuple(dims), leaf.dtype)
+
+        store = copy.copy(self)
+        k, v = jax.tree.map(lambda x: shape(x, 0), (self.cache.k, self.cache.v))
+        store.cache = jax.tree.map(shape, self.cache.replace(k=k, v=v))
+        if self.drafter is not None:
+            store.drafter = copy.copy(self.drafter)
+            store.drafter.pools = jax.tree.map(lambda x: shape(x, 1), self.drafter.pools)
+        store.num_usable_pages = num_pages - 1
+        return store
 
     # -- page bytes for the lower tiers -----------------------------------------------------------
 

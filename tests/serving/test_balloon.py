@@ -1,6 +1,7 @@
 """The balloon in the server (serving/balloon.py): moves made on running engine loops through
-`AsyncEngine.call`, counted in both models' metrics and listed in the plan; `call` hands back
-results and errors and refuses a stopped engine. Two-block stand-ins of both models."""
+`AsyncEngine.call`, after their new pool sizes compiled on a background thread where needed,
+counted in both models' metrics and listed in the plan; `call` hands back results and errors
+and refuses a stopped engine. Two-block stand-ins of both models."""
 
 from __future__ import annotations
 
@@ -47,13 +48,22 @@ def test_moves_run_between_steps_of_live_engines_and_are_counted(loops):
     ids = [engine.tokenizer.encode(f"{i}: {LONG}") for i in range(4)]
     # Queued on the loop thread; two of them wait for pages while the first two run.
     engines[light].call(lambda: [engine.add_request(p, params) for p in ids])
+    fleet.prepare_moves = False  # at once: the loop may have run a step, and the wait be over after a compile
     lend = balloon.step()
+    fleet.prepare_moves = True
     assert (lend.lender, lend.borrower, lend.reason) == (heavy, light, "demand") and lend.borrower_pages > 0
     assert engines[light].call(lambda: engine.num_pages) == planned[light] + lend.borrower_pages
     while engines[light].call(engine.has_unfinished):
         time.sleep(0.05)
+    # SmolLM2 ran new step shapes on its grown pool: the return move first compiles them for
+    # the planned size on a background thread, while the loops go on, and moves after.
+    assert balloon.step() is None and balloon.preparing
+    while balloon.preparing:
+        assert engines[light].call(lambda: engine.num_pages) == planned[light] + lend.borrower_pages
+        time.sleep(0.05)
     back = balloon.step()
     assert (back.lender, back.borrower, back.reason) == (light, heavy, "return")
+    assert fleet.ready(lend)  # both sizes compiled: the same loan again would wait for nothing
     assert fleet.plan.num_pages == planned == {m: fleet.llms[m].engine.num_pages for m in MODELS}
     assert [m["reason"] for m in fleet.plan.to_json()["moves"]] == ["demand", "return"]
     lent = f'aither:kv_balloon_moves_total{{direction="lent",model_name="{heavy}",reason="demand"}}'

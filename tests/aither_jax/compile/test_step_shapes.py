@@ -48,7 +48,9 @@ def test_a_run_precompiled_from_recorded_shapes_compiles_nothing(tmp_path, stand
     """Engine A runs a workload and records its shapes (every kind it ran, `on_new_shape`
     told once per shape); through a file, engine B compiles them on 2 threads; the same
     workload on B then compiles nothing and gives A's tokens. The engines differ in pool size,
-    so B shares no executable with A (nor with other tests: the sizes are unique to this test)."""
+    so B shares no executable with A (nor with other tests: the sizes are unique to this test).
+    Then A compiles its shapes for a larger pool (`precompile_pool`), grows to it and runs the
+    workload again, compiling nothing."""
     if "speculative" in extra:
         extra = {**extra, "speculative": {**extra["speculative"], "model": stand_in_draft}}
     settings = dict(dtype="float32", max_model_len=320, max_num_seqs=4, max_prefill_chunk=64, progress=False, **extra)
@@ -78,6 +80,16 @@ def test_a_run_precompiled_from_recorded_shapes_compiles_nothing(tmp_path, stand
     assert _workload(b) == want
     assert CompileCounter.count() == compiled
     assert told_b == []  # nothing new to add to a shapes file
+
+    # A's steps compiled ahead for a larger pool (over abstract pools, the draft's included):
+    # after the resize the workload, on an empty prefix cache as at first, compiles nothing.
+    if a.engine.scheduler.prefix_cache is not None:
+        a.engine.scheduler.prefix_cache.clear()
+    assert a.engine.precompile_pool(pages + 4) == len(shapes)
+    assert a.engine.resize_pool(pages + 4) == pages + 4
+    compiled = CompileCounter.count()  # the resize's own slices and copies compile
+    assert _workload(a) == want
+    assert CompileCounter.count() == compiled
 
 
 def test_precompile_rejects_malformed_records(llm_f32):

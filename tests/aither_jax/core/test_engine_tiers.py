@@ -145,6 +145,7 @@ def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_on_t
     seq = engine.add_request(running, GREEDY)
     engine.step()  # its first prefill chunk, on pages above the cached ones
     top = max(seq.pages)
+    assert engine.scheduler.min_pool_size() == top + 1  # what the balloon counts as reachable
     assert engine.resize_pool(9) == top + 1 == engine.num_pages > 9
     assert len(engine.scheduler.allocator.blocks) == top + 1
     while engine.has_unfinished():

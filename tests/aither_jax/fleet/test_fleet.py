@@ -9,6 +9,7 @@ import pytest
 
 import aither_jax as aj
 from aither_jax.compile.counter import CompileCounter
+from aither_jax.fleet.balloon import Move
 from aither_jax.fleet.fleet import Fleet
 from aither_jax.fleet.planner import PlanError
 
@@ -119,3 +120,9 @@ def test_the_balloon_lends_idle_pages_to_a_waiting_model_and_takes_them_back(fle
     assert (len(fl.moves), back.lender, back.borrower, back.reason) == (2, light, heavy, "return")
     assert {m: fl.llms[m].engine.num_pages for m in MODELS} == planned
     check_zones()
+    # The same loan again: SmolLM2's steps are compiled for the grown pool, which it left with
+    # no shape seen since; Gemma has run steps since it was small, so those compile first.
+    again = Move(heavy, light, lend.lender_pages, lend.borrower_pages, lend.bytes, "demand")
+    assert not fl.ready(again)
+    assert fl.prepare(again) == len(fl.llms[heavy].engine.step_shapes()) > 0
+    assert fl.ready(again) and fl.prepare(again) == 0
