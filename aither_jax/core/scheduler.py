@@ -22,6 +22,7 @@ runs once more to fill that buffer.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 
 import numpy as np
@@ -41,6 +42,15 @@ log = logging.getLogger(__name__)
 
 MAX_PINNED_FRACTION = 0.5
 MAX_PROTECTED_FRACTION = 0.25
+
+
+@dataclasses.dataclass
+class CachedRun:
+    """Consecutive full pages of a prompt's chain found cached: on the device (`pages`) or
+    held in a lower tier (`pages` None, to promote)."""
+
+    names: list[bytes]
+    pages: list[int] | None
 
 
 class Scheduler:
@@ -239,34 +249,39 @@ class Scheduler:
         deferred = []
         while self.waiting and self._free_slots:
             seq = self.waiting.popleft()
-            cached, lower, names, partial = self._lookup(seq)
-            found = lower  # held below the device
-            if lower and not self.prefix_cache.tiers.should_reload(lower, len(lower) * self.page_size, count=False):
-                lower, partial = [], None  # recomputing them is faster (kv/tiers.py, ReloadCost)
-            hit = len(cached) + len(lower)
+            runs, names, partial = self._lookup(seq)
+            found = [n for run in runs if run.pages is None for n in run.names]  # held below the device
+            # Reloading them also brings back the device pages after them: every token past the
+            # first device run is saved.
+            saved = sum(len(run.names) for run in runs[1 if runs and runs[0].pages is not None else 0 :])
+            if found and not self.prefix_cache.tiers.should_reload(found, saved * self.page_size, count=False):
+                runs, partial = runs[:1] if runs and runs[0].pages is not None else [], None  # recompute (ReloadCost)
+            hit = sum(len(run.names) for run in runs)
             if names and hit < len(names) and names[hit] in self._computing:
                 deferred.append(seq)  # a running prefill is filling its next page right now
                 continue
             num_cached = hit * self.page_size + (partial[1] if partial else 0)
+            device = [p for run in runs if run.pages is not None for p in run.pages]
             # Cached pages that were idle stop counting as free once this sequence holds them.
             need = self.pages_needed(seq.num_tokens)
             if self.bounded is not None:
                 need = self.bounded.pages_to_admit(need)
-            need -= len(cached)
+            need -= len(device)
             if self.prefix_cache is not None:  # idle pages it will hold (shared, or a copy source)
-                need += self.prefix_cache.num_evictable_taken(cached + ([partial[0]] if partial else []))
+                need += self.prefix_cache.num_evictable_taken(device + ([partial[0]] if partial else []))
             if need > budget:
                 self.waiting.appendleft(seq)
                 break
             budget -= need
             if found:  # the cost model's decision is counted (and logged) once, at admission
-                self.prefix_cache.tiers.should_reload(found, len(found) * self.page_size)
+                self.prefix_cache.tiers.should_reload(found, saved * self.page_size)
+            cached = device
             if self.prefix_cache is not None:
-                self.allocator.share(cached)
+                self.allocator.share(device)
                 if partial:
                     self.allocator.share([partial[0]])  # held until the copy is made (copies_done)
-                if lower:  # pages held on host or disk come back instead of being recomputed
-                    cached, num_cached, partial = self._promote(cached, lower, names, num_cached, partial)
+                if len(device) < hit:  # pages held on host or disk come back instead of being recomputed
+                    cached, num_cached, partial = self._promote(runs, num_cached, partial)
                 if seq.num_preemptions == 0:
                     self.num_prefix_queries += len(seq.prompt_ids)
                     self.num_prefix_hits += num_cached
@@ -290,38 +305,54 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return copies, refills
 
-    def _lookup(self, seq: Sequence) -> tuple[list[int], list[bytes], list[bytes], tuple[int, int] | None]:
-        """(cached full pages on the device, names of the full pages after them held in a
-        lower tier, names of the full pages of everything but the last token, a cached partial
-        page (page, tokens) to copy after them all or None)."""
+    def _lookup(self, seq: Sequence) -> tuple[list[CachedRun], list[bytes], tuple[int, int] | None]:
+        """(the cached runs of full pages from the start, on the device or held in a lower tier
+        by turns; the names of the full pages of everything but the last token; a cached partial
+        page (page, tokens) to copy after the runs, or None). A chain can alternate: a resized
+        pool demotes its pages above the cut, wherever they sit in a chain."""
         if self.prefix_cache is None:
-            return [], [], [], None
+            return [], [], None
         # The last token is never taken from the cache: its logits are needed to sample.
         tokens = seq.token_slice(0, seq.num_tokens - 1)
         names = hash_chain(seq.salt, tokens, self.page_size)
-        cached = self.prefix_cache.match(names)
-        lower = self.prefix_cache.match_lower(names[len(cached) :])
-        hit = len(cached) + len(lower)
+        runs, hit = [], 0
+        while hit < len(names):
+            pages = self.prefix_cache.match(names[hit:])
+            if pages:
+                runs.append(CachedRun(names[hit : hit + len(pages)], pages))
+                hit += len(pages)
+            lower = self.prefix_cache.match_lower(names[hit:])
+            if lower:
+                runs.append(CachedRun(lower, None))
+                hit += len(lower)
+            if not pages and not lower:
+                break
         parent = names[hit - 1] if hit else seq.salt
         partial = self.prefix_cache.match_partial(parent, seq.token_slice(hit * self.page_size, seq.num_tokens))
-        return cached, lower, names, partial
+        return runs, names, partial
 
-    def _promote(self, cached: list[int], lower: list[bytes], names: list[bytes], num_cached: int, partial):
-        """Device pages for the lower-tier run `lower` after the device-cached `cached`, filled
-        from host or disk; returns (the sequence's cached pages, its cached tokens, the partial
-        page to copy after them). A page that cannot be read back ends the run there, and the
-        partial page after the run is not used."""
-        pages = self.allocate(len(lower))
-        parent = names[len(cached) - 1] if cached else None
-        n = self.prefix_cache.promote(lower, pages, parent)
-        if self.policy.graph is not None:
-            self.promoted.extend(lower[:n])
-        if n < len(lower):
-            self.allocator.free(pages[n:])
-            if partial:
-                self.allocator.free([partial[0]])
-            return cached + pages[:n], (len(cached) + n) * self.page_size, None
-        return cached + pages, num_cached, partial
+    def _promote(self, runs: list[CachedRun], num_cached: int, partial) -> tuple[list[int], int, object]:
+        """Device pages for the lower-tier runs among `runs`, filled from host or disk, the
+        device runs' pages (already shared) between them; returns (the sequence's cached pages,
+        its cached tokens, the partial page to copy after them). A page that cannot be read
+        back ends the hit there: the pages after it and the partial page are given back."""
+        pages, parent = [], None
+        for i, run in enumerate(runs):
+            if run.pages is not None:
+                pages += run.pages
+            else:
+                fresh = self.allocate(len(run.names))
+                n = self.prefix_cache.promote(run.names, fresh, parent)
+                if self.policy.graph is not None:
+                    self.promoted.extend(run.names[:n])
+                pages += fresh[:n]
+                if n < len(run.names):
+                    self.allocator.free(fresh[n:] + [p for later in runs[i + 1 :] if later.pages for p in later.pages])
+                    if partial:
+                        self.allocator.free([partial[0]])
+                    return pages, len(pages) * self.page_size, None
+            parent = run.names[-1]
+        return pages, num_cached, partial
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

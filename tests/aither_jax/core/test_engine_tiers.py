@@ -125,11 +125,13 @@ def test_a_preempted_request_gets_its_pages_back_from_the_host():
     assert llm.engine.scheduler.num_preemptions >= 1 and llm.engine.tiers.counters.num_host_hits >= 2
 
 
-def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_on_the_host():
+@pytest.mark.parametrize("below", ["host", "corrupt disk"])
+def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_below(below, tmp_path):
     """`Engine.resize_pool` (the fleet's balloon) between steps: a shrink stops above the
     pages a running request holds, which then finishes as it would have; a later shrink
-    demotes the idle cached pages it cuts off to the host tier, and grown back, a follow-up
-    finds them there. Answers equal a large pool's."""
+    demotes the idle cached pages it cuts off to the tier below, and grown back, a follow-up
+    finds them there and the device pages after them. On a disk whose files went bad the hit
+    ends before them, and the device pages after are given back. Answers equal a large pool's."""
     settings = dict(SETTINGS, max_model_len=128)  # a floor of 9 pages
     rng = np.random.default_rng(1)
     first = [rng.integers(100, 5000, 40).tolist() for _ in range(2)]
@@ -139,7 +141,8 @@ def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_on_t
     follow_up = running + want[2] + rng.integers(100, 5000, 10).tolist()
     want_follow_up = big.generate([follow_up], GREEDY)[0].token_ids
 
-    llm = aj.LLM(MODEL, num_pages=40, kv_offloading_size=0.01, **settings)
+    tier = dict(kv_offloading_size=0.01) if below == "host" else dict(kv_cache_dir=str(tmp_path))
+    llm = aj.LLM(MODEL, num_pages=40, **tier, **settings)
     engine = llm.engine
     assert [o.token_ids for o in llm.generate(first, GREEDY)] == want[:2]
     seq = engine.add_request(running, GREEDY)
@@ -149,6 +152,7 @@ def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_on_t
     assert engine.resize_pool(9) == top + 1 == engine.num_pages > 9
     assert len(engine.scheduler.allocator.blocks) == top + 1
     while engine.has_unfinished():
+        chain = list(seq.pages)  # its pages in chain order (given back when it finishes)
         engine.step()
     assert seq.output_ids == want[2]
 
@@ -158,8 +162,21 @@ def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_on_t
     assert cut and engine.resize_pool(9) == 9
     assert tiers.counters.num_demoted - demoted == len(cut) and not any(cache.idle(p) for p in cut if p < 9)
     assert engine.resize_pool(40) == 40
+    if below == "corrupt disk":
+        tiers.disk.sync()  # every page written (a pending write is read from memory)
+        for path in tmp_path.rglob("*.kvpage"):
+            path.write_bytes(path.read_bytes()[:-1] + b"?")
     out = llm.generate([follow_up], GREEDY)[0]
     assert out.token_ids == want_follow_up
-    assert tiers.counters.num_host_hits - hits == len(cut)  # the pages cut off came back from the host
+    # The running request's chain had pages below the cut after those above it: the lookup
+    # takes the device run after the lower run too, so all of its stored tokens are reused.
+    if below == "host":
+        assert tiers.counters.num_host_hits - hits == len(cut)  # the pages cut off came back
+        assert out.num_cached_tokens == len(running) + len(want[2]) - 1
+    else:
+        assert tiers.disk.counters.num_corrupt == 1
+        assert out.num_cached_tokens == 16 * next(i for i, p in enumerate(chain) if p in cut)
+    allocator = engine.scheduler.allocator
+    assert all(allocator.ref_count(p) == 0 or cache.idle(p) for p in range(1, engine.num_pages))  # nothing held
     with pytest.raises(ValueError, match="too small"):
         engine.resize_pool(8)
