@@ -27,10 +27,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The scorer's development set and the tests' labeled sets (tests/aither_jax/fleet/test_router.py).
 PROMPT_SETS = (
     ROOT / "aither_jax" / "fleet" / "effort_prompts.json",
-    ROOT / "tests" / "aither_jax" / "fleet" / "effort_heldout.json",
-    ROOT / "tests" / "aither_jax" / "fleet" / "effort_unseen.json",
+    *sorted((ROOT / "tests" / "aither_jax" / "fleet").glob("effort_*.json")),
 )
 
 

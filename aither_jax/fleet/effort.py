@@ -4,11 +4,12 @@ system design), from markers anyone can read and argue with.
 The level starts at 1 and adds points for what the last user message asks for: mathematics
 (expressions with numbers, quantitative words, proofs), code (snippets, languages, debugging),
 multi-step work (explanations of why or how, comparisons and trade-offs, plans, design,
-analysis), several parts or constraints, and length. A plain factual question is 2. Light
-tasks (translating, summarizing or rewording given text, greetings and thanks, definitions)
-stay at 2 at most unless they also carry mathematics or code. Each point comes with its
-reason, so a route can be explained. The labeled prompts in `effort_prompts.json` (and a
-held-out set in the tests) measure it.
+analysis, logic puzzles), several parts or constraints, and length. A plain factual question
+is 2. Light tasks (translating, summarizing or rewording given text, greetings and thanks,
+definitions) stay at 2 at most unless they also carry mathematics or code; a light
+instruction over a long pasted text stays at 2 whatever the text holds, unless it is code.
+Each point comes with its reason, so a route can be explained. The labeled prompts in
+`effort_prompts.json` (and the sets in tests/aither_jax/fleet) measure it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import re
 from collections.abc import Sequence
 
 MAX_EFFORT = 5
+HEAD_WORDS = 15  # a message's instruction, before the text it is about
+LONG_WORDS = 40  # a request this long describes a situation that takes thought (light tasks aside)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,18 +42,27 @@ _EXPRESSION = _rx(
     r"\$\s*\d",
     r"\d+[.,]\d+",
     r"\d+:\d\d",
-    r"\d+\s*(mph|km/?h|miles?|km|meters?|kg|lbs?|pounds|hours?|minutes?|days|years|dollars|euros|percent)\b",
+    r"\d+\s*(mph|km/?h|m/s|miles?|km|meters?|cm|mm|kg|g|mg|ml|liters?|lbs?|pounds|degrees|ft|feet|inch(es)?|hours?|"
+    r"minutes?|days|years|"
+    r"dollars|euros|percent)\b",
+    r"\bfrom\s+[$€£]?\d[\d,.]*\s*%?\s+to\s+[$€£]?\d",  # a change between two amounts
+    r"\b[a-z]\s*\(\s*[a-z]\s*[-+*/]\s*[a-z]\s*\)",  # f(x+y)
+    r"[→ℝℕℤℚ∀∃∑∫√≤≥≠∞]",
+    r"\b(two|three|four|five|six|seven|eight|nine|ten|twelve|fifteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|"
+    r"ninety|hundred|thousand)\s+(grams?|kilo\w*|miles?|meters?|hours?|minutes?|seconds?|liters?|dollars|percent)\b",
 )
 _MATH = _rx(
     r"\b(solve|equations?|calculat\w*|comput\w*|integral|derivative|integrate|differentiate|probabilit\w*|"
     r"percent\w*|interest|average|the mean|mean of|median|variance|expected value|how many|how much|how long|"
     r"ratio|fraction|factor\w*|prime|sum of|product of|divisible|remainder|modulo|matrix|vector|"
     r"geometry|triangle|circle|area|volume|speed|rate|loan|mortgage|compound|odds|chances?|dice|die|coins?|"
-    r"in a row|expected number|ecuaci\w*|calcul\w*|combien|wie viele)\b"
+    r"in a row|expected number|how far|how fast|how high|infinitely many|per (hour|second|day|week|month|year)|"
+    r"what time|mass of|moles?|molar|ecuaci\w*|calcul\w*|combien|wie viele)\b"
 )
 _PROOF = _rx(
-    r"\b(prove|proof|show that|demonstrate that|derive|derivation|theorem|lemma|induction|irrational|bijection|"
-    r"demuestra|démontre|beweise)\b"
+    r"\b(prove|proof|show (that|there)|demonstrate that|derive|derivation|theorem|lemma|induction|irrational|"
+    r"bijection|find all functions)\b",
+    r"\b(demuestr|démontr|beweis)\w*",
 )
 _CODE = _rx(
     r"```",
@@ -61,24 +73,49 @@ _CODE = _rx(
     r"\b(python|javascript|typescript|java|rust|golang|go code|kotlin|swift|ruby|php|sql|bash|"
     r"shell script|regex|regular expression|function|method|algorithm|api|endpoint|recursion|recursive|"
     r"compile[sd]?|compiler|stack trace|traceback|exception|segfault|null pointer|bug|debug\w*|refactor\w*|"
-    r"unit tests?|big-?o|complexity|data structure|linked list|hash ?map|binary search|query|script)\b",
+    r"unit tests?|big-?o|complexity|data structure|linked list|hash ?map|binary search|query|script|"
+    r"excel|spreadsheet|formula|vlookup|pandas|numpy|dataframe|df|groupby|react|django|flask|"
+    r"crash\w*|npm|pip install|docker\w*|localhost|yaml|html|css|firmware|arduino|uart|gpio|interrupts?|"
+    r"(type|value|key|index|attribute|name|syntax|reference|runtime|import|module)error)\b",
+    r"`[^`\n]{3,}`",  # inline code or a quoted error
+    r"\b\w+_\w+\(",  # a call of a snake_case function
 )
 _WHY_HOW = _rx(
     r"\b(why|how (does|did|would|could|is|are)|how (do|can) (?!i\b|you\b|we\b)|explain|what causes|"
-    r"what happens|justify|show your work|por qué|pourquoi|warum|wieso|comment fonctionne|cómo funciona)\b",
+    r"what happens|what'?s going on|what is going on|what (actually )?caused|keeps? \w+ing|troubleshoot\w*|"
+    r"diagnos\w*|valid argument|argument valid|fallacy|justify|show your work|por qué|pourquoi|warum|wieso|"
+    r"comment fonctionne|cómo funciona)\b",
     r"¿por qué",
 )
 _COMPARE = _rx(
-    r"\b(compare|comparison|versus|vs\.?|pros and cons|trade-?offs?|better|diff(erence)? between|which (is|should))\b"
+    r"\b(compare|comparison|versus|vs\.?|pros and cons|for and against|trade-?offs?|better|smarter|wiser|"
+    r"diff(erence)? between|which (is|should)|each side|both sides|diferencias?|différences?|differenza|verschil|"
+    r"unterschied|vale (mais )?a pena|"
+    r"vale la pena|conviene|lohnt (es )?sich)\b"
+)
+_PUZZLE = _rx(
+    r"\b(puzzle|brain ?teaser|logic (problem|question)|knights?|knaves?|liars?|truth-?tellers?|"
+    r"always (lie|lies|tells? the truth)|each \w+ (a )?different|monty hall|paradox)\b"
 )
 _PLAN = _rx(
     r"\b(plan|schedule|itinerary|roadmap|strategy|design|architect\w*|outline|budget|steps? to|step[- ]by[- ]step|"
-    r"optimi[sz]\w*|analy[sz]\w*|evaluate|assess|estimate|forecast|prioriti[sz]e)\b"
+    r"optimi[sz]\w*|analy[sz]\w*|evaluate|assess|estimate|forecast|prioriti[sz]e|weighing|factors|considerations|"
+    r"routine|structured|debate|strongest arguments?|case (for|against))\b"
 )
 _LIGHT = _rx(
     r"\b(translate|translation|tradu\w*|summari[sz]e|summary|tl;?dr|rephrase|reword|paraphrase|proofread|"
+    r"shorten|make (this|it) (shorter|friendlier|clearer|more \w+)|fix (the )?(grammar|typos|spelling)|"
+    r"tidy( up)?|clean up|into (clean )?bullet points|shortcut|"
     r"define|definition|meaning of|what does .{1,30} (mean|stand for)|synonyms?|antonyms?|spell|how do (you|i) say|"
-    r"file extension|in plain (words|english)|what (is|are) (a|an|the)\b)\b"
+    r"file extension|in plain (words|english))\b",
+    r"^\W*what(?:'s| is| are) (a|an|the)\b(?! diff)",  # a definition; "what are the trade-offs" later on is not
+    # the bare difference between two words ("affect and effect?"): a usage question
+    r"diff[ée]ren\w* (between|entre|tra|zwischen) \W*[\w-]+\W* (and|et|e|y|und) \W*[\w-]+\W*\s*\??\s*$",
+)
+# "how many tablespoons is 50 grams": a conversion, light whatever its numbers.
+_CONVERSION = _rx(
+    r"\bhow many (tablespoons|teaspoons|cups|ounces|oz|grams|pounds|lbs|miles|km|kilometers|feet|inches|meters|"
+    r"liters|gallons|calories|minutes|hours|days|weeks)\b (is|are|in)\b"
 )
 _SOCIAL = _rx(
     r"^\W*(hi|hello|hey|yo|hola|bonjour|good (morning|afternoon|evening|night)|thanks?|thank you|thx|"
@@ -122,7 +159,12 @@ def score_effort(text: str) -> Effort:
     heavy = points > 2 or math >= 2 or code >= 2  # beyond one code or quantity word
     kinds = [
         why
-        for rx, why in ((_WHY_HOW, "why or how"), (_COMPARE, "comparison"), (_PLAN, "planning or analysis"))
+        for rx, why in (
+            (_WHY_HOW, "why or how"),
+            (_COMPARE, "comparison"),
+            (_PLAN, "planning or analysis"),
+            (_PUZZLE, "a puzzle"),
+        )
         if rx.search(text)
     ]
     if kinds:
@@ -130,12 +172,17 @@ def score_effort(text: str) -> Effort:
     parts = text.count("?") + len(re.findall(r"(?m)^\s*(\d+[.)]|[-*•])\s", text))
     if parts >= 3:
         add(1, f"{parts} parts")
-    if words > 80:
+    if words > LONG_WORDS:
         add(1, f"{words} words")
     if not points and _QUESTION.search(text) and not _SOCIAL.search(text):
         add(1, "a question")
     level = 1 + points
-    if not heavy and (_LIGHT.search(text) or _SOCIAL.search(text)) and level > 2:
+    # A light instruction over pasted text ("tl;dr this: ...", "make this shorter: ..."): the
+    # numbers and terms are the text's, not the task's (pasted code is not light).
+    head = " ".join(text.split()[:HEAD_WORDS])
+    over_text = words > 3 * HEAD_WORDS and _LIGHT.search(head) and not _CODE.search(head) and "```" not in text
+    conversion = words <= HEAD_WORDS and _CONVERSION.search(text)
+    if (over_text or conversion or not heavy and (_LIGHT.search(text) or _SOCIAL.search(text))) and level > 2:
         level, reasons = 2, [*reasons, "a light task"]
     return Effort(max(1, min(MAX_EFFORT, level)), tuple(reasons))
 
