@@ -428,7 +428,12 @@ def headline(stage: str, report: dict) -> str:
         from bench_balloon import steady
 
         on, off = steady(report["runs"]["on"]), steady(report["runs"]["off"])
-        return f"balloon on {on:.0f} tok/s against off {off:.0f} ({on / off:.2f}x)"
+        moves = [m for p in report["runs"]["on"]["phases"] for m in p["moves"]]
+        compile_s = sum(m.get("compile_s", 0.0) for m in moves)
+        return (
+            f"balloon on {on:.0f} tok/s against off {off:.0f} ({on / off:.2f}x); "
+            f"{len(moves)} moves, {compile_s:.0f} s compiling their pool sizes"
+        )
     if stage in SERVING_STAGES:
         rows, sp = report["concurrency"], report["shared_prefix"]
         ttft = "not measured"

@@ -223,6 +223,15 @@ def test_headlines_pick_the_goal_figures():
     alone = {"on": {"ttft_mean_s": 0.37}, "off": {"ttft_mean_s": 3.1}, "ttft_speedup": 8.4}
     shared = {"concurrency": [], "shared_prefix": alone}  # serving-shared: the comparison alone
     assert gpu_check.headline("serving-shared", shared) == "shared-prefix TTFT 8.4x (0.37 / 3.10 s)"
+    phase = lambda c, tokens, moves: {"cycle": c, "tokens": tokens, "wall_s": 10.0, "moves": moves}  # noqa: E731
+    moves = [{"compile_s": 30.0}, {"compile_s": 12.0}]
+    runs = {
+        "off": {"phases": [phase(0, 50, []), phase(1, 100, [])]},
+        "on": {"phases": [phase(0, 90, moves), phase(1, 150, [])]},
+    }
+    assert gpu_check.headline("balloon", {"runs": runs}) == (
+        "balloon on 15 tok/s against off 10 (1.50x); 2 moves, 42 s compiling their pool sizes"
+    )
 
 
 def test_the_budget_skips_what_it_cannot_fit_and_a_timeout_ends_the_whole_stage(monkeypatch, tmp_path):

@@ -51,6 +51,7 @@ class Move:
     bytes: int  # the borrower's share of the bytes the lender freed
     reason: str  # "demand": the borrower's requests lacked pages; "return": back toward the plan
     at: float = 0.0  # time.time() when applied
+    compile_s: float = 0.0  # spent compiling the steps for the new pool sizes before it (Fleet.prepare)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

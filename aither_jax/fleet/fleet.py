@@ -12,6 +12,7 @@ and no compile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -197,6 +198,7 @@ class Fleet:
         # Per model, the pool sizes its steps are compiled for: size -> how many step shapes
         # it had then (a size is ready while no new shape has been seen since).
         self._ready: dict[str, dict[int, int]] = {name: {} for name in self.llms}
+        self._compile_s = 0.0  # `prepare`'s seconds since the last move
         if balloon:
             for name, llm in self.llms.items():
                 if llm.engine.bounded is not None:
@@ -269,8 +271,10 @@ class Fleet:
 
     def _compiled_for(self, name: str, size: int) -> bool:
         """Whether every step shape model `name` has run is compiled for a pool of `size`
-        pages: it left that size (or `prepare` compiled for it) with no shape seen since."""
-        return self._ready[name].get(size) == len(self.llms[name].engine.step_shapes())
+        pages: it has run none, or it left that size (or `prepare` compiled for it) with no
+        shape seen since."""
+        shapes = len(self.llms[name].engine.step_shapes())
+        return shapes == 0 or self._ready[name].get(size) == shapes
 
     def prepare(self, move: Move, *, workers: int | None = None) -> int:
         """Compiles the step shapes of each model of `move` for the pool size the move leaves
@@ -285,8 +289,9 @@ class Fleet:
             start = time.perf_counter()
             done += engine.precompile_pool(size, shapes, workers=workers)
             self._ready[name][size] = len(shapes)
-            log.info("balloon: %s's %d step shapes compiled for %d pages in %.1f s",
-                     name, len(shapes), size, time.perf_counter() - start)  # fmt: skip
+            seconds = time.perf_counter() - start
+            self._compile_s += seconds
+            log.info("balloon: %s's %d step shapes compiled for %d pages in %.1f s", name, len(shapes), size, seconds)
         return done
 
     def apply(self, move: Move, run: Runner | None = None) -> Move:
@@ -303,7 +308,8 @@ class Fleet:
         gain = min((given * lender_bytes + unassigned) // borrower_bytes, move.borrower_pages)
         if gain:
             run(move.borrower, lambda: borrower.resize_pool(borrower.num_pages + gain))
-        move = stamped(move, given, gain, borrower_bytes)
+        move = dataclasses.replace(stamped(move, given, gain, borrower_bytes), compile_s=self._compile_s)
+        self._compile_s = 0.0
         repage(
             self.plan,
             list(self.needs.values()),

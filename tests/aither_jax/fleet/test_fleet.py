@@ -118,6 +118,9 @@ def test_the_balloon_lends_idle_pages_to_a_waiting_model_and_takes_them_back(fle
     fl.generate([PROMPT], GREEDY, model=heavy)
     back = fl.moves[-1]
     assert (len(fl.moves), back.lender, back.borrower, back.reason) == (2, light, heavy, "return")
+    # SmolLM2's steps were compiled for its planned size again first (its grown pool ran new
+    # shapes); the loan came before either model had run a step, with nothing to compile.
+    assert back.compile_s > 0 and lend.compile_s == 0
     assert {m: fl.llms[m].engine.num_pages for m in MODELS} == planned
     check_zones()
     # The same loan again: SmolLM2's steps are compiled for the grown pool, which it left with
