@@ -24,8 +24,8 @@ INTERVAL_SECONDS = 0.5
 
 
 class BalloonLoop:
-    """Runs `fleet.rebalance` every `interval` seconds over `engines` (model name -> the
-    AsyncEngine that owns that model's engine) until stopped."""
+    """Checks the fleet's balloon every `interval` seconds over `engines` (model name -> the
+    AsyncEngine that owns that model's engine) until stopped: `step` prepares and makes moves."""
 
     def __init__(self, fleet: Fleet, engines: Mapping[str, AsyncEngine], *, interval: float = INTERVAL_SECONDS):
         self.fleet = fleet
