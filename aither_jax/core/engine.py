@@ -226,10 +226,12 @@ class Engine:
         self, num_pages: int, shapes: Iterable[dict[str, Any]] | None = None, *, workers: int | None = None
     ) -> int:
         """Compiles step shapes (default: every one this engine has run, `step_shapes`) for a
-        pool of `num_pages` pages, so that a later `resize_pool(num_pages)` compiles nothing.
+        pool of `num_pages` pages, and the resize to it from the size now, so that a later
+        `resize_pool(num_pages)` and the steps after it compile nothing.
         It lowers over abstract pools and touches no engine state, so it may run on another
         thread while this engine steps (the server's balloon does). Returns the shapes compiled."""
         shapes = self.step_shapes() if shapes is None else list(shapes)
+        self.store.abstract().lower_resize(num_pages).compile()  # the resize itself, from the size now
         return self.compiler.for_pool(num_pages).precompile(shapes, workers=workers)
 
     @property

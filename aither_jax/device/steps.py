@@ -292,6 +292,27 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
     return cache.replace(k=jax.tree.map(copy, cache.k), v=jax.tree.map(copy, cache.v))
 
 
+@step_jit(static_argnames=("num_pages",))
+def resize_pools(target, empty, draft, *, num_pages: int):
+    """Every pool sharing page ids cut to its first `num_pages` pages or extended with empty
+    ones: the target's (`target`, (keys, values) trees, page-major) with copies of `empty`
+    (one empty page per leaf), the draft's context (`draft`, layer-major, or None) with zeros.
+    Returns (target, draft). A pool that grows is copied: for the call, old and new are held."""
+
+    def fit(leaf: jax.Array, fill: jax.Array, axis: int) -> jax.Array:
+        have = leaf.shape[axis]
+        if num_pages <= have:
+            return jax.lax.slice_in_dim(leaf, 0, num_pages, axis=axis)
+        shape = list(leaf.shape)
+        shape[axis] = num_pages - have
+        return jnp.concatenate([leaf, jnp.broadcast_to(fill, shape).astype(leaf.dtype)], axis=axis)
+
+    target = jax.tree.map(lambda x, e: fit(x, e, 0), target, empty)
+    if draft is not None:
+        draft = jax.tree.map(lambda x: fit(x, jnp.zeros((), x.dtype), 1), draft)
+    return target, draft
+
+
 def model_step(
     weights: ModelWeights,
     cache: PagedKVCache,

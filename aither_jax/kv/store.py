@@ -12,12 +12,11 @@ import copy
 import hashlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from aither_jax.compile.buckets import bucket
 from aither_jax.compile.shapes import ShapeRegistry
-from aither_jax.device.steps import copy_pages, page_key_summaries, read_pages, write_pages
+from aither_jax.device.steps import copy_pages, page_key_summaries, read_pages, resize_pools, write_pages
 from models.kv_cache import PagedKVCache
 
 # Bumped whenever the meaning of stored page bytes changes (part of `fingerprint`).
@@ -52,21 +51,20 @@ class PageStore:
 
     def resize(self, num_pages: int) -> None:
         """Cuts every pool to its first `num_pages` pages, or extends it with empty ones (as
-        `Scheduler.resize_pool` left the page ids). Growing copies each pool once, so for a
-        moment it holds the old pool and the new one."""
-
-        def fit(leaf, empty, axis: int):
-            have = leaf.shape[axis]
-            if num_pages <= have:
-                return jax.lax.slice_in_dim(leaf, 0, num_pages, axis=axis)
-            return jnp.concatenate([leaf, jnp.repeat(empty, num_pages - have, axis=axis)], axis=axis)
-
-        k, v = jax.tree.map(lambda x, e: fit(x, e, 0), (self.cache.k, self.cache.v), self._empty)
+        `Scheduler.resize_pool` left the page ids), in one call (`resize_pools`). Growing
+        copies each pool once, so for a moment it holds the old pool and the new one."""
+        (k, v), pools = resize_pools(*self._resize_args(), num_pages=num_pages)
         self.cache = self.cache.replace(k=k, v=v)
         if self.drafter is not None:
-            zero = lambda x: jnp.zeros_like(jax.lax.slice_in_dim(x, 0, 1, axis=1))  # noqa: E731
-            self.drafter.pools = jax.tree.map(lambda x: fit(x, zero(x), 1), self.drafter.pools)
+            self.drafter.pools = pools
         self.num_usable_pages = num_pages - 1
+
+    def lower_resize(self, num_pages: int):
+        """`resize` to `num_pages` pages lowered (for `Engine.precompile_pool`, on `abstract()`)."""
+        return resize_pools.lower(*self._resize_args(), num_pages=num_pages)
+
+    def _resize_args(self) -> tuple:
+        return (self.cache.k, self.cache.v), self._empty, self.drafter.pools if self.drafter is not None else None
 
     def abstract(self, num_pages: int | None = None) -> PageStore:
         """A copy of this store whose pools are abstract values (shapes and dtypes, no

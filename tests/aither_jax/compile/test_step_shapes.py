@@ -81,13 +81,14 @@ def test_a_run_precompiled_from_recorded_shapes_compiles_nothing(tmp_path, stand
     assert CompileCounter.count() == compiled
     assert told_b == []  # nothing new to add to a shapes file
 
-    # A's steps compiled ahead for a larger pool (over abstract pools, the draft's included):
-    # after the resize the workload, on an empty prefix cache as at first, compiles nothing.
+    # A's steps and its resize compiled ahead for a larger pool (over abstract pools, the
+    # draft's included): the resize and the workload after it, on an empty prefix cache as at
+    # first, compile nothing.
     if a.engine.scheduler.prefix_cache is not None:
         a.engine.scheduler.prefix_cache.clear()
     assert a.engine.precompile_pool(pages + 4) == len(shapes)
+    compiled = CompileCounter.count()
     assert a.engine.resize_pool(pages + 4) == pages + 4
-    compiled = CompileCounter.count()  # the resize's own slices and copies compile
     assert _workload(a) == want
     assert CompileCounter.count() == compiled
 
