@@ -266,8 +266,24 @@ class Fleet:
         }
 
     def ready(self, move: Move) -> bool:
-        """Whether both models' steps are compiled for the sizes `move` leaves them with."""
-        return all(self._compiled_for(name, size) for name, size in self.targets(move).items())
+        """Whether the steps are compiled for the sizes `move` leaves its models with, where
+        it matters: nothing is left for `prepare` to do."""
+        return not self._to_prepare(move)
+
+    def _to_prepare(self, move: Move) -> dict[str, int]:
+        """The models of `move` (name -> new pool size) whose steps `prepare` compiles: those
+        with requests running or waiting (an idle one, usually the lender, compiles at its new
+        size only if it runs there before the next move) and not yet compiled for that size
+        (`_compiled_for`)."""
+        return {
+            name: size
+            for name, size in self.targets(move).items()
+            if self._busy(name) and not self._compiled_for(name, size)
+        }
+
+    def _busy(self, name: str) -> bool:
+        sched = self.llms[name].engine.scheduler
+        return bool(sched.running or sched.waiting)
 
     def _compiled_for(self, name: str, size: int) -> bool:
         """Whether every step shape model `name` has run is compiled for a pool of `size`
@@ -277,13 +293,12 @@ class Fleet:
         return shapes == 0 or self._ready[name].get(size) == shapes
 
     def prepare(self, move: Move, *, workers: int | None = None) -> int:
-        """Compiles the step shapes of each model of `move` for the pool size the move leaves
-        it with (`Engine.precompile_pool`) where they are not yet, so that applying it compiles
-        nothing. Safe on another thread while the engines step; returns the shapes compiled."""
+        """Compiles the step shapes of the models of `move` that need it (`_to_prepare`) for
+        the pool sizes the move leaves them with (`Engine.precompile_pool`), so that applying
+        it compiles nothing for them. Safe on another thread while the engines step; returns
+        the shapes compiled."""
         done = 0
-        for name, size in self.targets(move).items():
-            if self._compiled_for(name, size):
-                continue
+        for name, size in self._to_prepare(move).items():
             engine = self.llms[name].engine
             shapes = engine.step_shapes()
             start = time.perf_counter()

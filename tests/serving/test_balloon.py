@@ -5,11 +5,14 @@ and refuses a stopped engine. Two-block stand-ins of both models."""
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 import aither_jax as aj
+from aither_jax.fleet.balloon import Move
 from aither_jax.fleet.fleet import Fleet, model_needs
 from models.registry import load_model
 from serving.async_engine import AsyncEngine, EngineDeadError
@@ -55,20 +58,62 @@ def test_moves_run_between_steps_of_live_engines_and_are_counted(loops):
     assert engines[light].call(lambda: engine.num_pages) == planned[light] + lend.borrower_pages
     while engines[light].call(engine.has_unfinished):
         time.sleep(0.05)
-    # SmolLM2 ran new step shapes on its grown pool: the return move first compiles them for
-    # the planned size on a background thread, while the loops go on, and moves after.
-    assert balloon.step() is None and balloon.preparing
-    while balloon.preparing:
-        assert engines[light].call(lambda: engine.num_pages) == planned[light] + lend.borrower_pages
-        time.sleep(0.05)
-    back = balloon.step()
-    assert (back.lender, back.borrower, back.reason) == (light, heavy, "return")
-    assert fleet.ready(lend)  # both sizes compiled: the same loan again would wait for nothing
+    back = balloon.step()  # both idle: nothing to compile first
+    assert (back.lender, back.borrower, back.reason) == (light, heavy, "return") and back.compile_s == 0
     assert fleet.plan.num_pages == planned == {m: fleet.llms[m].engine.num_pages for m in MODELS}
     assert [m["reason"] for m in fleet.plan.to_json()["moves"]] == ["demand", "return"]
     lent = f'aither:kv_balloon_moves_total{{direction="lent",model_name="{heavy}",reason="demand"}}'
     assert f"{lent} {float(lend.lender_pages)}" in engines[heavy].metrics.render()
     assert balloon.step() is None  # back at the plan, nobody waiting
+
+
+class PreparedFleet:
+    """The fleet calls `BalloonLoop.step` makes, with a move due whose sizes need compiling
+    first; `prepare` waits for `release`, and `sizes` changes the move load asks for."""
+
+    prepare_moves = True
+
+    def __init__(self):
+        self.release, self.prepared, self.applied = threading.Event(), [], []
+        self.move = Move("b", "a", 4, 4, 4096, "demand")
+
+    def next_move(self, run):
+        return self.move
+
+    def ready(self, move):
+        return move in self.prepared
+
+    def prepare(self, move):
+        self.release.wait(10)
+        self.prepared.append(move)
+
+    def apply(self, move, run):
+        self.applied.append(move)
+        return move
+
+
+def test_a_move_waits_for_its_compilation_on_a_background_thread_and_is_not_held_back_twice():
+    fleet = PreparedFleet()
+    engines = {m: SimpleNamespace(metrics=Metrics(m)) for m in "ab"}
+    balloon = BalloonLoop(fleet, engines)
+    assert balloon.step() is None and balloon.preparing  # compiling; the engines go on
+    assert balloon.step() is None and not fleet.applied
+    fleet.release.set()
+    while balloon.preparing:
+        time.sleep(0.01)
+    assert balloon.step() == fleet.move and fleet.applied == [fleet.move]  # the move it compiled for
+    # Load changed the sizes while the next move compiled: made anyway, not compiled again.
+    fleet.move = Move("b", "a", 8, 8, 8192, "demand")
+    fleet.release.clear()
+    assert balloon.step() is None and balloon.preparing
+    fleet.release.set()
+    while balloon.preparing:
+        time.sleep(0.01)
+    fleet.move = Move("b", "a", 6, 6, 6144, "demand")
+    assert balloon.step() == fleet.move and len(fleet.prepared) == 2 and len(fleet.applied) == 2
+    assert 'aither:kv_balloon_moves_total{direction="borrowed",model_name="a",reason="demand"} 10.0' in (
+        engines["a"].metrics.render()
+    )
 
 
 def test_call_returns_results_and_errors_and_refuses_a_stopped_engine():

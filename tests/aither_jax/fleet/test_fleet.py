@@ -118,14 +118,19 @@ def test_the_balloon_lends_idle_pages_to_a_waiting_model_and_takes_them_back(fle
     fl.generate([PROMPT], GREEDY, model=heavy)
     back = fl.moves[-1]
     assert (len(fl.moves), back.lender, back.borrower, back.reason) == (2, light, heavy, "return")
-    # SmolLM2's steps were compiled for its planned size again first (its grown pool ran new
-    # shapes); the loan came before either model had run a step, with nothing to compile.
-    assert back.compile_s > 0 and lend.compile_s == 0
+    # Neither move compiled first: the loan came before either model had run a step, and the
+    # return's lender (SmolLM2) was idle, its borrower yet to run one.
+    assert back.compile_s == 0 and lend.compile_s == 0
     assert {m: fl.llms[m].engine.num_pages for m in MODELS} == planned
     check_zones()
-    # The same loan again: SmolLM2's steps are compiled for the grown pool, which it left with
-    # no shape seen since; Gemma has run steps since it was small, so those compile first.
+    # The same loan again: with both idle there is nothing to compile first. With a request
+    # waiting, Gemma (which has run steps since it was small) compiles them for its smaller
+    # pool; SmolLM2 left the grown pool with no shape seen since.
     again = Move(heavy, light, lend.lender_pages, lend.borrower_pages, lend.bytes, "demand")
-    assert not fl.ready(again)
-    assert fl.prepare(again) == len(fl.llms[heavy].engine.step_shapes()) > 0
     assert fl.ready(again) and fl.prepare(again) == 0
+    gemma = fl.llms[heavy].engine
+    waiting = gemma.add_request(gemma.tokenizer.encode(PROMPT), GREEDY)
+    assert not fl.ready(again)
+    assert fl.prepare(again) == len(gemma.step_shapes()) > 0
+    assert fl.ready(again) and fl.prepare(again) == 0
+    gemma.abort(waiting)
