@@ -199,6 +199,9 @@ class Fleet:
         # it had then (a size is ready while no new shape has been seen since).
         self._ready: dict[str, dict[int, int]] = {name: {} for name in self.llms}
         self._compile_s = 0.0  # `prepare`'s seconds since the last move
+        # Per model, the pool size it is at and whether the shapes it had on arriving there
+        # were compiled for it (an idle model is moved without compiling).
+        self._arrived: dict[str, tuple[int, bool]] = {name: (self.plan.num_pages[name], True) for name in self.llms}
         if balloon:
             for name, llm in self.llms.items():
                 if llm.engine.bounded is not None:
@@ -316,13 +319,20 @@ class Fleet:
         unassigned = self.plan.unassigned_bytes
         lender, borrower = self.llms[move.lender].engine, self.llms[move.borrower].engine
         lender_bytes, borrower_bytes = self.needs[move.lender].page_bytes, self.needs[move.borrower].page_bytes
-        for name, engine in ((move.lender, lender), (move.borrower, borrower)):  # each leaves a complete size
-            self._ready[name][engine.num_pages] = len(engine.step_shapes())
+        pairs = ((move.lender, lender), (move.borrower, borrower))
+        for name, engine in pairs:
+            # Leaving a size: every shape is compiled for it if those it arrived with were
+            # (shapes first seen there compiled there).
+            size, complete = self._arrived[name]
+            if complete and size == engine.num_pages:
+                self._ready[name][size] = len(engine.step_shapes())
         before = lender.num_pages
         given = before - run(move.lender, lambda: lender.resize_pool(before - move.lender_pages))  # less if in use
         gain = min((given * lender_bytes + unassigned) // borrower_bytes, move.borrower_pages)
         if gain:
             run(move.borrower, lambda: borrower.resize_pool(borrower.num_pages + gain))
+        for name, engine in pairs:
+            self._arrived[name] = (engine.num_pages, self._compiled_for(name, engine.num_pages))
         move = dataclasses.replace(stamped(move, given, gain, borrower_bytes), compile_s=self._compile_s)
         self._compile_s = 0.0
         repage(

@@ -5,6 +5,8 @@ compiles nothing, and budgets that do not fit are refused."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import aither_jax as aj
@@ -133,4 +135,13 @@ def test_the_balloon_lends_idle_pages_to_a_waiting_model_and_takes_them_back(fle
     assert not fl.ready(again)
     assert fl.prepare(again) == len(gemma.step_shapes()) > 0
     assert fl.ready(again) and fl.prepare(again) == 0
+    gemma.abort(waiting)
+    # Moved while idle, Gemma compiles nothing for a pool of a size new to it; having left it,
+    # that size is not ready for a Gemma with a request.
+    other = dataclasses.replace(again, lender_pages=again.lender_pages - 1)
+    out = fl.apply(other)
+    fl.apply(Move(light, heavy, out.borrower_pages, out.lender_pages, 0, "return"))
+    assert {m: fl.llms[m].engine.num_pages for m in MODELS} == planned
+    waiting = gemma.add_request(gemma.tokenizer.encode(PROMPT), GREEDY)
+    assert not fl.ready(other)
     gemma.abort(waiting)
