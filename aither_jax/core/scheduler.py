@@ -252,10 +252,11 @@ class Scheduler:
             runs, names, partial = self._lookup(seq)
             found = [n for run in runs if run.pages is None for n in run.names]  # held below the device
             # Reloading them also brings back the device pages after them: every token past the
-            # first device run is saved.
-            saved = sum(len(run.names) for run in runs[1 if runs and runs[0].pages is not None else 0 :])
+            # first device run (`lead`) is saved.
+            lead = 1 if runs and runs[0].pages is not None else 0
+            saved = sum(len(run.names) for run in runs[lead:])
             if found and not self.prefix_cache.tiers.should_reload(found, saved * self.page_size, count=False):
-                runs, partial = runs[:1] if runs and runs[0].pages is not None else [], None  # recompute (ReloadCost)
+                runs, partial = runs[:lead], None  # recomputing them is faster (kv/tiers.py, ReloadCost)
             hit = sum(len(run.names) for run in runs)
             if names and hit < len(names) and names[hit] in self._computing:
                 deferred.append(seq)  # a running prefill is filling its next page right now

@@ -70,12 +70,13 @@ def pool_state(engine, *, name: str, planned_pages: int, min_pages: int, max_pag
     room = sched.num_free_pages - sum(max(full(s) - len(s.pages), 0) for s in sched.running)
     waiting = sum(full(s) for s in sched.waiting)
     num_pages = engine.num_pages
-    floor = max(min_pages, sched.min_pool_size())  # a shrink stops above pages in use
+    spare = room - waiting
+    if spare > 0:  # as far as a shrink reaches: the floor, above pages in use (a scan of the pool)
+        spare = min(spare, num_pages - max(min_pages, sched.min_pool_size()))
     return PoolState(
         name=name, num_pages=num_pages, planned_pages=planned_pages, min_pages=min_pages, max_pages=max_pages,
-        page_bytes=page_bytes, spare=max(min(room - waiting, num_pages - floor), 0),
-        short=max(waiting - max(room, 0), 0),
-        busy=bool(sched.running or sched.waiting),
+        page_bytes=page_bytes, spare=max(spare, 0), short=max(waiting - max(room, 0), 0),
+        busy=sched.has_unfinished(),
     )  # fmt: skip
 
 

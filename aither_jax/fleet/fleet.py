@@ -281,12 +281,8 @@ class Fleet:
         return {
             name: size
             for name, size in self.targets(move).items()
-            if self._busy(name) and not self._compiled_for(name, size)
+            if self.llms[name].engine.has_unfinished() and not self._compiled_for(name, size)
         }
-
-    def _busy(self, name: str) -> bool:
-        sched = self.llms[name].engine.scheduler
-        return bool(sched.running or sched.waiting)
 
     def _compiled_for(self, name: str, size: int) -> bool:
         """Whether every step shape model `name` has run is compiled for a pool of `size`
