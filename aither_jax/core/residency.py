@@ -41,26 +41,42 @@ class Residency:
     def prefetch(self, depth: int = 4) -> int:
         """For the first `depth` requests waiting for a slot: starts reading their prompts'
         disk pages in the background and, below the low watermark, promotes their lower-tier
-        pages (after the advisor's neighbours of pages just promoted). Returns the pages
-        promoted."""
+        pages (after the advisor's neighbours of pages just promoted), every lower run of a
+        chain in order, up to the room there is. Returns the pages promoted."""
         sched, tiers = self.scheduler, self.tiers
         if tiers is None:
             return 0
-        cache, page_size = sched.prefix_cache, sched.page_size
         done = self._prefetch_neighbours() if sched.promoted else 0
         for seq in list(sched.waiting)[:depth]:
-            names = hash_chain(seq.salt, seq.token_slice(0, seq.num_tokens - 1), page_size)
-            on_device = 0
-            while on_device < len(names) and cache.contains(names[on_device]):
-                on_device += 1
-            lower = cache.match_lower(names[on_device:])
-            if not lower:
-                continue
-            tiers.stage(lower)
-            run = lower[: self._room()]
-            if run and tiers.should_reload(run, len(run) * page_size, count=False):
-                done += self._promote(run, names[on_device - 1] if on_device else None)
+            names = hash_chain(seq.salt, seq.token_slice(0, seq.num_tokens - 1), sched.page_size)
+            runs = self._lower_runs(names)
+            for run, _ in runs:
+                tiers.stage(run)
+            for run, parent in runs:
+                room = self._room()
+                if not room or not tiers.should_reload(run[:room], len(run[:room]) * sched.page_size, count=False):
+                    break
+                promoted = self._promote(run[:room], parent)
+                done += promoted
+                if promoted < len(run):  # out of room, or a page that could not be read back
+                    break
         return done
+
+    def _lower_runs(self, names: list[bytes]) -> list[tuple[list[bytes], bytes | None]]:
+        """The runs of a chain held below the device, in chain order, each with the name before
+        it (None at the chain's start). A resized pool can leave device pages between them."""
+        cache, runs, hit = self.scheduler.prefix_cache, [], 0
+        while hit < len(names):
+            start = hit
+            while hit < len(names) and cache.contains(names[hit]):
+                hit += 1
+            lower = cache.match_lower(names[hit:])
+            if lower:
+                runs.append((lower, names[hit - 1] if hit else None))
+                hit += len(lower)
+            elif hit == start:
+                break
+        return runs
 
     def _promote(self, run: list[bytes], parent: bytes | None) -> int:
         """Promotes a lower-tier run of one chain into fresh pages the cache alone holds."""

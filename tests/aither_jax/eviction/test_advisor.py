@@ -397,6 +397,32 @@ def test_promoting_a_page_brings_its_spilled_neighbours_along():
     check_drained(sched, [a, b, c, d])
 
 
+def test_prefetch_promotes_every_lower_run_of_a_chain_in_order():
+    """A resized pool can leave a chain's pages below the device on both sides of a device
+    page; a waiting request's prefetch promotes both runs, so its admission finds the whole
+    chain on the device."""
+    sched = make_scheduler(num_pages=40)
+    device = FakeDevice(sched)
+    cache = sched.prefix_cache
+    cache.tiers = RowTiers(device)
+    a = make_seq(list(range(1, 4 * PAGE + 2)), max_tokens=1)  # pages a0 a1 a2 a3
+    sched.add(a)
+    device.run_until_done()
+    names = a.names[:4]
+    cache.evict(cache.num_evictable)
+    page = sched.allocator.allocate(1)
+    assert cache.promote(names[1:2], page, names[0]) == 1  # a1 back on the device, a0 a2 a3 below
+    sched.allocator.free(page)
+    b = make_seq([*range(1, 4 * PAGE + 1), 99], max_tokens=1)
+    sched.add(b)
+    assert Residency(sched).prefetch() == 3
+    assert all(cache.contains(n) for n in names) and cache.tiers.counters.num_prefetched == 3
+    device.step()
+    assert b.num_cached_prompt == 4 * PAGE
+    device.run_until_done()
+    check_drained(sched, [a, b])
+
+
 def test_the_advisor_preempts_the_request_whose_pages_matter_least():
     policy = AdvisorPolicy(max_protected_pages=0)
     blocks = {p: block(p) for p in range(1, 7)}
