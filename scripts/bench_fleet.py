@@ -25,13 +25,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
+from fit_effort import PROMPT_SETS  # noqa: E402  (the scorer's labeled sets)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The scorer's development set and the tests' labeled sets (tests/aither_jax/fleet/test_router.py).
-PROMPT_SETS = (
-    ROOT / "aither_jax" / "fleet" / "effort_prompts.json",
-    *sorted((ROOT / "tests" / "aither_jax" / "fleet").glob("effort_*.json")),
-)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,26 +1,41 @@
 """A transparent effort scorer: how much reasoning a request needs, 1 (chit-chat) to 5 (proofs,
-system design), from markers anyone can read and argue with.
+system design), from markers anyone can read and argue with, weighed by a fit anyone can rerun.
 
-The level starts at 1 and adds points for what the last user message asks for: mathematics
+The markers are named regular expressions over the last user message: mathematics
 (expressions with numbers, quantitative words, proofs), code (snippets, languages, debugging),
 multi-step work (explanations of why or how, comparisons and trade-offs, plans, design,
-analysis, logic puzzles), several parts or constraints, and length. A plain factual question
-is 2. Light tasks (translating, summarizing or rewording given text, greetings and thanks,
-definitions) stay at 2 at most unless they also carry mathematics or code; a light
-instruction over a long pasted text stays at 2 whatever the text holds, unless it is code.
-Each point comes with its reason, so a route can be explained. The labeled prompts in
-`effort_prompts.json` (and the sets in tests/aither_jax/fleet) measure it.
+analysis, logic puzzles), light tasks (translating, summarizing or rewording given text,
+definitions, unit conversions), greetings, writing requests and their constraints, and
+questions; with the message's length, its number of parts, and four gates: a light
+instruction over a long pasted text, a short unit conversion, and a light task or a greeting
+with no heavy marker.
+
+Four logistic cuts over those markers, one per boundary between levels (effort at least 2, 3,
+4 and 5), are fitted on the labeled prompt sets (`effort_prompts.json` here and the sets in
+tests/aither_jax/fleet) by `scripts/fit_effort.py` and stored, weight by marker, in
+`effort_weights.json`. The cut at 3 (the default routing threshold) decides whether a request
+is heavy; on each side the neighbouring cuts set the level. A score's reasons are the markers
+that pushed the cut at 3 hardest towards its answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+import pathlib
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 MAX_EFFORT = 5
 HEAD_WORDS = 15  # a message's instruction, before the text it is about
-LONG_WORDS = 40  # a request this long describes a situation that takes thought (light tasks aside)
+WEIGHTS = pathlib.Path(__file__).with_name("effort_weights.json")
+CUTS = (2, 3, 4, 5)  # a cut k answers: is the effort at least k?
+L2 = 1.0  # the fit's ridge penalty, on standardized markers
+MAX_PARTS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,59 +147,125 @@ _CONSTRAINTS = _rx(
 _QUESTION = _rx(r"\?\s*$", r"^\s*(what|who|where|when|which|is|are|does|do|can|could|should|name|list|give)\b")
 
 
-def score_effort(text: str) -> Effort:
-    """The effort a message needs (see the module docstring)."""
+_MARKERS = (
+    ("an expression", _EXPRESSION),
+    ("a quantity", _MATH),
+    ("proof", _PROOF),
+    ("code", _CODE),
+    ("why or how", _WHY_HOW),
+    ("comparison", _COMPARE),
+    ("a puzzle", _PUZZLE),
+    ("planning or analysis", _PLAN),
+    ("a light task", _LIGHT),
+    ("a conversion", _CONVERSION),
+    ("a greeting", _SOCIAL),
+    ("a writing request", _WRITING),
+    ("constraints", _CONSTRAINTS),
+    ("a question", _QUESTION),
+)
+FEATURES = (
+    *(name for name, _ in _MARKERS),
+    "length",  # log(1 + words)
+    "parts",  # question marks and list items, up to MAX_PARTS
+    "a light instruction over pasted text",
+    "a short conversion",
+    "a light task, nothing heavy",
+    "a greeting, nothing heavy",
+)
+
+
+def markers(text: str) -> dict[str, float]:
+    """The scorer's inputs for one message, by name (`FEATURES`, in order)."""
+    counts = {name: len(rx.findall(text)) for name, rx in _MARKERS}
     words = len(text.split())
-    points, reasons = 0, []
-
-    def add(n: int, why: str) -> None:
-        nonlocal points
-        points += n
-        reasons.append(why)
-
-    quantity_words = len(_MATH.findall(text))
-    math = len(_EXPRESSION.findall(text)) + quantity_words + (1 if quantity_words and re.search(r"\d", text) else 0)
-    code = len(_CODE.findall(text))
-    if _PROOF.search(text):
-        add(3, "proof")
-    elif math:
-        add(min(math, 3), "mathematics" if math >= 3 else "a quantity")
-    if code >= 3:
-        add(3, "code")
-    elif code:
-        add(2, "code")
-    constraints = len(_CONSTRAINTS.findall(text)) if _WRITING.search(text) else 0
-    if constraints:
-        add(min(constraints + 1, 3), "constrained writing")
-    heavy = points > 2 or math >= 2 or code >= 2  # beyond one code or quantity word
-    kinds = [
-        why
-        for rx, why in (
-            (_WHY_HOW, "why or how"),
-            (_COMPARE, "comparison"),
-            (_PLAN, "planning or analysis"),
-            (_PUZZLE, "a puzzle"),
-        )
-        if rx.search(text)
-    ]
-    if kinds:
-        add(min(len(kinds) + 1, 3), " + ".join(kinds))
     parts = text.count("?") + len(re.findall(r"(?m)^\s*(\d+[.)]|[-*•])\s", text))
-    if parts >= 3:
-        add(1, f"{parts} parts")
-    if words > LONG_WORDS:
-        add(1, f"{words} words")
-    if not points and _QUESTION.search(text) and not _SOCIAL.search(text):
-        add(1, "a question")
-    level = 1 + points
-    # A light instruction over pasted text ("tl;dr this: ...", "make this shorter: ..."): the
-    # numbers and terms are the text's, not the task's (pasted code is not light).
     head = " ".join(text.split()[:HEAD_WORDS])
+    # The numbers and terms of a pasted text ("tl;dr this: ...") are the text's, not the task's;
+    # pasted code is not light.
     over_text = words > 3 * HEAD_WORDS and _LIGHT.search(head) and not _CODE.search(head) and "```" not in text
-    conversion = words <= HEAD_WORDS and _CONVERSION.search(text)
-    if (over_text or conversion or not heavy and (_LIGHT.search(text) or _SOCIAL.search(text))) and level > 2:
-        level, reasons = 2, [*reasons, "a light task"]
-    return Effort(max(1, min(MAX_EFFORT, level)), tuple(reasons))
+    heavy = counts["an expression"] + counts["a quantity"] >= 2 or counts["code"] >= 2 or counts["proof"] > 0
+    return {
+        **{name: float(n > 0) for name, n in counts.items()},
+        "length": math.log1p(words),
+        "parts": float(min(parts, MAX_PARTS)),
+        "a light instruction over pasted text": float(bool(over_text)),
+        "a short conversion": float(words <= HEAD_WORDS and counts["a conversion"] > 0),
+        "a light task, nothing heavy": float(counts["a light task"] > 0 and not heavy),
+        "a greeting, nothing heavy": float(counts["a greeting"] > 0 and not heavy),
+    }
+
+
+class EffortScorer:
+    """Scores messages with fitted cuts (`fit_cuts`' output, or `effort_weights.json`)."""
+
+    def __init__(self, fitted: dict):
+        if list(fitted["features"]) != list(FEATURES):
+            raise ValueError(f"the cuts were fitted on other markers: {fitted['features']} (now {list(FEATURES)})")
+        self.cuts = {
+            int(k): (float(c["bias"]), np.array([c["weights"][f] for f in FEATURES])) for k, c in fitted["cuts"].items()
+        }
+
+    @classmethod
+    def load(cls, path: pathlib.Path = WEIGHTS) -> EffortScorer:
+        return cls(json.loads(path.read_text(encoding="utf-8")))
+
+    def __call__(self, text: str) -> Effort:
+        m = markers(text)
+        x = np.array([m[f] for f in FEATURES])
+        z = {k: bias + float(w @ x) for k, (bias, w) in self.cuts.items()}
+        if z[3] >= 0:
+            level = 3 + (z[4] >= 0) + (z[4] >= 0 and z[5] >= 0)
+        else:
+            level = 2 if z[2] >= 0 else 1
+        # The markers whose terms pushed the cut at 3 towards its answer, strongest first.
+        sign = 1.0 if z[3] >= 0 else -1.0
+        terms = sorted(((sign * w * v, f) for f, w, v in zip(FEATURES, self.cuts[3][1], x, strict=True)), reverse=True)
+        named = {"length": f"{len(text.split())} words", "parts": f"{int(m['parts'])} parts"}
+        return Effort(int(level), tuple(named.get(f, f) for push, f in terms[:4] if push > 0))
+
+    def agreement(self, texts: Sequence[str], efforts: Sequence[int], threshold: int = 3) -> float:
+        """The share of `texts` put on the same side of `threshold` as their labels `efforts`."""
+        pairs = zip(texts, efforts, strict=True)
+        return sum((self(t).level >= threshold) == (e >= threshold) for t, e in pairs) / len(texts)
+
+
+@functools.cache
+def _shipped() -> EffortScorer:
+    return EffortScorer.load()
+
+
+def score_effort(text: str) -> Effort:
+    """The effort a message needs (see the module docstring), by the shipped cuts."""
+    return _shipped()(text)
+
+
+def fit_cuts(texts: Sequence[str], efforts: Sequence[int], *, l2: float = L2) -> dict:
+    """Fits the four cuts (L2-penalized logistic regression by Newton's method, on markers
+    standardized over `texts`) and returns them in `effort_weights.json`'s form, weights on
+    the markers' own scale."""
+    x = np.array([[m[f] for f in FEATURES] for m in map(markers, texts)])
+    efforts = np.asarray(efforts)
+    mean, std = x.mean(0), x.std(0)
+    std[std == 0] = 1.0
+    z = np.hstack([np.ones((len(x), 1)), (x - mean) / std])
+    penalty = np.diag([0.0] + [l2] * len(FEATURES))  # the bias is not penalized
+    cuts = {}
+    for k in CUTS:
+        y, beta = (efforts >= k).astype(float), np.zeros(z.shape[1])
+        for _ in range(50):
+            p = 1.0 / (1.0 + np.exp(-(z @ beta)))
+            grad = z.T @ (p - y) + penalty @ beta
+            hess = (z * (p * (1 - p))[:, None]).T @ z + penalty
+            step = np.linalg.solve(hess, grad)
+            beta -= step
+            if np.abs(step).max() < 1e-10:
+                break
+        w = beta[1:] / std
+        cuts[str(k)] = {
+            "bias": round(float(beta[0] - w @ mean), 6),
+            "weights": {f: round(float(v), 6) for f, v in zip(FEATURES, w, strict=True)},
+        }
+    return {"features": list(FEATURES), "l2": l2, "cuts": cuts}
 
 
 def last_user_text(messages: Sequence[dict]) -> str:

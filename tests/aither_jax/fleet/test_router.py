@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
 
-from aither_jax.fleet.effort import score_effort
+from aither_jax.fleet.effort import WEIGHTS, EffortScorer, score_effort
 from aither_jax.fleet.router import Router, conversation_key
 
 HERE = pathlib.Path(__file__).parent
-# effort_prompts.json and effort_heldout.json were read while the scorer was written;
-# effort_unseen.json was measured once, after, and never used to change it. The blind sets
-# were each written by someone who had not seen the scorer, measured once on arrival (see
-# docs/benchmarks/log.jsonl, "Effort routing on blind sets"), and all but the newest then
-# used to widen its markers.
-SETS = (HERE.parents[2] / "aither_jax" / "fleet" / "effort_prompts.json", *sorted(HERE.glob("effort_*.json")))
+sys.path.insert(0, str(HERE.parents[2] / "scripts"))
+import fit_effort  # noqa: E402
+
+# The scorer's cuts are fitted on the sets `effort_weights.json` names. Each blind set was
+# written by someone who had seen neither the scorer nor any other set, and measured once on
+# arrival, before it joined the fit (docs/benchmarks/log.jsonl, "Effort routing on blind sets").
+SETS = fit_effort.PROMPT_SETS
 
 
 @pytest.mark.parametrize("path", SETS, ids=lambda p: p.stem)
@@ -26,6 +28,20 @@ def test_effort_agrees_with_labels_on_nine_in_ten(path):
     assert len(prompts) >= 60
     agree = sum((score_effort(p["text"]).level >= 3) == (p["effort"] >= 3) for p in prompts)
     assert agree / len(prompts) >= 0.9, f"{agree}/{len(prompts)}"
+
+
+def test_the_shipped_cuts_are_the_fit_of_the_sets_they_name_and_each_set_left_out_still_agrees():
+    shipped = json.loads(WEIGHTS.read_text(encoding="utf-8"))
+    sets = fit_effort.load_sets()
+    refit = fit_effort.fit_on(sets, shipped["fitted_on"])
+    for k, cut in shipped["cuts"].items():
+        assert refit["cuts"][k]["bias"] == pytest.approx(cut["bias"], abs=1e-4), k
+        assert refit["cuts"][k]["weights"] == pytest.approx(cut["weights"], abs=1e-4), k
+    # Fitted without it, each set is labeled prompts the scorer has never seen.
+    left_out = fit_effort.left_out_agreement(sets, shipped["fitted_on"])
+    assert min(left_out.values()) >= 0.9, left_out
+    with pytest.raises(ValueError, match="other markers"):
+        EffortScorer({**shipped, "features": shipped["features"][1:]})
 
 
 def test_effort_levels_and_reasons():
