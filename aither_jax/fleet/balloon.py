@@ -13,6 +13,10 @@ its running sequences may still grow into; a borrower never grows past the pages
 size is part of every step's shapes, so the steps are compiled for the new size first
 (`Fleet.prepare`) and each size holds its own code: a move is worth it only when large, at
 least `min_move_pages` of the borrower's pages, or everything the borrower lacks if that is less.
+And a pool only takes sizes on its grid, its plan plus or minus whole steps (by default one
+full-length sequence's pages or an eighth of the plan, `Fleet(balloon_step=...)`): under
+shifting load the sizes repeat, so a long-running server compiles a bounded set of them and
+then nothing.
 
 `PoolState` is plain numbers and `next_move` a pure function of them; `pool_state` reads an
 engine between its steps, and `aither_jax.fleet.fleet.Fleet` prepares and applies a move.
@@ -38,6 +42,7 @@ class PoolState:
     spare: int  # pages it could give up now
     short: int  # pages its waiting requests lack
     busy: bool  # has running or waiting requests
+    step: int = 1  # its sizes are the plan plus or minus whole steps (`on_grid`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +62,9 @@ class Move:
         return dataclasses.asdict(self)
 
 
-def pool_state(engine, *, name: str, planned_pages: int, min_pages: int, max_pages: int, page_bytes: int) -> PoolState:
+def pool_state(
+    engine, *, name: str, planned_pages: int, min_pages: int, max_pages: int, page_bytes: int, step: int = 1
+) -> PoolState:
     """`engine`'s pool between its steps. Its room is the pages free or held only by the prefix
     cache, less what its running sequences may still take; its waiting requests' full lengths
     beyond the room are short, the room beyond them spare, as far as a shrink can reach (the
@@ -76,7 +83,7 @@ def pool_state(engine, *, name: str, planned_pages: int, min_pages: int, max_pag
     return PoolState(
         name=name, num_pages=num_pages, planned_pages=planned_pages, min_pages=min_pages, max_pages=max_pages,
         page_bytes=page_bytes, spare=max(spare, 0), short=max(waiting - max(room, 0), 0),
-        busy=sched.has_unfinished(),
+        busy=sched.has_unfinished(), step=step,
     )  # fmt: skip
 
 
@@ -106,16 +113,34 @@ def next_move(states: Sequence[PoolState], *, min_move_pages: int, unassigned: i
     return None
 
 
+def on_grid(state: PoolState, size: int, *, up: bool) -> int:
+    """The size on `state`'s grid (its plan plus or minus whole steps) nearest `size`: at or
+    above it if `up`, else at or below."""
+    offset = size - state.planned_pages
+    steps = -(-offset // state.step) if up else offset // state.step
+    return state.planned_pages + steps * state.step
+
+
 def _best(
     lenders: list[PoolState], borrower: PoolState, want: int, least: int, reason: str, unassigned: int
 ) -> Move | None:
     """The move from the lender with the most spare bytes that gives `borrower` at least
-    `least` (and at most `want`) of its pages, or None."""
+    `least` (and at most `want`, rounded up to its grid) of its pages, or None. Both pools end
+    on their grids: the bytes a lender frees beyond the borrower's last whole step stay
+    unassigned."""
     if want <= 0 or least <= 0:
         return None
+    top = on_grid(borrower, borrower.max_pages, up=False)  # never past the pages it can use
+    want = min(on_grid(borrower, borrower.num_pages + want, up=True), top) - borrower.num_pages
+    least = min(least, want)
+    if want <= 0:
+        return None
     for lender in sorted(lenders, key=lambda s: -s.spare * s.page_bytes):
-        give = min(lender.spare, max(-(-(want * borrower.page_bytes - unassigned) // lender.page_bytes), 1))
-        gain = min((give * lender.page_bytes + unassigned) // borrower.page_bytes, want)
+        need = max(-(-(want * borrower.page_bytes - unassigned) // lender.page_bytes), 1)
+        lowest = on_grid(lender, lender.num_pages - lender.spare, up=True)  # as far as it can shrink
+        give = lender.num_pages - max(on_grid(lender, lender.num_pages - need, up=False), lowest)
+        reach = borrower.num_pages + (give * lender.page_bytes + unassigned) // borrower.page_bytes
+        gain = min(on_grid(borrower, reach, up=False) - borrower.num_pages, want)
         if give > 0 and gain >= least:
             return Move(lender.name, borrower.name, give, gain, gain * borrower.page_bytes, reason)
     return None

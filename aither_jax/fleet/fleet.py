@@ -41,6 +41,7 @@ from models.kv_transform import load_key_transforms
 from models.registry import ModelHandle, load_model, resolve_kv_cache_dtype
 
 GIB = 1 << 30
+BALLOON_GRID = 8  # by default a pool's balloon step is at most an eighth of its planned pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,6 +149,10 @@ class Fleet:
             before each batch; `moves` lists what moved.
         min_move_pages: the smallest move worth its recompiles, in the borrower's pages
             (default: the smallest floor, one sequence of full length).
+        balloon_step: a pool's sizes are its plan plus or minus whole steps of this many of
+            its pages (default: its floor, one sequence of full length, or an eighth of its
+            planned pool if less), so the sizes the balloon visits, each with its own compiled
+            steps, are few; 1 for any size.
         prepare_moves: before a move, compile both models' steps for their new pool sizes on
             several threads (`prepare`) rather than one shape at a time as steps first need them.
         **common: `LLM` keyword arguments for every model (a model's own win).
@@ -166,6 +171,7 @@ class Fleet:
         threshold: int = 3,
         balloon: bool = False,
         min_move_pages: int | None = None,
+        balloon_step: int | None = None,
         prepare_moves: bool = True,
         **common,
     ):
@@ -194,6 +200,13 @@ class Fleet:
             self.llms[name] = LLM(name, **{**merged, "num_pages": self.plan.num_pages[name]})
         # The balloon (balloon.py): each batch first lets the pools trade pages.
         self.min_move_pages = min_move_pages
+        if balloon_step is not None and (
+            isinstance(balloon_step, bool) or not isinstance(balloon_step, int) or balloon_step < 1
+        ):
+            raise ValueError(f"balloon_step must be a whole number of pages >= 1, got {balloon_step!r}")
+        self.balloon_step = {
+            n.name: balloon_step or max(min(n.min_pages, self.planned[n.name] // BALLOON_GRID), 1) for n in needs
+        }
         self.prepare_moves = prepare_moves
         # Per model, the pool sizes its steps are compiled for: size -> how many step shapes
         # it had then (a size is ready while no new shape has been seen since).
@@ -246,7 +259,7 @@ class Fleet:
         need = self.needs[name]
         return pool_state(
             self.llms[name].engine, name=name, planned_pages=self.planned[name], min_pages=need.min_pages,
-            max_pages=need.max_pages, page_bytes=need.page_bytes,
+            max_pages=need.max_pages, page_bytes=need.page_bytes, step=self.balloon_step[name],
         )  # fmt: skip
 
     def next_move(self, run: Runner | None = None) -> Move | None:

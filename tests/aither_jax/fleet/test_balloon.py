@@ -1,18 +1,20 @@
 """The balloon's choice of move (aither_jax/fleet/balloon.py), on plain numbers: bytes convert
 between page sizes, floors and ceilings hold, small moves wait, pages go back toward the plan
-only from an idle pool."""
+only from an idle pool, and pools with a step keep to their grids."""
 
 from __future__ import annotations
 
-from aither_jax.fleet.balloon import PoolState, next_move
+import numpy as np
+
+from aither_jax.fleet.balloon import PoolState, next_move, on_grid
 
 KIB = 1024
 
 
-def pool(name, num_pages, *, planned=20, spare=0, short=0, busy=False, page_kib=48, min_pages=9, max_pages=33):
+def pool(name, num_pages, *, planned=20, spare=0, short=0, busy=False, page_kib=48, min_pages=9, max_pages=33, step=1):
     return PoolState(
         name=name, num_pages=num_pages, planned_pages=planned, min_pages=min_pages, max_pages=max_pages,
-        page_bytes=page_kib * KIB, spare=spare, short=short, busy=busy or bool(short),
+        page_bytes=page_kib * KIB, spare=spare, short=short, busy=busy or bool(short), step=step,
     )  # fmt: skip
 
 
@@ -57,3 +59,45 @@ def test_pages_go_back_toward_the_plan_only_from_an_idle_pool_and_only_its_surpl
     assert next_move([lent, pool("borrowed", 30, planned=20, spare=15, busy=True)], min_move_pages=1) is None
     # Both at their plan: nothing to do.
     assert next_move([pool("a", 20, spare=5), pool("b", 20, spare=5)], min_move_pages=1) is None
+
+
+def test_pools_with_a_step_move_between_sizes_on_their_grids_only():
+    """A borrower takes what it lacks rounded up to whole steps, a lender gives whole steps,
+    and the bytes beyond the borrower's last whole step stay unassigned."""
+    assert [on_grid(pool("a", 20, step=5), n, up=up) for n, up in ((23, True), (23, False), (20, True), (9, True))] == [
+        25, 20, 20, 10,
+    ]  # fmt: skip
+    move = next_move([pool("small", 20, short=3, step=5), pool("big", 20, spare=9, step=5)], min_move_pages=1)
+    assert (move.lender_pages, move.borrower_pages) == (5, 5)  # 3 rounded up to a step
+    # 5 pages of 48 KiB need 4 of 64 KiB: the lender gives a whole step of 5; the 80 KiB left
+    # after the borrower's 5 pages stay unassigned.
+    small, big = pool("small", 20, short=5, step=5), pool("big", 20, spare=9, page_kib=64, step=5)
+    move = next_move([small, big], min_move_pages=1)
+    assert (move.lender_pages, move.borrower_pages, move.bytes) == (5, 5, 5 * 48 * KIB)
+    # Spare short of a whole step: nothing to give. A ceiling of 33 stops the borrower at 30.
+    assert next_move([small, pool("big", 20, spare=4, step=5)], min_move_pages=1) is None
+    move = next_move([pool("small", 25, short=20, step=5), pool("big", 20, spare=11, step=5)], min_move_pages=1)
+    assert (move.lender_pages, move.borrower_pages) == (5, 5)
+    # Whatever the load, a pool starting on its grid ends on it.
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        step = int(rng.integers(1, 8))
+        states = []
+        for name in ("a", "b"):
+            size = 20 + step * int(rng.integers(-1, 3))
+            short = int(rng.integers(0, 2)) * int(rng.integers(1, 30))
+            spare, busy, page_kib = (
+                int(rng.integers(0, size - 8)),
+                bool(rng.integers(0, 2)),
+                int(rng.choice([32, 48, 64])),
+            )
+            states.append(
+                pool(name, size, step=step, spare=spare, short=short, busy=busy, page_kib=page_kib, max_pages=40)
+            )
+        move = next_move(states, min_move_pages=int(rng.integers(1, 10)), unassigned=int(rng.integers(0, 64)) * KIB)
+        if move is not None:
+            lender, borrower = (next(s for s in states if s.name == n) for n in (move.lender, move.borrower))
+            for size in (lender.num_pages - move.lender_pages, borrower.num_pages + move.borrower_pages):
+                assert (size - 20) % step == 0, (states, move)
+            assert lender.num_pages - move.lender_pages >= lender.num_pages - lender.spare
+            assert borrower.num_pages + move.borrower_pages <= borrower.max_pages

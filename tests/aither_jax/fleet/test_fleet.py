@@ -113,6 +113,10 @@ def test_the_balloon_lends_idle_pages_to_a_waiting_model_and_takes_them_back(fle
     assert fl.llms[heavy].engine.num_pages == planned[heavy] - lend.lender_pages >= fl.needs[heavy].min_pages
     grown = planned[light] + lend.borrower_pages
     assert fl.llms[light].engine.num_pages == grown > planned[light]
+    for m in MODELS:  # both on their grids: the plan plus whole steps (an eighth of it, here)
+        assert fl.balloon_step[m] == max(planned[m] // 8, 1), (planned, fl.balloon_step)
+        assert (fl.llms[m].engine.num_pages - planned[m]) % fl.balloon_step[m] == 0
+    assert fl.balloon_step[light] > 1
     check_zones()
     alone = aj.LLM(light, **BALLOON, num_pages=grown).generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
