@@ -21,6 +21,17 @@ from models.kv_cache import PagedKVCache
 
 # Bumped whenever the meaning of stored page bytes changes (part of `fingerprint`).
 PAGE_FORMAT_VERSION = 1
+# The device must have this share more than the new pools' bytes free to resize in one call.
+RESIZE_MARGIN = 0.05
+
+
+def fits_beside(new_bytes: int, stats: dict | None) -> bool:
+    """Whether a device with memory statistics `stats` (`Device.memory_stats()`) has room for
+    `new_bytes` more, with `RESIZE_MARGIN` to spare; True where it reports none (CPU, where
+    device memory is host memory)."""
+    if not stats or not stats.get("bytes_limit"):
+        return True
+    return new_bytes * (1 + RESIZE_MARGIN) <= stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 class PageStore:
@@ -51,13 +62,49 @@ class PageStore:
 
     def resize(self, num_pages: int) -> None:
         """Cuts every pool to its first `num_pages` pages, or extends it with empty ones (as
-        `Scheduler.resize_pool` left the page ids), in one call (`resize_pools`). Growing
-        copies each pool once, so for a moment it holds the old pool and the new one."""
-        (k, v), pools = resize_pools(*self._resize_args(), num_pages=num_pages)
+        `Scheduler.resize_pool` left the page ids). In one call (`resize_pools`) where the
+        device has room for the new pools beside the old; else through host memory, one leaf
+        at a time (`_resize_through_host`), so the device never holds more than the larger of
+        the old and the new pools."""
+        if self._room_for(num_pages):
+            (k, v), pools = resize_pools(*self._resize_args(), num_pages=num_pages)
+        else:
+            (k, v), pools = self._resize_through_host(num_pages)
         self.cache = self.cache.replace(k=k, v=v)
         if self.drafter is not None:
             self.drafter.pools = pools
         self.num_usable_pages = num_pages - 1
+
+    def _room_for(self, num_pages: int) -> bool:
+        """Whether the device can hold pools of `num_pages` pages beside the pools now (what
+        the one-call resize allocates before it frees)."""
+        leaf = jax.tree.leaves(self.cache.k)[0]
+        return fits_beside(num_pages * self.page_bytes, next(iter(leaf.devices())).memory_stats())
+
+    def _resize_through_host(self, num_pages: int) -> tuple:
+        """`resize_pools`' result made one leaf at a time: each leaf copied to host memory and
+        deleted on the device, then its resized copy put back. Slower (every byte crosses the
+        host link twice) but needs no device memory beyond the pools themselves."""
+
+        def fit(leaf: jax.Array, fill, axis: int) -> jax.Array:
+            host, sharding = np.array(leaf, copy=True), leaf.sharding
+            leaf.delete()
+            have = host.shape[axis]
+            if num_pages <= have:
+                out = host[(slice(None),) * axis + (slice(0, num_pages),)]
+            else:
+                shape = list(host.shape)
+                shape[axis] = num_pages - have
+                out = np.concatenate([host, np.broadcast_to(fill, shape).astype(host.dtype)], axis=axis)
+            del host
+            return jax.device_put(np.ascontiguousarray(out), sharding)
+
+        target, empty, draft = self._resize_args()
+        empty = jax.tree.map(np.asarray, empty)
+        target = jax.tree.map(lambda x, e: fit(x, e, 0), target, empty)
+        if draft is not None:
+            draft = jax.tree.map(lambda x: fit(x, np.zeros((), x.dtype), 1), draft)
+        return target, draft
 
     def lower_resize(self, num_pages: int):
         """`resize` to `num_pages` pages lowered (for `Engine.precompile_pool`, on `abstract()`)."""

@@ -12,7 +12,7 @@ from aither_jax.eviction.policy import LRUPolicy
 from aither_jax.kv.allocator import PageAllocator
 from aither_jax.kv.disk import DiskStore, DiskStoreError
 from aither_jax.kv.prefix_cache import PrefixCache, hash_chain
-from aither_jax.kv.store import PageStore
+from aither_jax.kv.store import PageStore, fits_beside
 from aither_jax.kv.tiers import KVTiers, TierConfig
 from aither_jax.speculative.dflash import DraftPools
 from models.config import ModelConfig
@@ -217,3 +217,35 @@ def test_a_demotion_larger_than_the_host_pool_sends_its_oldest_pages_on_down(dis
     if disk:
         assert tiers.promote(names, [6, 7, 8, 9, 10]) == 5
         assert page_bytes(store, [6, 7, 8, 9, 10]) == before
+
+
+@pytest.mark.parametrize("model, kv, draft", [FORMATS[1], FORMATS[5]], ids=["fp32+draft", "turboquant"])
+def test_a_resize_through_host_memory_equals_the_one_call_resize(model, kv, draft, monkeypatch):
+    """Where the device has no room for the new pools beside the old ones, a resize goes
+    through host memory one leaf at a time, each old leaf deleted on the device before its
+    new one is put there. Shrunk or grown, every pool (the draft's too) comes out byte for
+    byte as the one-call resize makes it."""
+    from models.registry import resolve_kv_cache_dtype
+
+    kv = resolve_kv_cache_dtype(kv, model)
+    for num_pages in (NUM_PAGES - 8, NUM_PAGES + 8):
+        one_call, through_host = (store_for(model, kv, np.random.default_rng(0), draft=draft) for _ in range(2))
+        monkeypatch.setattr(through_host, "_room_for", lambda n: False)
+        old = jax.tree.leaves(
+            (through_host.cache.k, through_host.cache.v, through_host.drafter.pools if draft else None)
+        )
+        one_call.resize(num_pages)
+        through_host.resize(num_pages)
+        assert all(leaf.is_deleted() for leaf in old)
+        assert through_host.num_usable_pages == num_pages - 1
+        pages = list(range(num_pages))
+        assert page_bytes(through_host, pages) == page_bytes(one_call, pages)
+        layout = [np.asarray(x).shape for x in jax.tree.leaves((through_host.cache.k, through_host.cache.v))]
+        assert layout == [np.asarray(x).shape for x in jax.tree.leaves((one_call.cache.k, one_call.cache.v))]
+
+
+def test_a_device_has_room_for_a_one_call_resize_only_with_margin_to_spare():
+    gib = 1 << 30
+    assert fits_beside(10 * gib, None) and fits_beside(10 * gib, {})  # no statistics (CPU)
+    assert fits_beside(10 * gib, {"bytes_limit": 20 * gib, "bytes_in_use": 9 * gib})
+    assert not fits_beside(10 * gib, {"bytes_limit": 20 * gib, "bytes_in_use": 10 * gib})  # no margin left
