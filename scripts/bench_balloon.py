@@ -42,9 +42,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-fraction", type=float, default=0.5, help="each pool's share of the pages its batch needs")
     p.add_argument("--kv-cache-dtype", default="bf16")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the models' weights")
+    p.add_argument("--balloon-step", type=int, default=None, help="pages per step of a pool's sizes (Fleet default)")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_balloon.json")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
+    if args.balloon_step is not None and args.balloon_step < 1:
+        p.error("--balloon-step must be >= 1")
     if args.batch < 1 or args.max_tokens < 1 or args.cycles < 1 or not 0 < args.kv_fraction <= 1:
         p.error("need a batch, max tokens and cycles >= 1 and a KV fraction in (0, 1]")
     return args
@@ -71,7 +74,9 @@ def main(argv=None) -> int:
     budget_gib = (fixed + kv) / (1 << 30)
     runs = {}
     for balloon in (False, True):
-        fleet = aj.Fleet(list(MODELS), memory_budget_gib=budget_gib, balloon=balloon, **options)
+        fleet = aj.Fleet(
+            list(MODELS), memory_budget_gib=budget_gib, balloon=balloon, balloon_step=args.balloon_step, **options
+        )
         print(fleet.plan.table(), file=sys.stderr)
         cycles = []
         for c in range(args.cycles):
