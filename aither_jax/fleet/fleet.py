@@ -175,6 +175,10 @@ class Fleet:
         prepare_moves: bool = True,
         **common,
     ):
+        if balloon_step is not None and (
+            isinstance(balloon_step, bool) or not isinstance(balloon_step, int) or balloon_step < 1
+        ):
+            raise ValueError(f"balloon_step must be a whole number of pages >= 1, got {balloon_step!r}")
         options = (
             {m: {} for m in models} if not isinstance(models, Mapping) else {m: dict(o) for m, o in models.items()}
         )
@@ -200,10 +204,6 @@ class Fleet:
             self.llms[name] = LLM(name, **{**merged, "num_pages": self.plan.num_pages[name]})
         # The balloon (balloon.py): each batch first lets the pools trade pages.
         self.min_move_pages = min_move_pages
-        if balloon_step is not None and (
-            isinstance(balloon_step, bool) or not isinstance(balloon_step, int) or balloon_step < 1
-        ):
-            raise ValueError(f"balloon_step must be a whole number of pages >= 1, got {balloon_step!r}")
         self.balloon_step = {
             n.name: balloon_step or max(min(n.min_pages, self.planned[n.name] // BALLOON_GRID), 1) for n in needs
         }

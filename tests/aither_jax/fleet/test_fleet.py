@@ -69,11 +69,15 @@ def test_auto_routes_by_effort(fleet):
     assert outs[1].prompt_token_ids[:2] == [2, 105]  # <bos><start_of_turn>
 
 
-def test_budgets_that_do_not_fit_are_refused():
+def test_budgets_that_do_not_fit_are_refused(monkeypatch):
     with pytest.raises(PlanError, match="does not hold the weights of gemma3-270m"):
         Fleet(list(MODELS), memory_budget_gib=0.5, **SETTINGS)
     with pytest.raises(ValueError, match="memory budget"):
         Fleet(list(MODELS), **SETTINGS)  # CPU: a budget is required
+    monkeypatch.setattr("aither_jax.fleet.fleet.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    for step in (0, 2.5, True):  # refused before any model loads
+        with pytest.raises(ValueError, match="balloon_step must be a whole number of pages"):
+            Fleet(list(MODELS), memory_budget_gib=4, balloon=True, balloon_step=step, **SETTINGS)
 
 
 # The balloon's settings: four sequences of up to 8 pages each, prefix caching on (a shrink gives
