@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 
@@ -26,6 +27,16 @@ TEST_MAX_RSS_BYTES = 5 << 30
 TEST_RSS_GROWTH_BYTES = 2 << 30
 
 
+def _give_back_freed_memory() -> None:
+    """Returns the heap's freed pages to the system (glibc's malloc_trim), so the process's
+    resident memory after a release is what it still holds, not the high-water mark of every
+    buffer it ever freed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -39,10 +50,12 @@ def _compiled_code_headroom():
     # Freed memory does not always go back to the system, so a release is worth it only once
     # the process has grown well past where the last one left it.
     if CodeMapBudget(high_water=TEST_HIGH_WATER).release_if_over():
+        _give_back_freed_memory()
         _released_at[0] = _rss_bytes()
     elif _rss_bytes() > max(TEST_MAX_RSS_BYTES, _released_at[0] + TEST_RSS_GROWTH_BYTES):
         jax.clear_caches()
         gc.collect()
+        _give_back_freed_memory()
         _released_at[0] = _rss_bytes()
     yield
 
