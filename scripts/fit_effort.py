@@ -60,6 +60,10 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"no labeled set named {', '.join(sorted(unknown))} (sets: {', '.join(sets)})")
     names = [n for n in sets if n not in args.hold_out]
+    if len(names) < 2:
+        p.error("leave at least two sets in the fit (each is also left out of it once)")
+    if not 2 <= args.threshold <= 5:
+        p.error(f"--threshold must be an effort from 2 to 5, got {args.threshold}")
     fitted = fit_on(sets, names)
     scorer = EffortScorer(fitted)
     left_out = left_out_agreement(sets, names, args.threshold)
