@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
-from fit_effort import PROMPT_SETS  # noqa: E402  (the scorer's labeled sets)
+from fit_effort import load_sets  # noqa: E402  (the scorer's labeled sets)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -81,13 +81,11 @@ def routing_share(router) -> dict:
     from aither_jax.fleet.effort import score_effort
 
     share, agree, total = {}, 0, 0
-    for path in PROMPT_SETS:
-        if not path.exists():
-            continue
-        for p in json.loads(path.read_text(encoding="utf-8"))["prompts"]:
-            route = router.route([{"role": "user", "content": p["text"]}], conversation="")
+    for texts, efforts in load_sets().values():
+        for text, effort in zip(texts, efforts, strict=True):
+            route = router.route([{"role": "user", "content": text}], conversation="")
             share[route.model] = share.get(route.model, 0) + 1
-            agree += (score_effort(p["text"]).level >= router.threshold) == (p["effort"] >= router.threshold)
+            agree += (score_effort(text).level >= router.threshold) == (effort >= router.threshold)
             total += 1
     return {"requests": total, "share": {m: n / total for m, n in share.items()}, "label_agreement": agree / total}
 

@@ -63,20 +63,14 @@ class Residency:
         return done
 
     def _lower_runs(self, names: list[bytes]) -> list[tuple[list[bytes], bytes | None]]:
-        """The runs of a chain held below the device, in chain order, each with the name before
-        it (None at the chain's start). A resized pool can leave device pages between them."""
-        cache, runs, hit = self.scheduler.prefix_cache, [], 0
-        while hit < len(names):
-            start = hit
-            while hit < len(names) and cache.contains(names[hit]):
-                hit += 1
-            lower = cache.match_lower(names[hit:])
-            if lower:
-                runs.append((lower, names[hit - 1] if hit else None))
-                hit += len(lower)
-            elif hit == start:
-                break
-        return runs
+        """The runs of a chain held below the device (`PrefixCache.runs`), in chain order, each
+        with the name before it (None at the chain's start)."""
+        out, hit = [], 0
+        for run, on_device in self.scheduler.prefix_cache.runs(names):
+            if not on_device:
+                out.append((run, names[hit - 1] if hit else None))
+            hit += len(run)
+        return out
 
     def _promote(self, run: list[bytes], parent: bytes | None) -> int:
         """Promotes a lower-tier run of one chain into fresh pages the cache alone holds."""

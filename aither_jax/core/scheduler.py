@@ -316,18 +316,9 @@ class Scheduler:
         # The last token is never taken from the cache: its logits are needed to sample.
         tokens = seq.token_slice(0, seq.num_tokens - 1)
         names = hash_chain(seq.salt, tokens, self.page_size)
-        runs, hit = [], 0
-        while hit < len(names):
-            pages = self.prefix_cache.match(names[hit:])
-            if pages:
-                runs.append(CachedRun(names[hit : hit + len(pages)], pages))
-                hit += len(pages)
-            lower = self.prefix_cache.match_lower(names[hit:])
-            if lower:
-                runs.append(CachedRun(lower, None))
-                hit += len(lower)
-            if not pages and not lower:
-                break
+        cache = self.prefix_cache
+        runs = [CachedRun(run, cache.match(run) if on_device else None) for run, on_device in cache.runs(names)]
+        hit = sum(len(run.names) for run in runs)
         parent = names[hit - 1] if hit else seq.salt
         partial = self.prefix_cache.match_partial(parent, seq.token_slice(hit * self.page_size, seq.num_tokens))
         return runs, names, partial

@@ -118,6 +118,25 @@ class PrefixCache:
     def contains(self, name: bytes) -> bool:
         return name in self._full
 
+    def runs(self, names: Sequence[bytes]) -> list[tuple[list[bytes], bool]]:
+        """The leading cached part of the chain `names`, as runs (names, on the device?) in
+        chain order: device and lower-tier runs by turns (a resized pool demotes pages wherever
+        they sit in a chain). Device pages are not touched (`match` does that)."""
+        runs, hit = [], 0
+        while hit < len(names):
+            start = hit
+            while hit < len(names) and names[hit] in self._full:
+                hit += 1
+            if hit > start:
+                runs.append((list(names[start:hit]), True))
+            lower = self.match_lower(names[hit:])
+            if lower:
+                runs.append((lower, False))
+                hit += len(lower)
+            if hit == start:
+                break
+        return runs
+
     def match_lower(self, names: Sequence[bytes]) -> list[bytes]:
         """The leading run of `names` held in a lower tier (host or disk), not on the device."""
         if self.tiers is None:
