@@ -86,6 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
         "wait for pages borrows another's idle ones, which go back once it is idle; each move recompiles both "
         "models' steps for their new pool sizes); moves at /debug/memory",
     )
+    p.add_argument(
+        "--kv-balloon-step",
+        type=int_in("--kv-balloon-step", 1),
+        default=None,
+        metavar="PAGES",
+        help="with --kv-balloon, each pool's sizes are its plan plus or minus whole steps of this many of its pages, "
+        "so the sizes (each with its own compiled steps) are few (default: one full-length sequence, or an eighth "
+        "of its planned pool if less; 1 allows any size)",
+    )
+    p.add_argument(
+        "--kv-balloon-min-move",
+        type=int_in("--kv-balloon-min-move", 1),
+        default=None,
+        metavar="PAGES",
+        help="with --kv-balloon, the smallest move worth its recompiles, in the borrower's pages (default: the "
+        "smallest model's floor, one full-length sequence)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: --model; one model)")
@@ -390,6 +407,9 @@ def build_server(args: argparse.Namespace):
         raise ValueError(f"--route-heavy {args.route_heavy!r} is not a served --model")
     if args.kv_balloon and len(names) == 1:
         raise ValueError("--kv-balloon moves KV pages between models: give --model twice")
+    for flag in ("kv_balloon_step", "kv_balloon_min_move"):
+        if getattr(args, flag) is not None and not args.kv_balloon:
+            raise ValueError(f"--{flag.replace('_', '-')} sets the balloon's moves: it needs --kv-balloon")
     fleet, llms, plan, router = _load(args, own)
     if args.compile_shapes is not None:
         _use_shape_file(next(iter(llms.values())), args)
@@ -528,7 +548,8 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
                 per_model[names[0]].setdefault("num_pages", args.num_pages)
             fleet = Fleet(
                 per_model, memory_budget_gib=args.memory_budget, gpu_memory_utilization=args.gpu_memory_utilization,
-                heavy=args.route_heavy, threshold=args.route_threshold, balloon=args.kv_balloon, **common,
+                heavy=args.route_heavy, threshold=args.route_threshold, balloon=args.kv_balloon,
+                balloon_step=args.kv_balloon_step, min_move_pages=args.kv_balloon_min_move, **common,
             )  # fmt: skip
             llms, plan = fleet.llms, fleet.plan
             router = fleet.router if several else None

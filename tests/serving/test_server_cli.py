@@ -130,6 +130,8 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--default-model", "llama"], "'llama' is not a served model"),
         (["--route-threshold", "9"], "--route-threshold must be in [1, 5]"),
         (["--kv-balloon"], "moves KV pages between models: give --model twice"),
+        (["--kv-balloon-step", "8"], "--kv-balloon-step sets the balloon's moves: it needs --kv-balloon"),
+        (["--kv-balloon-min-move", "0"], "--kv-balloon-min-move must be >= 1, got 0"),
         (["--model", "smollm2-135m", "--model", "gemma3-270m"], "several models need a memory budget"),
         (["--model", "smollm2-135m", "--model", "gemma3-270m", "--num-pages", "64"], "give each its own"),
         (
@@ -149,6 +151,26 @@ def test_bad_flags_exit_2_with_a_message_naming_the_problem(argv, message, capsy
         code = e.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_balloon_flags_reach_the_fleet(monkeypatch):
+    import aither_jax.fleet.fleet as fleet_module
+
+    seen = []
+
+    def fleet(models, **kwargs):
+        seen.append({k: kwargs[k] for k in ("balloon", "balloon_step", "min_move_pages")})
+        raise ValueError("stopped before loading the models")
+
+    monkeypatch.setattr(fleet_module, "Fleet", fleet)
+    monkeypatch.delenv("AITHER_API_KEY", raising=False)
+    two = ["--model", "smollm2-135m", "--model", "gemma3-270m", "--memory-budget", "2"]
+    assert serve.main([*two, "--kv-balloon", "--kv-balloon-step", "12", "--kv-balloon-min-move", "5"]) == 2
+    assert serve.main([*two, "--kv-balloon"]) == 2
+    assert seen == [
+        {"balloon": True, "balloon_step": 12, "min_move_pages": 5},
+        {"balloon": True, "balloon_step": None, "min_move_pages": None},
+    ]
 
 
 def test_api_keys_from_the_environment(monkeypatch):
