@@ -284,6 +284,7 @@ class Scheduler:
                 if len(device) < hit:  # pages held on host or disk come back instead of being recomputed
                     cached, num_cached, partial = self._promote(runs, num_cached, partial)
                 if seq.num_preemptions == 0:
+                    self.prefix_cache.used(device + ([partial[0]] if partial else []), names)
                     self.num_prefix_queries += len(seq.prompt_ids)
                     self.num_prefix_hits += num_cached
                     seq.num_cached_prompt = num_cached

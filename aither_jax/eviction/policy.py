@@ -7,11 +7,13 @@ pins, and the metadata the context pipeline fills in) and returns the victims in
   to its start, so eviction takes a chain from its end and leaves a usable prefix. It knows
   nothing of what a page holds: under pressure it evicts a model's identity like any page.
 - `AdvisorPolicy`: the graph eviction advisor. A page's score (higher: evicted first) is
-  `age 0.01 - degree 5 - edge weights 2 - importance 20 - hits 3 - attention mass 10` (per
-  second of age since its last use; degree and summed decayed weights in the block graph,
-  eviction/graph.py). Protected pages (tags `system`, `identity`, `axioms`, or importance
-  1.0) are never candidates, up to `max_protected_pages` idle ones (the most recently used;
-  beyond that cap the least recently used of them lose protection and go first: the cap is
+  `age 0.01 - degree 5 - edge weights 2 - importance 20 - hits 3 - attention mass 10 + reuse
+  distance 50` (per second of age since its last use; degree and summed decayed weights in the
+  block graph, eviction/graph.py; reuse distance: how far now is from the page's expected next
+  use, in typical reuse intervals, `reuse_distance`). Protected pages (tags `system`,
+  `identity`, `axioms`, or importance 1.0) are never candidates, up to `max_protected_pages`
+  idle ones (the most recently used; beyond that cap the least recently used of them lose
+  protection and go first: the cap is
   what protection may hold, so idle system prompts nobody has used for longest, such as a
   retired persona's, cannot crowd out the pages of live conversations).
   Rankings are computed off the engine's loop by a background thread about every 0.5 s and
@@ -25,6 +27,7 @@ import collections
 import dataclasses
 import json
 import math
+import statistics
 import threading
 import time
 import weakref
@@ -53,6 +56,9 @@ class LRUPolicy:
     def forgotten(self, blocks: Sequence[Block]) -> None:
         pass
 
+    def reused(self, gap: float) -> None:
+        pass
+
     def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
         pass
 
@@ -74,6 +80,7 @@ class AdvisorWeights:
     importance: float = 20.0
     hits: float = 3.0
     attention: float = 10.0
+    reuse: float = 50.0  # per typical reuse interval between now and the page's expected next use
 
     @classmethod
     def parse(cls, spec: dict | str | None) -> AdvisorWeights:
@@ -101,6 +108,23 @@ class AdvisorWeights:
 def _key(block: Block) -> tuple:
     """What identifies a page's content in a published ranking (page ids are reused)."""
     return (block.page, block.name, block.partial)
+
+
+LATE_FACTOR = 4.0  # a page late by a quarter of its interval ranks with one just used
+
+
+def reuse_distance(block: Block, now: float, typical: float) -> float:
+    """How far `now` is from the page's expected next use (its last use plus its reuse
+    interval, or `typical` when it has never been reused), in units of `typical`: 0 for a page
+    due now, about 1 for a page just used. A page past its expected use counts `LATE_FACTOR`
+    times as far as it is late: a conversation that stopped coming back (ended, or a warm-up's)
+    goes soon after it misses its return, instead of holding pages that look due. 0.0 while no
+    interval is known anywhere."""
+    if typical <= 0.0 or block.used_at <= 0.0:
+        return 0.0
+    interval = block.reuse_interval if block.reuse_interval > 0.0 else typical
+    early = block.used_at + interval - now
+    return (early if early >= 0.0 else -LATE_FACTOR * early) / typical
 
 
 CHAIN_MARGIN = 1e-6  # how much lower a page scores than its lowest-scoring continuation
@@ -159,13 +183,14 @@ class AdvisorPolicy:
         self.refresh_s = refresh_s
         self.stale_s = stale_s
         self.clock = clock
-        # (when, page key -> score, page name -> score), published together
-        self._ranking: tuple[float, dict[tuple, float], dict[bytes, float]] = (-math.inf, {}, {})
+        # (when, page key -> score, page name -> score, typical reuse interval), published together
+        self._ranking: tuple[float, dict[tuple, float], dict[bytes, float], float] = (-math.inf, {}, {}, 0.0)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.evicted_by_tag: collections.Counter[str] = collections.Counter()
         self.num_stale = 0  # eviction calls that fell back to LRU order
         self.num_refreshes = 0
+        self.gaps: collections.deque[float] = collections.deque(maxlen=self.MAX_GAPS)  # seconds idle before a reuse
         self.refresh_seconds = 0.0  # time the ranking thread spent ranking
 
     # -- scores -------------------------------------------------------------------------------
@@ -173,7 +198,7 @@ class AdvisorPolicy:
     def protected(self, block: Block) -> bool:
         return block.source_tag in self.protected_tags or (block.importance or 0.0) >= 1.0
 
-    def score(self, block: Block, stats: dict[bytes, tuple[int, float]], now: float) -> float:
+    def score(self, block: Block, stats: dict[bytes, tuple[int, float]], now: float, typical: float = 0.0) -> float:
         w = self.weights
         degree, strength = stats.get(block.name, (0, 0.0)) if block.name is not None else (0, 0.0)
         return (
@@ -183,6 +208,7 @@ class AdvisorPolicy:
             - w.importance * (block.importance or 0.0)
             - w.hits * block.hits
             - w.attention * block.attention_mass
+            + w.reuse * reuse_distance(block, now, typical)
         )
 
     def refresh(self, blocks: Sequence[Block]) -> None:
@@ -193,23 +219,25 @@ class AdvisorPolicy:
         would strand the pages after it, so each page's score is below its descendants'. And
         a run of pages that continues into no other (one conversation's pages after the
         prefix it shares) ranks as one: every page of it takes its best page's score (its
-        first page's, after the rule above), deeper pages a hair higher, so eviction empties
+        first page's, after the rule above; never a protected page's, which would keep a
+        persona's only conversation for good), deeper pages a hair higher, so eviction empties
         the least valuable run from its end before touching the next. Scored page by page,
         eviction would trim the newest turn off every conversation instead, and each
         follow-up would recompute its own last turn."""
         start = time.perf_counter()
         now = self.clock()
         stats = self.graph.stats()
-        ranking = {_key(b): self.score(b, stats, now) for b in blocks}
+        typical = statistics.median(self.gaps) if self.gaps else 0.0
+        ranking = {_key(b): self.score(b, stats, now, typical) for b in blocks}
         pairs = _deepest_first(blocks)
         for b, parent in pairs:
             ranking[_key(parent)] = min(ranking[_key(parent)], ranking[_key(b)] - CHAIN_MARGIN)
         children = collections.Counter(_key(parent) for _, parent in pairs)
         for b, parent in reversed(pairs):  # parents first: a run's head is settled before its pages
-            if children[_key(parent)] == 1 and b.name is not None:
+            if children[_key(parent)] == 1 and b.name is not None and not self.protected(parent):
                 ranking[_key(b)] = ranking[_key(parent)] + CHAIN_MARGIN
         by_name = {b.name: ranking[_key(b)] for b in blocks if b.name is not None}
-        self._ranking = (now, ranking, by_name)
+        self._ranking = (now, ranking, by_name, typical)
         self.num_refreshes += 1
         self.refresh_seconds += time.perf_counter() - start
 
@@ -265,7 +293,7 @@ class AdvisorPolicy:
     def _order(self):
         """Eviction order: by the published ranking while fresh (scoring newer pages inline),
         else least recently used first."""
-        at, ranking, by_name = self._ranking
+        at, ranking, by_name, typical = self._ranking
         now = self.clock()
         if now - at > self.stale_s:
             self.num_stale += 1
@@ -281,7 +309,7 @@ class AdvisorPolicy:
                     return -(parent + CHAIN_MARGIN)
                 if stats is None:
                     stats = self.graph.stats()
-                score = self.score(b, stats, now)
+                score = self.score(b, stats, now, typical)
             return -score
 
         return key
@@ -310,6 +338,13 @@ class AdvisorPolicy:
         for b in blocks:
             if b.name is not None:
                 self.graph.remove(b.name)
+
+    MAX_GAPS = 1024
+
+    def reused(self, gap: float) -> None:
+        """A request came back to pages used `gap` seconds before (on the device or not): the
+        median of recent gaps is the typical reuse interval of `reuse_distance`."""
+        self.gaps.append(gap)
 
     MASS_SMOOTHING = 0.3  # weight of a step's mass in a page's moving average
     CO_ATTEND_THRESHOLD = 0.05  # share of a row's attention that makes a page "attended"

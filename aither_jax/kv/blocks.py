@@ -44,6 +44,8 @@ class Block:
     token_range: tuple[int, int] | None = None  # [start, stop) positions in its first sequence
     attention_mass: float = 0.0  # a moving average of the softmax mass steps put on it
     attended_at: float = 0.0  # time.monotonic() when a step last put mass on it
+    used_at: float = 0.0  # time.monotonic() when a request last held it (admitted on it or named it)
+    reuse_interval: float = 0.0  # moving average of the idle seconds between its uses (0: unknown)
 
     @property
     def cached(self) -> bool:
@@ -53,7 +55,10 @@ class Block:
     def metadata(self) -> dict:
         """What travels with the page's bytes to the host and disk tiers (JSON-friendly)."""
         token_range = None if self.token_range is None else list(self.token_range)
-        return {"tag": self.source_tag, "importance": self.importance, "token_range": token_range, "hits": self.hits}
+        return {
+            "tag": self.source_tag, "importance": self.importance, "token_range": token_range, "hits": self.hits,
+            "reuse_interval": self.reuse_interval,
+        }  # fmt: skip
 
     def restore(self, meta: dict | None) -> None:
         """Takes back `metadata()` when the page returns to the device."""
@@ -63,13 +68,14 @@ class Block:
         token_range = meta.get("token_range")
         self.token_range = None if token_range is None else tuple(token_range)
         self.hits = int(meta.get("hits") or 0)
+        self.reuse_interval = float(meta.get("reuse_interval") or 0.0)
 
     def forget(self) -> None:
         """Clears what the prefix cache and the policies knew (the page is free again)."""
         self.name = self.parent = self.partial = None
         self.pins = self.hits = 0
         self.source_tag = self.importance = self.tenant = self.token_range = None
-        self.attention_mass = self.attended_at = self.created_at = 0.0
+        self.attention_mass = self.attended_at = self.created_at = self.used_at = self.reuse_interval = 0.0
 
 
 class BlockTable:

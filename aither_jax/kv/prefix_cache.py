@@ -14,7 +14,9 @@ dropped, and a lookup continues past the device's pages into them (`match_lower`
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -86,6 +88,11 @@ class PrefixCache:
         self._partial: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent name -> tokens -> page
         self._cached: set[int] = set()  # pages named here (full or partial): the blocks to scan
         self.tiers = None  # KVTiers below the device, if any (set by the engine)
+        self.clock = time.monotonic  # the time of a page's uses (`Block.used_at`)
+        # names of pages that left the device -> their last use: a request that would have
+        # reused one still tells the policy how long the page sat idle before it was wanted
+        self._ghosts: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self.max_ghosts = 4 * allocator.num_pages
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -114,6 +121,35 @@ class PrefixCache:
             self.blocks.touch(best[0])
             self.blocks[best[0]].hits += 1
         return best
+
+    REUSE_SMOOTHING = 0.5  # weight of the newest idle gap in a page's `reuse_interval`
+
+    def used(self, pages: Sequence[int], names: Sequence[bytes] = (), now: float | None = None) -> None:
+        """A request was admitted on the cached device `pages`, for the chain `names`: each
+        page's idle gap since its last use (`Block.used_at`) joins its moving `reuse_interval`,
+        the advisor's estimate of when the page will be wanted again. The request's own gap,
+        at the deepest page of its chain used before (on the device, or remembered by name
+        after it left), goes to the policy (`reused`): the gap after which a conversation
+        comes back, or a prompt's prefix is asked for again. Called once per admission (a
+        lookup can repeat while a request waits, so `match` does not measure gaps)."""
+        now = self.clock() if now is None else now
+        a, last = self.REUSE_SMOOTHING, {}
+        for page in pages:
+            block = self.blocks[page]
+            if block.used_at > 0.0:
+                gap = max(now - block.used_at, 0.0)
+                block.reuse_interval = gap if block.reuse_interval <= 0.0 else (1 - a) * block.reuse_interval + a * gap
+                if block.name is not None:
+                    last[block.name] = gap
+            block.used_at = now
+        for name in reversed(names):
+            if name in last:
+                self.policy.reused(last[name])
+                return
+            left = self._ghosts.get(name)
+            if left is not None:
+                self.policy.reused(max(now - left, 0.0))
+                return
 
     def contains(self, name: bytes) -> bool:
         return name in self._full
@@ -170,15 +206,18 @@ class PrefixCache:
         last, so eviction takes a chain from its end and leaves a usable prefix."""
         if name in self._full or page in self._cached:
             return False
+        self._ghosts.pop(name, None)
         self.allocator.share([page])
         self._full[name] = page
         self._cached.add(page)
         block = self.blocks[page]
         block.name, block.parent = name, parent
         self.blocks.touch(page)
+        block.used_at = now = self.clock()
         while parent is not None and parent in self._full:
             ancestor = self._full[parent]
             self.blocks.touch(ancestor)
+            self.blocks[ancestor].used_at = now
             parent = self.blocks[ancestor].parent
         return True
 
@@ -195,6 +234,7 @@ class PrefixCache:
         block = self.blocks[page]
         block.parent, block.partial = parent, tokens
         self.blocks.touch(page)
+        block.used_at = self.clock()
         return True
 
     def persist(self) -> int:
@@ -270,7 +310,12 @@ class PrefixCache:
         else:
             self.policy.forgotten(victims)
         for block in victims:
+            if block.name is not None and block.used_at > 0.0:
+                self._ghosts[block.name] = block.used_at
+                self._ghosts.move_to_end(block.name)
             self._drop(block.page)
+        while len(self._ghosts) > self.max_ghosts:
+            self._ghosts.popitem(last=False)
         return len(victims)
 
     def clear(self) -> int:

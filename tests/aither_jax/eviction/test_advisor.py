@@ -436,3 +436,119 @@ def test_the_advisor_preempts_the_request_whose_pages_matter_least():
     assert policy.preemption_victim([old, middle, new], blocks) is new
     assert policy.preemption_victim([old, middle], blocks) is middle  # never the protected one
     assert make_policy("lru").preemption_victim([old, middle, new], blocks) is new
+
+
+def used(page: int, at: float, interval: float = 0.0) -> Block:
+    """A conversation's page, last used `at` (its reuse interval, if measured)."""
+    b = block(page, touched_at=at, last_access=int(at * 10))
+    b.used_at, b.reuse_interval = at, interval
+    return b
+
+
+def test_the_conversation_due_back_soonest_is_kept_longest():
+    """With reuse gaps known, a page scores by how far now is from its expected next use: the
+    conversation just served goes first, the one due back now last; one that stopped coming
+    back goes as it grows late."""
+    clock = Clock()
+    policy = AdvisorPolicy(max_protected_pages=0, clock=clock)
+    due, middle, just = used(1, 100.0), used(2, 105.0), used(3, 109.5)
+    gone = used(4, 50.0)  # due at 60: 50 s late
+    own = used(5, 108.0, interval=2.5)  # its own interval: due at 110.5
+    late = used(6, 98.0)  # due at 108: 2 s late counts as 8 s early
+    clock.now = 110.0
+    pages = [due, middle, just, gone, own, late]
+    policy.refresh(pages)  # no gap measured yet: the term is off, all score alike
+    for b in pages:
+        assert policy.score(b, {}, clock.now) == pytest.approx(0.01 * (clock.now - b.touched_at))
+    for gap in (9.0, 10.0, 11.0):
+        policy.reused(gap)
+    policy.refresh(pages)
+    assert [b.page for b in policy.victims(pages, 6)] == [4, 3, 6, 2, 5, 1]
+    assert policy.score(middle, {}, clock.now, 10.0) == pytest.approx(50.0 * 0.5 + 0.01 * 5.0)
+    lru = make_policy("lru").victims(pages, 6)
+    assert [b.page for b in lru] == [4, 6, 1, 2, 5, 3]  # touched order: the one due back goes early
+
+
+def test_admission_measures_each_page_s_idle_gap_and_the_request_s_return():
+    sched = make_scheduler(eviction_policy="advisor", num_pages=33, max_num_seqs=1, max_pages_per_seq=8)
+    clock = Clock()
+    sched.prefix_cache.clock = sched.policy.clock = clock
+    device = FakeDevice(sched)
+    prompt = list(range(1, 14))  # 3 full pages and a partial one
+    first = make_seq(prompt, max_tokens=3)
+    sched.add(first)
+    device.run_until_done()
+    pages = [sched.prefix_cache._full[n] for n in first.names[:3]]
+    assert [sched.allocator.blocks[p].used_at for p in pages] == [100.0] * 3
+    seqs = [first]
+    for at, interval in [(105.0, 5.0), (107.0, 3.5)]:  # moving average, newest gap weighted 0.5
+        clock.now = at
+        seqs.append(make_seq(prompt + [50, 51, 52, 53], max_tokens=1))
+        sched.add(seqs[-1])
+        device.run_until_done()
+        assert [sched.allocator.blocks[p].reuse_interval for p in pages] == [interval] * 3
+    # The request's return gap is taken at the deepest page of its chain used before: the
+    # second follow-up reused the first follow-up's pages (used at 5.0), not only the prompt's.
+    assert list(sched.policy.gaps) == [5.0, 2.0]
+    # A chain that left the device is still remembered by name: its gap is measured on return.
+    sched.prefix_cache.evict(sched.prefix_cache.num_evictable)
+    assert sched.prefix_cache.num_cached == 0
+    clock.now = 120.0
+    seqs.append(make_seq(prompt + [50, 51, 52, 53], max_tokens=1))
+    sched.add(seqs[-1])
+    device.run_until_done()
+    assert seqs[-1].num_cached_prompt == 0 and list(sched.policy.gaps)[-1] == 13.0
+    check_drained(sched, seqs)
+
+
+def round_robin(policy: str, weights: str | None = None, num_pages: int = 44) -> int:
+    """Follow-up prompt tokens found cached past the system prompt (24 tokens, shared) when 6
+    conversations take 3 turns each in turn, after 6 others did the same and ended, on a pool
+    that holds about two thirds of one set."""
+    sched = make_scheduler(
+        eviction_policy=policy, num_pages=num_pages, max_num_seqs=1, max_pages_per_seq=20, advisor_weights=weights
+    )
+    clock = Clock()
+    sched.prefix_cache.clock = clock
+    if policy == "advisor":
+        sched.policy.clock = clock
+    device = FakeDevice(sched)
+    cached, seqs = 0, []
+    for first in (2000, 3000):  # the first set's tokens never come back
+        histories = [list(range(first, first + 24)) for _ in range(6)]
+        for turn in range(18):
+            c = turn % 6
+            histories[c] += [first + 100 + 7 * turn + j for j in range(7)]
+            seq = make_seq(histories[c], max_tokens=9)
+            if policy == "advisor":
+                sched.policy.refresh(sched.prefix_cache.cached_blocks())
+            sched.add(seq)
+            device.run_until_done()
+            histories[c] += seq.output_ids
+            cached += max(seq.num_cached_prompt - 24, 0) if turn >= 6 and first == 3000 else 0
+            seqs.append(seq)
+            clock.now += 1.0
+    check_drained(sched, seqs)
+    return cached
+
+
+def test_conversations_taking_turns_keep_their_pages_with_the_advisor():
+    """LRU evicts exactly the conversation that comes back next; the advisor, knowing how long
+    conversations stay away, evicts the one just served and keeps the rest, and lets go of
+    conversations that stopped coming back."""
+    lru, advisor, no_reuse = round_robin("lru"), round_robin("advisor"), round_robin("advisor", '{"reuse": 0}')
+    assert advisor >= 3 * max(lru, no_reuse), (lru, advisor, no_reuse)
+
+
+def test_a_conversation_under_a_protected_prompt_does_not_take_its_score():
+    """A persona serving one conversation: its system pages and that conversation are one chain
+    that continues into no other. The run rule must not give the conversation the protected
+    pages' score, or it would never be evicted."""
+    policy = AdvisorPolicy(max_protected_pages=4, clock=Clock())
+    system = block(1, tag="system", importance=1.0, hits=10)
+    x1, x2 = block(2), block(3)  # its conversation, never reused
+    root, y1 = block(4), block(5, hits=2)  # another conversation, reused twice
+    x1.parent, x2.parent, y1.parent = system.name, x1.name, root.name
+    pages = [system, x1, x2, root, y1]
+    policy.refresh(pages)
+    assert [b.page for b in policy.victims(pages, 3)] == [3, 2, 5]

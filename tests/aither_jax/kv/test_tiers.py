@@ -123,6 +123,7 @@ def test_the_prefix_cache_demotes_evicted_pages_and_finds_them_below_the_device(
     for i, page in enumerate(pages):  # what the block records knew travels with the bytes
         block = cache.blocks[page]
         block.source_tag, block.importance, block.token_range = "identity", 1.0 - i / 10, (4 * i, 4 * i + 4)
+        block.reuse_interval = 30.0 + i
     cache.allocator.free(pages)
     assert cache.evict(3) == 3 and cache.match(names) == []
     assert cache.match_lower(names) == names and cache.tiers.num_host_pages == 3
@@ -140,6 +141,7 @@ def test_the_prefix_cache_demotes_evicted_pages_and_finds_them_below_the_device(
         ("identity", 0.8),
     ]
     assert [cache.blocks[p].token_range for p in fresh] == [(0, 4), (4, 8), (8, 12)]
+    assert [cache.blocks[p].reuse_interval for p in fresh] == [30.0, 31.0, 32.0]
 
 
 def test_a_chain_comes_back_up_to_a_page_that_fails_its_checksum(tmp_path):
