@@ -25,6 +25,16 @@ PAGE_FORMAT_VERSION = 1
 RESIZE_MARGIN = 0.05
 
 
+def _fit(host: np.ndarray, fill: np.ndarray, axis: int, num_pages: int) -> np.ndarray:
+    """`host` cut or extended (with `fill`) to `num_pages` along `axis`."""
+    have = host.shape[axis]
+    if num_pages <= have:
+        return host[(slice(None),) * axis + (slice(0, num_pages),)]
+    shape = list(host.shape)
+    shape[axis] = num_pages - have
+    return np.concatenate([host, np.broadcast_to(fill, shape).astype(host.dtype)], axis=axis)
+
+
 def fits_beside(new_bytes: int, stats: dict | None) -> bool:
     """Whether a device with memory statistics `stats` (`Device.memory_stats()`) has room for
     `new_bytes` more, with `RESIZE_MARGIN` to spare; True where it reports none (CPU, where
@@ -84,27 +94,33 @@ class PageStore:
     def _resize_through_host(self, num_pages: int) -> tuple:
         """`resize_pools`' result made one leaf at a time: each leaf copied to host memory and
         deleted on the device, then its resized copy put back. Slower (every byte crosses the
-        host link twice) but needs no device memory beyond the pools themselves."""
-
-        def fit(leaf: jax.Array, fill, axis: int) -> jax.Array:
-            host, sharding = np.array(leaf, copy=True), leaf.sharding
-            leaf.delete()
-            have = host.shape[axis]
-            if num_pages <= have:
-                out = host[(slice(None),) * axis + (slice(0, num_pages),)]
-            else:
-                shape = list(host.shape)
-                shape[axis] = num_pages - have
-                out = np.concatenate([host, np.broadcast_to(fill, shape).astype(host.dtype)], axis=axis)
-            del host
-            return jax.device_put(np.ascontiguousarray(out), sharding)
-
+        host link twice) but needs no device memory beyond the pools themselves. If putting a
+        leaf back fails (the device ran out after all), every leaf is put back as it was, from
+        the host copies, the store keeps its old pools and size, and the error is raised."""
         target, empty, draft = self._resize_args()
         empty = jax.tree.map(np.asarray, empty)
-        target = jax.tree.map(lambda x, e: fit(x, e, 0), target, empty)
-        if draft is not None:
-            draft = jax.tree.map(lambda x: fit(x, np.zeros((), x.dtype), 1), draft)
-        return target, draft
+        leaves, treedef = jax.tree.flatten((target, draft))
+        fills = jax.tree.leaves(empty) + [np.zeros((), x.dtype) for x in jax.tree.leaves(draft)]
+        axes = [0] * len(jax.tree.leaves(target)) + [1] * len(jax.tree.leaves(draft))
+        saved, resized = [], []  # host copies (with their shardings); the leaves put back
+        try:
+            for leaf, fill, axis in zip(leaves, fills, axes, strict=True):
+                host = np.array(leaf, copy=True)
+                saved.append((host, leaf.sharding))
+                leaf.delete()
+                out = np.ascontiguousarray(_fit(host, fill, axis, num_pages))
+                resized.append(jax.device_put(out, saved[-1][1]))
+        except Exception:
+            for leaf in resized:
+                leaf.delete()
+            restored = [jax.device_put(host, sharding) for host, sharding in saved]
+            restored += leaves[len(saved) :]  # never touched
+            target, draft = jax.tree.unflatten(treedef, restored)
+            self.cache = self.cache.replace(k=target[0], v=target[1])
+            if self.drafter is not None:
+                self.drafter.pools = draft
+            raise
+        return jax.tree.unflatten(treedef, resized)
 
     def lower_resize(self, num_pages: int):
         """`resize` to `num_pages` pages lowered (for `Engine.precompile_pool`, on `abstract()`)."""

@@ -251,3 +251,33 @@ def test_a_device_has_room_for_a_one_call_resize_only_with_margin_to_spare():
     assert fits_beside(10 * gib, None) and fits_beside(10 * gib, {})  # no statistics (CPU)
     assert fits_beside(10 * gib, {"bytes_limit": 20 * gib, "bytes_in_use": 9 * gib})
     assert not fits_beside(10 * gib, {"bytes_limit": 20 * gib, "bytes_in_use": 10 * gib})  # no margin left
+
+
+def test_a_resize_through_host_memory_that_fails_puts_the_old_pools_back(monkeypatch):
+    """If the device refuses a resized leaf midway (out of memory after all), every leaf goes
+    back as it was from the host copies: the store keeps its size and its bytes, and raises."""
+    import aither_jax.kv.store as store_module
+
+    store = store_for("smollm2-135m", "fp32", np.random.default_rng(0), draft=True)
+    monkeypatch.setattr(store, "_room_for", lambda n: False)
+    pages = list(range(NUM_PAGES))
+    before = page_bytes(store, pages)
+    draft_before = [np.asarray(x) for x in jax.tree.leaves(store.drafter.pools)]
+    real_put, calls = jax.device_put, []
+
+    def put(x, *args, **kwargs):
+        calls.append(np.shape(x))
+        if len(calls) == 3:  # the third leaf: two are already resized, one deleted
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return real_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(store_module.jax, "device_put", put)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        store.resize(NUM_PAGES + 8)
+    monkeypatch.setattr(store_module.jax, "device_put", real_put)
+    assert store.num_usable_pages == NUM_PAGES - 1
+    assert page_bytes(store, pages) == before
+    draft_after = jax.tree.leaves(store.drafter.pools)
+    assert all((np.asarray(a) == b).all() for a, b in zip(draft_after, draft_before, strict=True))
+    store.resize(NUM_PAGES + 8)  # and it can still resize
+    assert page_bytes(store, pages) == before and store.num_usable_pages == NUM_PAGES + 7
