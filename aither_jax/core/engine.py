@@ -214,12 +214,18 @@ class Engine:
 
         Raises:
             ValueError: bounded residency is on, or fewer pages than one full-length sequence needs.
+            Whatever the store's resize raised (out of device memory): the pool keeps its size.
         """
         if self.bounded is not None:
             raise ValueError("a pool under bounded residency (max_resident_tokens) cannot be resized")
+        old = self.store.num_usable_pages + 1
         num_pages = self.scheduler.resize_pool(num_pages)
-        if num_pages != self.store.num_usable_pages + 1:
-            self.store.resize(num_pages)
+        if num_pages != old:
+            try:
+                self.store.resize(num_pages)
+            except Exception:  # the device refused the new pools: the store keeps the old ones
+                self.scheduler.resize_pool(old)
+                raise
         return num_pages
 
     def precompile_pool(

@@ -180,3 +180,16 @@ def test_a_resized_pool_stops_above_pages_in_use_and_keeps_what_it_cuts_off_belo
     assert all(allocator.ref_count(p) == 0 or cache.idle(p) for p in range(1, engine.num_pages))  # nothing held
     with pytest.raises(ValueError, match="too small"):
         engine.resize_pool(8)
+    # A device that refuses the new pools (out of memory) leaves the engine as it was: the
+    # scheduler takes its size back, and the next request runs on the old pools.
+    real_resize = engine.store.resize
+
+    def refuse(n):
+        raise RuntimeError("RESOURCE_EXHAUSTED")
+
+    engine.store.resize = refuse
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        engine.resize_pool(60)
+    engine.store.resize = real_resize
+    assert engine.num_pages == 40 == len(allocator.blocks) == engine.store.num_usable_pages + 1
+    assert llm.generate([follow_up], GREEDY)[0].token_ids == want_follow_up
