@@ -94,7 +94,7 @@ def run_pass(llm, args, seed: int, *, timed: bool) -> dict:
     history = [[personas[p]] for p in owners]
     params = aj.SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
     hit, seen = collections.Counter(), collections.Counter()
-    ttft, compiled, system_misses, system_tokens_recomputed = [], [], 0, 0
+    ttft, compiled, turns, system_misses, system_tokens_recomputed = [], [], [], 0, 0
     persona_done = set()
     turn = 0
     for r in range(args.rounds):
@@ -119,6 +119,7 @@ def run_pass(llm, args, seed: int, *, timed: bool) -> dict:
             if r:
                 ttft.append(out.time_to_first_token)
                 compiled.append(llm.engine.num_compiles > compiles)
+            turns.append([r, c, len(out.prompt_token_ids), cached, round(out.time_to_first_token * 1e3, 1)])
             turn += 1
     if not timed:
         return {}
@@ -128,10 +129,12 @@ def run_pass(llm, args, seed: int, *, timed: bool) -> dict:
         # it: that time is the compiler's, not the policy's.
         "mean_followup_ttft_s": statistics.mean(t for t, c in zip(ttft, compiled, strict=True) if not c),
         "mean_followup_ttft_all_s": statistics.mean(ttft),
+        "mean_ttft_by_round_s": [statistics.mean(t[4] for t in turns if t[0] == k) / 1e3 for k in range(args.rounds)],
         "followup_turns_compiled": sum(compiled),
         "system_recompute_turns": system_misses,
         "system_tokens_recomputed": system_tokens_recomputed,
         "turns": turn,
+        "per_turn": turns,  # [round, conversation, prompt tokens, cached tokens, TTFT ms]
     }
 
 
@@ -173,6 +176,7 @@ def record(report: dict, command: str) -> None:
                 f"{r['hit_rate_by_tag'].get(t, 0):.2f}" for t in ("system", "user", "assistant", "tool")
             ),
             "follow-up TTFT ms": bench_record.rounded(r["mean_followup_ttft_s"] * 1e3),
+            "TTFT ms by round": " / ".join(str(bench_record.rounded(t * 1e3)) for t in r["mean_ttft_by_round_s"]),
             "follow-up turns that compiled (left out)": r["followup_turns_compiled"],
             "ranking share of run": bench_record.rounded(r["ranking_share"], 4),
             "decode tok/s": bench_record.rounded(r["decode_tok_s"], 1),
