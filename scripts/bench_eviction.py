@@ -32,6 +32,7 @@ import shlex
 import statistics
 import sys
 import time
+from math import nan
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_record  # noqa: E402
@@ -127,7 +128,7 @@ def run_pass(llm, args, seed: int, *, timed: bool) -> dict:
         "hit_rate_by_tag": {t: hit[t] / seen[t] for t in sorted(seen)},
         # A turn whose cached length makes a prefill shape the untimed pass never ran compiles
         # it: that time is the compiler's, not the policy's.
-        "mean_followup_ttft_s": statistics.mean(t for t, c in zip(ttft, compiled, strict=True) if not c),
+        "mean_followup_ttft_s": statistics.mean([t for t, c in zip(ttft, compiled, strict=True) if not c] or [nan]),
         "mean_followup_ttft_all_s": statistics.mean(ttft),
         "mean_ttft_by_round_s": [statistics.mean(t[4] for t in turns if t[0] == k) / 1e3 for k in range(args.rounds)],
         "followup_turns_compiled": sum(compiled),

@@ -278,13 +278,14 @@ class Scheduler:
                 self.prefix_cache.tiers.should_reload(found, saved * self.page_size)
             cached = device
             if self.prefix_cache is not None:
+                if seq.num_preemptions == 0:  # before promotion renames the lower-tier pages
+                    self.prefix_cache.used(device + ([partial[0]] if partial else []), names)
                 self.allocator.share(device)
                 if partial:
                     self.allocator.share([partial[0]])  # held until the copy is made (copies_done)
                 if len(device) < hit:  # pages held on host or disk come back instead of being recomputed
                     cached, num_cached, partial = self._promote(runs, num_cached, partial)
                 if seq.num_preemptions == 0:
-                    self.prefix_cache.used(device + ([partial[0]] if partial else []), names)
                     self.num_prefix_queries += len(seq.prompt_ids)
                     self.num_prefix_hits += num_cached
                     seq.num_cached_prompt = num_cached

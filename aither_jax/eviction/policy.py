@@ -111,6 +111,10 @@ def _key(block: Block) -> tuple:
 
 
 LATE_FACTOR = 4.0  # a page late by a quarter of its interval ranks with one just used
+MAX_REUSE_DISTANCE = 4.0  # past this, pages differ by the other terms (all are long overdue)
+# The typical interval's floor: requests admitted together on a shared prompt report gaps of
+# milliseconds, which would make every page look overdue by thousands of intervals.
+MIN_TYPICAL_S = 1.0
 
 
 def reuse_distance(block: Block, now: float, typical: float) -> float:
@@ -118,13 +122,13 @@ def reuse_distance(block: Block, now: float, typical: float) -> float:
     interval, or `typical` when it has never been reused), in units of `typical`: 0 for a page
     due now, about 1 for a page just used. A page past its expected use counts `LATE_FACTOR`
     times as far as it is late: a conversation that stopped coming back (ended, or a warm-up's)
-    goes soon after it misses its return, instead of holding pages that look due. 0.0 while no
-    interval is known anywhere."""
+    goes soon after it misses its return, instead of holding pages that look due. At most
+    `MAX_REUSE_DISTANCE`; 0.0 while no interval is known anywhere."""
     if typical <= 0.0 or block.used_at <= 0.0:
         return 0.0
     interval = block.reuse_interval if block.reuse_interval > 0.0 else typical
     early = block.used_at + interval - now
-    return (early if early >= 0.0 else -LATE_FACTOR * early) / typical
+    return min((early if early >= 0.0 else -LATE_FACTOR * early) / typical, MAX_REUSE_DISTANCE)
 
 
 CHAIN_MARGIN = 1e-6  # how much lower a page scores than its lowest-scoring continuation
@@ -227,7 +231,8 @@ class AdvisorPolicy:
         start = time.perf_counter()
         now = self.clock()
         stats = self.graph.stats()
-        typical = statistics.median(self.gaps) if self.gaps else 0.0
+        gaps = self.gaps.copy()  # the engine's thread appends (deque.copy holds the GIL)
+        typical = max(statistics.median(gaps), MIN_TYPICAL_S) if gaps else 0.0
         ranking = {_key(b): self.score(b, stats, now, typical) for b in blocks}
         pairs = _deepest_first(blocks)
         for b, parent in pairs:

@@ -339,7 +339,11 @@ class Fleet:
         given = before - run(move.lender, lambda: lender.resize_pool(before - move.lender_pages))  # less if in use
         gain = min((given * lender_bytes + unassigned) // borrower_bytes, move.borrower_pages)
         if gain:
-            run(move.borrower, lambda: borrower.resize_pool(borrower.num_pages + gain))
+            try:
+                run(move.borrower, lambda: borrower.resize_pool(borrower.num_pages + gain))
+            except Exception:  # the device refused the borrower's pools: the lender takes its pages back
+                run(move.lender, lambda: lender.resize_pool(before))
+                raise
         for name, engine in pairs:
             self._arrived[name] = (engine.num_pages, self._compiled_for(name, engine.num_pages))
         move = dataclasses.replace(stamped(move, given, gain, borrower_bytes), compile_s=self._compile_s)

@@ -73,6 +73,10 @@ class EvictionPolicy(Protocol):
         """One step's attention mass: per row, (page record, mass) of each page it holds."""
         ...
 
+    def reused(self, gap: float) -> None:
+        """A request came back to pages last used `gap` seconds before (once per admission)."""
+        ...
+
 
 class PrefixCache:
     """Maps page names to page ids; owns one allocator reference per named page. What it knows
@@ -92,7 +96,6 @@ class PrefixCache:
         # names of pages that left the device -> their last use: a request that would have
         # reused one still tells the policy how long the page sat idle before it was wanted
         self._ghosts: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self.max_ghosts = 4 * allocator.num_pages
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -123,6 +126,7 @@ class PrefixCache:
         return best
 
     REUSE_SMOOTHING = 0.5  # weight of the newest idle gap in a page's `reuse_interval`
+    GHOSTS_PER_PAGE = 4  # names of pages gone from the device remembered, per page of the pool
 
     def used(self, pages: Sequence[int], names: Sequence[bytes] = (), now: float | None = None) -> None:
         """A request was admitted on the cached device `pages`, for the chain `names`: each
@@ -314,7 +318,7 @@ class PrefixCache:
                 self._ghosts[block.name] = block.used_at
                 self._ghosts.move_to_end(block.name)
             self._drop(block.page)
-        while len(self._ghosts) > self.max_ghosts:
+        while len(self._ghosts) > self.GHOSTS_PER_PAGE * self.allocator.num_pages:
             self._ghosts.popitem(last=False)
         return len(victims)
 
@@ -323,6 +327,7 @@ class PrefixCache:
         pages = [p for p in self._cached if not self.blocks[p].pins]
         for page in pages:
             self._drop(page)
+        self._ghosts.clear()
         return len(pages)
 
     def _drop(self, page: int) -> None:

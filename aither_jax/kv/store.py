@@ -94,32 +94,36 @@ class PageStore:
     def _resize_through_host(self, num_pages: int) -> tuple:
         """`resize_pools`' result made one leaf at a time: each leaf copied to host memory and
         deleted on the device, then its resized copy put back. Slower (every byte crosses the
-        host link twice) but needs no device memory beyond the pools themselves. If putting a
-        leaf back fails (the device ran out after all), every leaf is put back as it was, from
-        the host copies, the store keeps its old pools and size, and the error is raised."""
+        host link twice) but needs no device memory beyond the pools themselves, and no host
+        memory beyond one leaf's copy. If putting a leaf back fails (the device ran out after
+        all), every leaf goes back at its old size (the failed one from its host copy, those
+        already resized read back and cut or extended again), the store keeps its old pools
+        and size, and the error is raised."""
         target, empty, draft = self._resize_args()
         empty = jax.tree.map(np.asarray, empty)
         leaves, treedef = jax.tree.flatten((target, draft))
         fills = jax.tree.leaves(empty) + [np.zeros((), x.dtype) for x in jax.tree.leaves(draft)]
         axes = [0] * len(jax.tree.leaves(target)) + [1] * len(jax.tree.leaves(draft))
-        saved, resized = [], []  # host copies (with their shardings); the leaves put back
-        try:
-            for leaf, fill, axis in zip(leaves, fills, axes, strict=True):
-                host = np.array(leaf, copy=True)
-                saved.append((host, leaf.sharding))
-                leaf.delete()
-                out = np.ascontiguousarray(_fit(host, fill, axis, num_pages))
-                resized.append(jax.device_put(out, saved[-1][1]))
-        except Exception:
-            for leaf in resized:
-                leaf.delete()
-            restored = [jax.device_put(host, sharding) for host, sharding in saved]
-            restored += leaves[len(saved) :]  # never touched
-            target, draft = jax.tree.unflatten(treedef, restored)
-            self.cache = self.cache.replace(k=target[0], v=target[1])
-            if self.drafter is not None:
-                self.drafter.pools = draft
-            raise
+        resized, previous = [], self.num_usable_pages + 1
+        for i, (leaf, fill, axis) in enumerate(zip(leaves, fills, axes, strict=True)):
+            sharding = leaf.sharding
+            host = np.array(leaf, copy=True)
+            leaf.delete()
+            try:
+                resized.append(jax.device_put(np.ascontiguousarray(_fit(host, fill, axis, num_pages)), sharding))
+            except Exception:
+                restored = []
+                for new, f, ax in zip(resized, fills, axes, strict=False):
+                    back, where = np.array(new, copy=True), new.sharding
+                    new.delete()
+                    restored.append(jax.device_put(np.ascontiguousarray(_fit(back, f, ax, previous)), where))
+                restored.append(jax.device_put(host, sharding))
+                target, draft = jax.tree.unflatten(treedef, restored + leaves[i + 1 :])
+                self.cache = self.cache.replace(k=target[0], v=target[1])
+                if self.drafter is not None:
+                    self.drafter.pools = draft
+                raise
+            del host
         return jax.tree.unflatten(treedef, resized)
 
     def lower_resize(self, num_pages: int):

@@ -153,3 +153,17 @@ def test_the_balloon_lends_idle_pages_to_a_waiting_model_and_takes_them_back(fle
     waiting = gemma.add_request(gemma.tokenizer.encode(PROMPT), GREEDY)
     assert not fl.ready(other)
     gemma.abort(waiting)
+    # A borrower whose device refuses the grown pools: the lender takes its pages back, and
+    # the plan still equals what both hold.
+    smol = fl.llms[light].engine
+    real_resize = smol.store.resize
+
+    def refuse(n):
+        raise RuntimeError("RESOURCE_EXHAUSTED")
+
+    smol.store.resize = refuse
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        fl.apply(again)
+    smol.store.resize = real_resize
+    assert {m: fl.llms[m].engine.num_pages for m in MODELS} == planned
+    check_zones()

@@ -253,31 +253,36 @@ def test_a_device_has_room_for_a_one_call_resize_only_with_margin_to_spare():
     assert not fits_beside(10 * gib, {"bytes_limit": 20 * gib, "bytes_in_use": 10 * gib})  # no margin left
 
 
-def test_a_resize_through_host_memory_that_fails_puts_the_old_pools_back(monkeypatch):
+@pytest.mark.parametrize("fail_at", [2, 4], ids=["target leaf", "draft leaf"])
+@pytest.mark.parametrize("num_pages", [NUM_PAGES + 8, NUM_PAGES - 8], ids=["grow", "shrink"])
+def test_a_resize_through_host_memory_that_fails_puts_the_old_pools_back(fail_at, num_pages, monkeypatch):
     """If the device refuses a resized leaf midway (out of memory after all), every leaf goes
-    back as it was from the host copies: the store keeps its size and its bytes, and raises."""
+    back at the old size: the failed one from its host copy, those already resized read back.
+    The store keeps its size and the bytes of every page the smaller size holds, and raises."""
     import aither_jax.kv.store as store_module
 
     store = store_for("smollm2-135m", "fp32", np.random.default_rng(0), draft=True)
     monkeypatch.setattr(store, "_room_for", lambda n: False)
-    pages = list(range(NUM_PAGES))
-    before = page_bytes(store, pages)
-    draft_before = [np.asarray(x) for x in jax.tree.leaves(store.drafter.pools)]
+    kept = list(range(min(num_pages, NUM_PAGES)))
+    before = page_bytes(store, kept)
+    draft_before = [np.asarray(x)[:, : len(kept)] for x in jax.tree.leaves(store.drafter.pools)]
     real_put, calls = jax.device_put, []
 
     def put(x, *args, **kwargs):
         calls.append(np.shape(x))
-        if len(calls) == 3:  # the third leaf: two are already resized, one deleted
+        if len(calls) == fail_at:  # k, v, then the draft's two pools
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
         return real_put(x, *args, **kwargs)
 
     monkeypatch.setattr(store_module.jax, "device_put", put)
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
-        store.resize(NUM_PAGES + 8)
+        store.resize(num_pages)
     monkeypatch.setattr(store_module.jax, "device_put", real_put)
     assert store.num_usable_pages == NUM_PAGES - 1
-    assert page_bytes(store, pages) == before
-    draft_after = jax.tree.leaves(store.drafter.pools)
-    assert all((np.asarray(a) == b).all() for a, b in zip(draft_after, draft_before, strict=True))
-    store.resize(NUM_PAGES + 8)  # and it can still resize
-    assert page_bytes(store, pages) == before and store.num_usable_pages == NUM_PAGES + 7
+    shapes = [x.shape for x in jax.tree.leaves((store.cache.k, store.cache.v, store.drafter.pools))]
+    assert [s[0] for s in shapes[:2]] == [NUM_PAGES] * 2 and [s[1] for s in shapes[2:]] == [NUM_PAGES] * 2
+    assert page_bytes(store, kept) == before
+    draft_after = [np.asarray(x)[:, : len(kept)] for x in jax.tree.leaves(store.drafter.pools)]
+    assert all((a == b).all() for a, b in zip(draft_after, draft_before, strict=True))
+    store.resize(num_pages)  # and it can still resize
+    assert page_bytes(store, kept) == before and store.num_usable_pages == num_pages - 1
