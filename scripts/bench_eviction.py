@@ -95,7 +95,7 @@ def run_pass(llm, args, seed: int, *, timed: bool) -> dict:
     history = [[personas[p]] for p in owners]
     params = aj.SamplingParams(max_tokens=args.answer_tokens, temperature=0.0, ignore_eos=True)
     hit, seen = collections.Counter(), collections.Counter()
-    ttft, compiled, turns, system_misses, system_tokens_recomputed = [], [], [], 0, 0
+    turns, system_misses, system_tokens_recomputed = [], 0, 0
     persona_done = set()
     turn = 0
     for r in range(args.rounds):
@@ -117,25 +117,24 @@ def run_pass(llm, args, seed: int, *, timed: bool) -> dict:
                 system_misses += 1
                 system_tokens_recomputed += full - max(cached, 0)
             persona_done.add(p)
-            if r:
-                ttft.append(out.time_to_first_token)
-                compiled.append(llm.engine.num_compiles > compiles)
-            turns.append([r, c, len(out.prompt_token_ids), cached, round(out.time_to_first_token * 1e3, 1)])
+            compiled = llm.engine.num_compiles > compiles
+            turns.append([r, c, len(out.prompt_token_ids), cached, round(out.time_to_first_token * 1e3, 1), compiled])
             turn += 1
     if not timed:
         return {}
+    follow_ups = [t for t in turns if t[0]]
     return {
         "hit_rate_by_tag": {t: hit[t] / seen[t] for t in sorted(seen)},
         # A turn whose cached length makes a prefill shape the untimed pass never ran compiles
         # it: that time is the compiler's, not the policy's.
-        "mean_followup_ttft_s": statistics.mean([t for t, c in zip(ttft, compiled, strict=True) if not c] or [nan]),
-        "mean_followup_ttft_all_s": statistics.mean(ttft),
+        "mean_followup_ttft_s": statistics.mean([t[4] / 1e3 for t in follow_ups if not t[5]] or [nan]),
+        "mean_followup_ttft_all_s": statistics.mean(t[4] / 1e3 for t in follow_ups),
         "mean_ttft_by_round_s": [statistics.mean(t[4] for t in turns if t[0] == k) / 1e3 for k in range(args.rounds)],
-        "followup_turns_compiled": sum(compiled),
+        "followup_turns_compiled": sum(t[5] for t in follow_ups),
         "system_recompute_turns": system_misses,
         "system_tokens_recomputed": system_tokens_recomputed,
         "turns": turn,
-        "per_turn": turns,  # [round, conversation, prompt tokens, cached tokens, TTFT ms]
+        "per_turn": turns,  # [round, conversation, prompt tokens, cached tokens, TTFT ms, compiled?]
     }
 
 

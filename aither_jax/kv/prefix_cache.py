@@ -128,7 +128,7 @@ class PrefixCache:
     REUSE_SMOOTHING = 0.5  # weight of the newest idle gap in a page's `reuse_interval`
     GHOSTS_PER_PAGE = 4  # names of pages gone from the device remembered, per page of the pool
 
-    def used(self, pages: Sequence[int], names: Sequence[bytes] = (), now: float | None = None) -> None:
+    def used(self, pages: Sequence[int], names: Sequence[bytes] = ()) -> None:
         """A request was admitted on the cached device `pages`, for the chain `names`: each
         page's idle gap since its last use (`Block.used_at`) joins its moving `reuse_interval`,
         the advisor's estimate of when the page will be wanted again. The request's own gap,
@@ -136,8 +136,7 @@ class PrefixCache:
         after it left), goes to the policy (`reused`): the gap after which a conversation
         comes back, or a prompt's prefix is asked for again. Called once per admission (a
         lookup can repeat while a request waits, so `match` does not measure gaps)."""
-        now = self.clock() if now is None else now
-        a, last = self.REUSE_SMOOTHING, {}
+        now, a, last = self.clock(), self.REUSE_SMOOTHING, {}
         for page in pages:
             block = self.blocks[page]
             if block.used_at > 0.0:

@@ -80,10 +80,14 @@ class PageStore:
             (k, v), pools = resize_pools(*self._resize_args(), num_pages=num_pages)
         else:
             (k, v), pools = self._resize_through_host(num_pages)
-        self.cache = self.cache.replace(k=k, v=v)
-        if self.drafter is not None:
-            self.drafter.pools = pools
+        self._set_pools((k, v), pools)
         self.num_usable_pages = num_pages - 1
+
+    def _set_pools(self, target: tuple, draft) -> None:
+        """Takes (k, v) and the draft's pools (None without a draft) as this store's."""
+        self.cache = self.cache.replace(k=target[0], v=target[1])
+        if self.drafter is not None:
+            self.drafter.pools = draft
 
     def _room_for(self, num_pages: int) -> bool:
         """Whether the device can hold pools of `num_pages` pages beside the pools now (what
@@ -118,10 +122,7 @@ class PageStore:
                     new.delete()
                     restored.append(jax.device_put(np.ascontiguousarray(_fit(back, f, ax, previous)), where))
                 restored.append(jax.device_put(host, sharding))
-                target, draft = jax.tree.unflatten(treedef, restored + leaves[i + 1 :])
-                self.cache = self.cache.replace(k=target[0], v=target[1])
-                if self.drafter is not None:
-                    self.drafter.pools = draft
+                self._set_pools(*jax.tree.unflatten(treedef, restored + leaves[i + 1 :]))
                 raise
             del host
         return jax.tree.unflatten(treedef, resized)
