@@ -461,7 +461,7 @@ class AsyncEngine:
         )
 
     def _advisor_metrics(self, scheduler) -> None:
-        """The eviction advisor's candidates, protected pages, evictions by tag, ranking age."""
+        """The eviction advisor's candidates, protected pages, evictions by tag, ranking age, trust."""
         m, policy, cache = self.metrics, scheduler.policy, scheduler.prefix_cache
         m.gauge(
             "aither:kv_eviction_candidates", "Idle cached KV pages the advisor may evict.", lambda: cache.num_evictable
@@ -473,6 +473,11 @@ class AsyncEngine:
         )
         m.gauge(
             "aither:kv_advisor_ranking_age_seconds", "Age of the advisor's latest ranking.", lambda: policy.ranking_age
+        )
+        m.gauge(
+            "aither:kv_advisor_trust",
+            "Recent admissions' share that returned to a conversation: how far expected returns outrank idle time.",
+            lambda: policy.trust,
         )
         m.counter_series(
             "aither:kv_evictions_total",

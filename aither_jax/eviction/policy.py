@@ -8,9 +8,12 @@ pins, and the metadata the context pipeline fills in) and returns the victims in
   nothing of what a page holds: under pressure it evicts a model's identity like any page.
 - `AdvisorPolicy`: the graph eviction advisor. A page's score (higher: evicted first) is
   `age 0.01 - degree 5 - edge weights 2 - importance 20 - hits 3 - attention mass 10 + reuse
-  distance 50` (per second of age since its last use; degree and summed decayed weights in the
+  distance 1000` (per second of age since its last use; degree and summed decayed weights in the
   block graph, eviction/graph.py; reuse distance: how far now is from the page's expected next
-  use, in typical reuse intervals, `reuse_distance`). Protected pages (tags `system`,
+  use, in typical reuse intervals, mixed with its idle time by the share of recent requests
+  that returned to a conversation, `reuse_distance`). The reuse term outweighs the graph's
+  (a page's degree and edge weights reach 100-200 points), which say how connected a page is,
+  not when it is wanted next. Protected pages (tags `system`,
   `identity`, `axioms`, or importance 1.0) are never candidates, up to `max_protected_pages`
   idle ones (the most recently used; beyond that cap the least recently used of them lose
   protection and go first: the cap is
@@ -56,7 +59,7 @@ class LRUPolicy:
     def forgotten(self, blocks: Sequence[Block]) -> None:
         pass
 
-    def reused(self, gap: float) -> None:
+    def reused(self, gap: float | None, returning: bool = True) -> None:
         pass
 
     def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
@@ -80,7 +83,7 @@ class AdvisorWeights:
     importance: float = 20.0
     hits: float = 3.0
     attention: float = 10.0
-    reuse: float = 50.0  # per typical reuse interval between now and the page's expected next use
+    reuse: float = 1000.0  # per typical reuse interval between now and the page's expected next use
 
     @classmethod
     def parse(cls, spec: dict | str | None) -> AdvisorWeights:
@@ -117,18 +120,24 @@ MAX_REUSE_DISTANCE = 4.0  # past this, pages differ by the other terms (all are 
 MIN_TYPICAL_S = 1.0
 
 
-def reuse_distance(block: Block, now: float, typical: float) -> float:
+def reuse_distance(block: Block, now: float, typical: float, trust: float = 1.0) -> float:
     """How far `now` is from the page's expected next use (its last use plus its reuse
     interval, or `typical` when it has never been reused), in units of `typical`: 0 for a page
     due now, about 1 for a page just used. A page past its expected use counts `LATE_FACTOR`
     times as far as it is late: a conversation that stopped coming back (ended, or a warm-up's)
     goes soon after it misses its return, instead of holding pages that look due. At most
-    `MAX_REUSE_DISTANCE`; 0.0 while no interval is known anywhere."""
+    `MAX_REUSE_DISTANCE`; 0.0 while no interval is known anywhere.
+
+    `trust` (0-1, `AdvisorPolicy.trust`) mixes that expectation with the page's idle time in
+    the same units: when new conversations arrive instead of old ones returning, pages that
+    look due are likely an ended set's, and the one idle longest goes first, as LRU would."""
     if typical <= 0.0 or block.used_at <= 0.0:
         return 0.0
     interval = block.reuse_interval if block.reuse_interval > 0.0 else typical
     early = block.used_at + interval - now
-    return min((early if early >= 0.0 else -LATE_FACTOR * early) / typical, MAX_REUSE_DISTANCE)
+    predicted = min((early if early >= 0.0 else -LATE_FACTOR * early) / typical, MAX_REUSE_DISTANCE)
+    idle = min(max(now - block.used_at, 0.0) / typical, MAX_REUSE_DISTANCE)
+    return trust * predicted + (1.0 - trust) * idle
 
 
 CHAIN_MARGIN = 1e-6  # how much lower a page scores than its lowest-scoring continuation
@@ -187,8 +196,15 @@ class AdvisorPolicy:
         self.refresh_s = refresh_s
         self.stale_s = stale_s
         self.clock = clock
-        # (when, page key -> score, page name -> score, typical reuse interval), published together
-        self._ranking: tuple[float, dict[tuple, float], dict[bytes, float], float] = (-math.inf, {}, {}, 0.0)
+        # (when, page key -> score, page name -> score, typical reuse interval, trust), published together
+        self._ranking: tuple[float, dict[tuple, float], dict[bytes, float], float, float] = (
+            -math.inf, {}, {}, 0.0, 1.0
+        )  # fmt: skip
+        # How far the expected next use of a page (`reuse_distance`) is trusted over its idle
+        # time: recent admissions' share of returns to a conversation. New conversations
+        # arriving instead of old ones returning mean the old ones' expected returns are not
+        # coming; ranking by idle time (as LRU does) then lets them go.
+        self.trust = 1.0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.evicted_by_tag: collections.Counter[str] = collections.Counter()
@@ -202,7 +218,9 @@ class AdvisorPolicy:
     def protected(self, block: Block) -> bool:
         return block.source_tag in self.protected_tags or (block.importance or 0.0) >= 1.0
 
-    def score(self, block: Block, stats: dict[bytes, tuple[int, float]], now: float, typical: float = 0.0) -> float:
+    def score(
+        self, block: Block, stats: dict[bytes, tuple[int, float]], now: float, typical: float = 0.0, trust: float = 1.0
+    ) -> float:
         w = self.weights
         degree, strength = stats.get(block.name, (0, 0.0)) if block.name is not None else (0, 0.0)
         return (
@@ -212,7 +230,7 @@ class AdvisorPolicy:
             - w.importance * (block.importance or 0.0)
             - w.hits * block.hits
             - w.attention * block.attention_mass
-            + w.reuse * reuse_distance(block, now, typical)
+            + w.reuse * reuse_distance(block, now, typical, trust)
         )
 
     def refresh(self, blocks: Sequence[Block]) -> None:
@@ -233,7 +251,8 @@ class AdvisorPolicy:
         stats = self.graph.stats()
         gaps = self.gaps.copy()  # the engine's thread appends (deque.copy holds the GIL)
         typical = max(statistics.median(gaps), MIN_TYPICAL_S) if gaps else 0.0
-        ranking = {_key(b): self.score(b, stats, now, typical) for b in blocks}
+        trust = self.trust
+        ranking = {_key(b): self.score(b, stats, now, typical, trust) for b in blocks}
         pairs = _deepest_first(blocks)
         for b, parent in pairs:
             ranking[_key(parent)] = min(ranking[_key(parent)], ranking[_key(b)] - CHAIN_MARGIN)
@@ -242,7 +261,7 @@ class AdvisorPolicy:
             if children[_key(parent)] == 1 and b.name is not None and not self.protected(parent):
                 ranking[_key(b)] = ranking[_key(parent)] + CHAIN_MARGIN
         by_name = {b.name: ranking[_key(b)] for b in blocks if b.name is not None}
-        self._ranking = (now, ranking, by_name, typical)
+        self._ranking = (now, ranking, by_name, typical, trust)
         self.num_refreshes += 1
         self.refresh_seconds += time.perf_counter() - start
 
@@ -298,7 +317,7 @@ class AdvisorPolicy:
     def _order(self):
         """Eviction order: by the published ranking while fresh (scoring newer pages inline),
         else least recently used first."""
-        at, ranking, by_name, typical = self._ranking
+        at, ranking, by_name, typical, trust = self._ranking
         now = self.clock()
         if now - at > self.stale_s:
             self.num_stale += 1
@@ -314,7 +333,7 @@ class AdvisorPolicy:
                     return -(parent + CHAIN_MARGIN)
                 if stats is None:
                     stats = self.graph.stats()
-                score = self.score(b, stats, now, typical)
+                score = self.score(b, stats, now, typical, trust)
             return -score
 
         return key
@@ -345,11 +364,18 @@ class AdvisorPolicy:
                 self.graph.remove(b.name)
 
     MAX_GAPS = 1024
+    RETURN_SMOOTHING = 0.5  # weight of the newest admission in `trust`
 
-    def reused(self, gap: float) -> None:
-        """A request came back to pages used `gap` seconds before (on the device or not): the
-        median of recent gaps is the typical reuse interval of `reuse_distance`."""
-        self.gaps.append(gap)
+    def reused(self, gap: float | None, returning: bool = True) -> None:
+        """A request was admitted. `gap`: the seconds since the deepest page of its chain was
+        used before (None if none was): the median of recent gaps is the typical reuse
+        interval of `reuse_distance`. `returning`: that page ended a conversation's chain,
+        where False means the request starts a new one (it shares a system prompt at most).
+        `trust` is a moving average of `returning` (1.0 before any admission)."""
+        if gap is not None:
+            self.gaps.append(gap)
+        a = self.RETURN_SMOOTHING
+        self.trust = (1 - a) * self.trust + a * float(returning)
 
     MASS_SMOOTHING = 0.3  # weight of a step's mass in a page's moving average
     CO_ATTEND_THRESHOLD = 0.05  # share of a row's attention that makes a page "attended"

@@ -73,8 +73,10 @@ class EvictionPolicy(Protocol):
         """One step's attention mass: per row, (page record, mass) of each page it holds."""
         ...
 
-    def reused(self, gap: float) -> None:
-        """A request came back to pages last used `gap` seconds before (once per admission)."""
+    def reused(self, gap: float | None, returning: bool = True) -> None:
+        """A request was admitted (once per admission): the deepest page of its chain used
+        before was last used `gap` seconds ago (None: no page was), and it continues a
+        conversation (`returning`) rather than starting one under a shared system prompt."""
         ...
 
 
@@ -90,6 +92,7 @@ class PrefixCache:
         self.policy = policy
         self._full: dict[bytes, int] = {}  # name -> page
         self._partial: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent name -> tokens -> page
+        self._branches: collections.Counter[bytes] = collections.Counter()  # name -> full pages continuing it
         self._cached: set[int] = set()  # pages named here (full or partial): the blocks to scan
         self.tiers = None  # KVTiers below the device, if any (set by the engine)
         self.clock = time.monotonic  # the time of a page's uses (`Block.used_at`)
@@ -143,16 +146,21 @@ class PrefixCache:
                 gap = max(now - block.used_at, 0.0)
                 block.reuse_interval = gap if block.reuse_interval <= 0.0 else (1 - a) * block.reuse_interval + a * gap
                 if block.name is not None:
-                    last[block.name] = gap
+                    last[block.name] = (gap, block)
             block.used_at = now
         for name in reversed(names):
             if name in last:
-                self.policy.reused(last[name])
+                gap, block = last[name]
+                # A chain's end (nothing cached continues it) is a conversation coming back; a
+                # page others branch from, or a protected one, is a prompt shared by new ones.
+                shared = self._branches[name] > 0 or (self.policy.protects and self.policy.protected(block))
+                self.policy.reused(gap, returning=not shared)
                 return
             left = self._ghosts.get(name)
-            if left is not None:
+            if left is not None:  # evicted: protected pages seldom are
                 self.policy.reused(max(now - left, 0.0))
                 return
+        self.policy.reused(None, returning=False)
 
     def contains(self, name: bytes) -> bool:
         return name in self._full
@@ -215,6 +223,8 @@ class PrefixCache:
         self._cached.add(page)
         block = self.blocks[page]
         block.name, block.parent = name, parent
+        if parent is not None:
+            self._branches[parent] += 1
         self.blocks.touch(page)
         block.used_at = now = self.clock()
         while parent is not None and parent in self._full:
@@ -335,6 +345,10 @@ class PrefixCache:
         self._cached.discard(page)
         if block.partial is None:
             del self._full[block.name]
+            if block.parent is not None:
+                self._branches[block.parent] -= 1
+                if not self._branches[block.parent]:
+                    del self._branches[block.parent]
         else:
             entries = self._partial[block.parent]
             del entries[block.partial]

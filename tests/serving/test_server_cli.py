@@ -323,6 +323,7 @@ def test_the_advisor_keeps_a_persona_and_shows_its_graph():
         m = server.metrics()
         assert m["aither:kv_protected_pages"] > 0 and m['aither:kv_evictions_total{tag="user"}'] > 0
         assert 'aither:kv_evictions_total{tag="system"}' not in m
+        assert m["aither:kv_advisor_trust"] < 0.05  # six new conversations (trust halves each), no return
     finally:
         server.stop()
 

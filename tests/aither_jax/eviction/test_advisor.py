@@ -464,7 +464,7 @@ def test_the_conversation_due_back_soonest_is_kept_longest():
         policy.reused(gap)
     policy.refresh(pages)
     assert [b.page for b in policy.victims(pages, 6)] == [4, 3, 6, 2, 5, 1]
-    assert policy.score(middle, {}, clock.now, 10.0) == pytest.approx(50.0 * 0.5 + 0.01 * 5.0)
+    assert policy.score(middle, {}, clock.now, 10.0) == pytest.approx(policy.weights.reuse * 0.5 + 0.01 * 5.0)
     from aither_jax.eviction.policy import reuse_distance
 
     assert reuse_distance(gone, clock.now, 10.0) == 4.0  # 20 intervals late, capped
@@ -477,6 +477,70 @@ def test_the_conversation_due_back_soonest_is_kept_longest():
         policy.reused(0.002)
     policy.refresh(pages)
     assert policy._ranking[3] == 1.0
+
+
+def test_new_conversations_arriving_turn_the_ranking_toward_idle_time():
+    """A conversation from an earlier set, due back now, and one just served: while requests
+    return to their conversations the one due back is kept; when new conversations arrive
+    instead, the expected returns are not trusted and the one idle longest goes first."""
+    clock = Clock()
+    policy = AdvisorPolicy(max_protected_pages=0, clock=clock)
+    due, just = used(1, 100.0, interval=10.0), used(2, 109.5)
+    clock.now = 110.0
+    for _ in range(3):
+        policy.reused(10.0)  # returns: trust stays whole
+    policy.refresh([due, just])
+    assert policy.trust == 1.0
+    assert [b.page for b in policy.victims([due, just], 2)] == [2, 1]
+    for _ in range(3):
+        policy.reused(10.0, returning=False)  # new conversations under a shared prompt
+    assert policy.trust == pytest.approx(0.125)
+    policy.refresh([due, just])
+    assert [b.page for b in policy.victims([due, just], 2)] == [1, 2]
+    # The distance mixes the expected use and the idle time by the trust.
+    from aither_jax.eviction.policy import reuse_distance
+
+    assert reuse_distance(due, clock.now, 10.0, 0.125) == pytest.approx(0.875 * 1.0)
+    assert reuse_distance(just, clock.now, 10.0, 0.125) == pytest.approx(0.125 * 0.95 + 0.875 * 0.05)
+    for _ in range(3):
+        policy.reused(10.0)  # conversations come back again
+    policy.refresh([due, just])
+    assert policy.trust > 0.8 and [b.page for b in policy.victims([due, just], 2)] == [2, 1]
+
+
+def test_admissions_tell_a_conversation_s_return_from_a_new_one():
+    """The page an admission reports its gap at says which it is: a chain's end (nothing
+    cached continues it, or it left the device) is a conversation coming back; a page others
+    branch from, or a protected system page, is a prompt new conversations share."""
+    sched = make_scheduler(eviction_policy="advisor", num_pages=40, max_num_seqs=1, max_pages_per_seq=8)
+    device, calls = FakeDevice(sched), []
+    sched.policy.reused = lambda gap, returning=True: calls.append((gap is not None, returning))
+    shared = list(range(100, 108))  # 2 pages, untagged
+    persona = list(range(200, 208))  # 2 pages, a protected system prompt
+    first = make_seq(shared + [1, 2, 3, 4])
+    other = make_seq(shared + [5, 6, 7, 8])  # branches off the shared pages
+    alone = system_seq(persona, [20, 21, 22, 23])  # the persona's only conversation
+    seqs = [first, other, alone]
+    for s in seqs:
+        sched.add(s)
+        device.run_until_done()
+    shared_tip = first.names[1]
+    assert sched.prefix_cache._branches[shared_tip] == 2  # `first` and `other` continue it
+    back = make_seq(shared + [1, 2, 3, 4] + first.output_ids + [9])  # `first` continues
+    sched.add(back)
+    device.run_until_done()
+    assert calls == [(False, False), (True, False), (False, False), (True, True)]
+    cache = sched.prefix_cache
+    cache.evict(cache.num_evictable)  # the persona's system pages stay (protected)
+    assert cache.contains(alone.names[1]) and not cache.contains(alone.names[2])
+    assert cache._branches[alone.names[1]] == 0 and cache._branches[shared_tip] == 0  # counts follow evictions
+    fresh = system_seq(persona, [30, 31, 32, 33])  # a new conversation under the persona
+    again = system_seq(persona, [20, 21, 22, 23, *alone.output_ids, 24])  # `alone` comes back
+    for s in (fresh, again):
+        sched.add(s)
+        device.run_until_done()
+    assert calls[4:] == [(True, False), (True, True)]
+    check_drained(sched, [*seqs, back, fresh, again])
 
 
 def test_admission_measures_each_page_s_idle_gap_and_the_request_s_return():
@@ -533,10 +597,10 @@ def test_a_conversation_back_from_the_host_tier_reports_its_real_gap():
     check_drained(sched, [first, again])
 
 
-def round_robin(policy: str, weights: str | None = None, num_pages: int = 44) -> int:
-    """Follow-up prompt tokens found cached past the system prompt (24 tokens, shared) when 6
-    conversations take 3 turns each in turn, after 6 others did the same and ended, on a pool
-    that holds about two thirds of one set."""
+def round_robin(policy: str, weights: str | None = None, num_pages: int = 44) -> list[int]:
+    """Follow-up prompt tokens found cached past the system prompt (24 tokens, shared), per
+    round, when 6 conversations take 3 turns each in turn, after 6 others did the same and
+    ended, on a pool that holds about two thirds of one set (`num_pages` 44)."""
     sched = make_scheduler(
         eviction_policy=policy, num_pages=num_pages, max_num_seqs=1, max_pages_per_seq=20, advisor_weights=weights
     )
@@ -545,7 +609,7 @@ def round_robin(policy: str, weights: str | None = None, num_pages: int = 44) ->
     if policy == "advisor":
         sched.policy.clock = clock
     device = FakeDevice(sched)
-    cached, seqs = 0, []
+    cached, seqs = [0, 0, 0], []
     for first in (2000, 3000):  # the first set's tokens never come back
         histories = [list(range(first, first + 24)) for _ in range(6)]
         for turn in range(18):
@@ -557,7 +621,8 @@ def round_robin(policy: str, weights: str | None = None, num_pages: int = 44) ->
             sched.add(seq)
             device.run_until_done()
             histories[c] += seq.output_ids
-            cached += max(seq.num_cached_prompt - 24, 0) if turn >= 6 and first == 3000 else 0
+            if first == 3000:
+                cached[turn // 6] += max(seq.num_cached_prompt - 24, 0)
             seqs.append(seq)
             clock.now += 1.0
     check_drained(sched, seqs)
@@ -568,8 +633,21 @@ def test_conversations_taking_turns_keep_their_pages_with_the_advisor():
     """LRU evicts exactly the conversation that comes back next; the advisor, knowing how long
     conversations stay away, evicts the one just served and keeps the rest, and lets go of
     conversations that stopped coming back."""
-    lru, advisor, no_reuse = round_robin("lru"), round_robin("advisor"), round_robin("advisor", '{"reuse": 0}')
+    lru, advisor, no_reuse = (sum(round_robin(*args)) for args in [("lru",), ("advisor",), ("advisor", '{"reuse": 0}')])
     assert advisor >= 3 * max(lru, no_reuse) and advisor > 100, (lru, advisor, no_reuse)
+
+
+def test_a_new_set_of_conversations_keeps_its_first_turns(monkeypatch):
+    """When the second set starts, the first set's conversations look due back; new ones
+    arriving instead of returns turn the ranking toward idle time, so the new set's first
+    turns are kept for its second round as LRU keeps them, and the third round is the
+    advisor's. Trusting the expected returns regardless loses second-round hits."""
+    lru = round_robin("lru", num_pages=60)
+    advisor = round_robin("advisor", num_pages=60)
+    monkeypatch.setattr(AdvisorPolicy, "RETURN_SMOOTHING", 0.0)  # trust stays whole
+    trusting = round_robin("advisor", num_pages=60)
+    assert advisor[1] >= lru[1] > trusting[1], (lru, advisor, trusting)
+    assert advisor[2] >= 3 * lru[2], (lru, advisor)
 
 
 def test_a_conversation_under_a_protected_prompt_does_not_take_its_score():
