@@ -95,8 +95,8 @@ class LLM:
         max_pinned_fraction: most of the page pool that pinned prefixes may hold.
         eviction_policy: which idle cached pages leave the device first: "lru" (least recently
             used) or "advisor" (the graph eviction advisor, aither_jax/eviction/policy.py:
-            pages of system messages and of protected sections stay, isolated and unimportant
-            pages go first). Needs prefix caching.
+            pages of system messages and of protected sections stay, the conversation due back
+            latest goes first). Needs prefix caching.
         max_protected_fraction: with the advisor, most of the page pool that idle protected
             pages may hold (beyond it the least recently used of them may go too).
         advisor_weights: the advisor's score weights that differ from the defaults, as a dict

@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("lru", "advisor"),
         default="lru",
         help="which idle cached KV pages leave the device first: least recently used, or the graph eviction "
-        "advisor (system and protected pages stay; isolated, unimportant pages go first)",
+        "advisor (system and protected pages stay; the conversation due back latest goes first)",
     )
     add_residency_args(p)
     p.add_argument(

@@ -62,6 +62,9 @@ class LRUPolicy:
     def reused(self, gap: float | None, returning: bool = True) -> None:
         pass
 
+    def protected(self, block: Block) -> bool:
+        return False
+
     def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
         pass
 
@@ -125,18 +128,19 @@ def reuse_distance(block: Block, now: float, typical: float, trust: float = 1.0)
     interval, or `typical` when it has never been reused), in units of `typical`: 0 for a page
     due now, about 1 for a page just used. A page past its expected use counts `LATE_FACTOR`
     times as far as it is late: a conversation that stopped coming back (ended, or a warm-up's)
-    goes soon after it misses its return, instead of holding pages that look due. At most
-    `MAX_REUSE_DISTANCE`; 0.0 while no interval is known anywhere.
+    goes soon after it misses its return, instead of holding pages that look due. That part is
+    at most `MAX_REUSE_DISTANCE`; 0.0 while no interval is known anywhere.
 
     `trust` (0-1, `AdvisorPolicy.trust`) mixes that expectation with the page's idle time in
-    the same units: when new conversations arrive instead of old ones returning, pages that
-    look due are likely an ended set's, and the one idle longest goes first, as LRU would."""
+    the same units (not capped): when new conversations arrive instead of old ones returning,
+    pages that look due are likely an ended set's, and the one idle longest goes first, as LRU
+    would."""
     if typical <= 0.0 or block.used_at <= 0.0:
         return 0.0
     interval = block.reuse_interval if block.reuse_interval > 0.0 else typical
     early = block.used_at + interval - now
     predicted = min((early if early >= 0.0 else -LATE_FACTOR * early) / typical, MAX_REUSE_DISTANCE)
-    idle = min(max(now - block.used_at, 0.0) / typical, MAX_REUSE_DISTANCE)
+    idle = max(now - block.used_at, 0.0) / typical  # uncapped: the longest idle goes first
     return trust * predicted + (1.0 - trust) * idle
 
 

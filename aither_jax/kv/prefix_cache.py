@@ -75,8 +75,12 @@ class EvictionPolicy(Protocol):
 
     def reused(self, gap: float | None, returning: bool = True) -> None:
         """A request was admitted (once per admission): the deepest page of its chain used
-        before was last used `gap` seconds ago (None: no page was), and it continues a
-        conversation (`returning`) rather than starting one under a shared system prompt."""
+        before was last used `gap` seconds ago (None: unknown, or no page was), and it continues
+        a conversation (`returning`) rather than starting one under a shared prompt."""
+        ...
+
+    def protected(self, block: Block) -> bool:
+        """Whether the policy never evicts this page while it is idle (within its cap)."""
         ...
 
 
@@ -93,6 +97,9 @@ class PrefixCache:
         self._full: dict[bytes, int] = {}  # name -> page
         self._partial: dict[bytes, dict[tuple[int, ...], int]] = {}  # parent name -> tokens -> page
         self._branches: collections.Counter[bytes] = collections.Counter()  # name -> full pages continuing it
+        # names of shared prompts: pages two cached chains continued at once, or protected pages
+        # that left the device (most recent last, bounded like the ghosts)
+        self._shared: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._cached: set[int] = set()  # pages named here (full or partial): the blocks to scan
         self.tiers = None  # KVTiers below the device, if any (set by the engine)
         self.clock = time.monotonic  # the time of a page's uses (`Block.used_at`)
@@ -148,17 +155,20 @@ class PrefixCache:
                 if block.name is not None:
                     last[block.name] = (gap, block)
             block.used_at = now
+        # The deepest page reused tells a conversation coming back (its chain's end, or a page
+        # it diverges at) from a new one under a shared prompt (a page two chains continued, a
+        # protected page).
         for name in reversed(names):
             if name in last:
                 gap, block = last[name]
-                # A chain's end (nothing cached continues it) is a conversation coming back; a
-                # page others branch from, or a protected one, is a prompt shared by new ones.
-                shared = self._branches[name] > 0 or (self.policy.protects and self.policy.protected(block))
-                self.policy.reused(gap, returning=not shared)
+                self.policy.reused(gap, returning=name not in self._shared and not self.policy.protected(block))
                 return
             left = self._ghosts.get(name)
-            if left is not None:  # evicted: protected pages seldom are
-                self.policy.reused(max(now - left, 0.0))
+            if left is not None:
+                self.policy.reused(max(now - left, 0.0), returning=name not in self._shared)
+                return
+            if self.tiers is not None and self.tiers.holds(name):  # on disk from an earlier process
+                self.policy.reused(None, returning=name not in self._shared)
                 return
         self.policy.reused(None, returning=False)
 
@@ -225,6 +235,8 @@ class PrefixCache:
         block.name, block.parent = name, parent
         if parent is not None:
             self._branches[parent] += 1
+            if self._branches[parent] > 1:
+                self._mark_shared(parent)
         self.blocks.touch(page)
         block.used_at = now = self.clock()
         while parent is not None and parent in self._full:
@@ -326,10 +338,18 @@ class PrefixCache:
             if block.name is not None and block.used_at > 0.0:
                 self._ghosts[block.name] = block.used_at
                 self._ghosts.move_to_end(block.name)
+            if block.name is not None and self.policy.protected(block):  # past the protected cap
+                self._mark_shared(block.name)
             self._drop(block.page)
         while len(self._ghosts) > self.GHOSTS_PER_PAGE * self.allocator.num_pages:
             self._ghosts.popitem(last=False)
         return len(victims)
+
+    def _mark_shared(self, name: bytes) -> None:
+        self._shared[name] = None
+        self._shared.move_to_end(name)
+        while len(self._shared) > self.GHOSTS_PER_PAGE * self.allocator.num_pages:
+            self._shared.popitem(last=False)
 
     def clear(self) -> int:
         """Forgets every unpinned name; returns the pages dropped."""
@@ -337,6 +357,7 @@ class PrefixCache:
         for page in pages:
             self._drop(page)
         self._ghosts.clear()
+        self._shared.clear()
         return len(pages)
 
     def _drop(self, page: int) -> None:

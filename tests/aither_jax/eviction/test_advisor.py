@@ -502,45 +502,55 @@ def test_new_conversations_arriving_turn_the_ranking_toward_idle_time():
 
     assert reuse_distance(due, clock.now, 10.0, 0.125) == pytest.approx(0.875 * 1.0)
     assert reuse_distance(just, clock.now, 10.0, 0.125) == pytest.approx(0.125 * 0.95 + 0.875 * 0.05)
+    # Idle time is not capped (the expectation is, at 4): at low trust the longest idle goes first.
+    assert reuse_distance(used(3, 10.0), clock.now, 10.0, 0.125) == pytest.approx(0.125 * 4.0 + 0.875 * 10.0)
     for _ in range(3):
         policy.reused(10.0)  # conversations come back again
     policy.refresh([due, just])
     assert policy.trust > 0.8 and [b.page for b in policy.victims([due, just], 2)] == [2, 1]
 
 
-def test_admissions_tell_a_conversation_s_return_from_a_new_one():
+@pytest.mark.parametrize("protected_fraction", [0.25, 0.0])
+def test_admissions_tell_a_conversation_s_return_from_a_new_one(protected_fraction):
     """The page an admission reports its gap at says which it is: a chain's end (nothing
-    cached continues it, or it left the device) is a conversation coming back; a page others
-    branch from, or a protected system page, is a prompt new conversations share."""
-    sched = make_scheduler(eviction_policy="advisor", num_pages=40, max_num_seqs=1, max_pages_per_seq=8)
+    cached continues it, or it left the device) is a conversation coming back; a page two
+    chains continued, or a protected system page, is a prompt new conversations share, also
+    after it left the device (with no protected share, the persona's pages are evicted too)."""
+    sched = make_scheduler(
+        eviction_policy="advisor", num_pages=40, max_num_seqs=1, max_pages_per_seq=8,
+        max_protected_fraction=protected_fraction,
+    )  # fmt: skip
     device, calls = FakeDevice(sched), []
     sched.policy.reused = lambda gap, returning=True: calls.append((gap is not None, returning))
     shared = list(range(100, 108))  # 2 pages, untagged
     persona = list(range(200, 208))  # 2 pages, a protected system prompt
     first = make_seq(shared + [1, 2, 3, 4])
-    other = make_seq(shared + [5, 6, 7, 8])  # branches off the shared pages
+    # The second one to branch off the shared pages looks like `first` diverging (a return);
+    # from then on the shared pages are known as a shared prompt.
+    other = make_seq(shared + [5, 6, 7, 8])
+    third = make_seq(shared + [9, 9, 9, 9])
     alone = system_seq(persona, [20, 21, 22, 23])  # the persona's only conversation
-    seqs = [first, other, alone]
+    seqs = [first, other, third, alone]
     for s in seqs:
         sched.add(s)
         device.run_until_done()
-    shared_tip = first.names[1]
-    assert sched.prefix_cache._branches[shared_tip] == 2  # `first` and `other` continue it
+    cache, shared_tip = sched.prefix_cache, first.names[1]
+    assert cache._branches[shared_tip] == 3  # `first`, `other` and `third` continue it
     back = make_seq(shared + [1, 2, 3, 4] + first.output_ids + [9])  # `first` continues
     sched.add(back)
     device.run_until_done()
-    assert calls == [(False, False), (True, False), (False, False), (True, True)]
-    cache = sched.prefix_cache
-    cache.evict(cache.num_evictable)  # the persona's system pages stay (protected)
-    assert cache.contains(alone.names[1]) and not cache.contains(alone.names[2])
-    assert cache._branches[alone.names[1]] == 0 and cache._branches[shared_tip] == 0  # counts follow evictions
+    assert calls == [(False, False), (True, True), (True, False), (False, False), (True, True)]
+    cache.evict(cache.num_evictable)
+    assert cache.contains(alone.names[1]) == (protected_fraction > 0) and not cache.contains(alone.names[2])
+    assert shared_tip not in cache._branches and alone.names[1] not in cache._branches  # counts follow evictions
     fresh = system_seq(persona, [30, 31, 32, 33])  # a new conversation under the persona
     again = system_seq(persona, [20, 21, 22, 23, *alone.output_ids, 24])  # `alone` comes back
-    for s in (fresh, again):
+    newer = make_seq(shared + [40, 41, 42, 43])  # a new one under the shared pages, all evicted
+    for s in (fresh, again, newer):
         sched.add(s)
         device.run_until_done()
-    assert calls[4:] == [(True, False), (True, True)]
-    check_drained(sched, [*seqs, back, fresh, again])
+    assert calls[5:] == [(True, False), (True, True), (True, False)]
+    check_drained(sched, [*seqs, back, fresh, again, newer])
 
 
 def test_admission_measures_each_page_s_idle_gap_and_the_request_s_return():
@@ -593,8 +603,17 @@ def test_a_conversation_back_from_the_host_tier_reports_its_real_gap():
     sched.add(again)
     device.run_until_done()
     assert again.num_cached_prompt == 12  # three pages promoted
-    assert list(sched.policy.gaps) == [12.0]
-    check_drained(sched, [first, again])
+    assert list(sched.policy.gaps) == [12.0] and sched.policy.trust == 0.75  # a new one, then a return
+    # A chain held below the device with no last use remembered (left by an earlier process,
+    # on disk) still counts as a return, its gap unknown.
+    cache.evict(cache.num_evictable)
+    cache._ghosts.clear()
+    later = make_seq([*range(1, 14), 20, 21, 22, 23], max_tokens=1)
+    sched.add(later)
+    device.run_until_done()
+    assert later.num_cached_prompt == 12 and list(sched.policy.gaps) == [12.0]
+    assert sched.policy.trust == 0.875
+    check_drained(sched, [first, again, later])
 
 
 def round_robin(policy: str, weights: str | None = None, num_pages: int = 44) -> list[int]:

@@ -10,6 +10,8 @@ from the token ids alone, whatever was shared, copied or preempted on the way.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -330,8 +332,13 @@ def check_drained(sched: Scheduler, seqs: list[Sequence]) -> None:
         assert s.finished and s.output_ids == reference_output(s.prompt_ids, s.max_tokens), s.seq_id
         assert s.slot == -1 and s.pages == []
     assert (sched.block_tables == NULL_PAGE).all()
-    if sched.prefix_cache is not None:
-        sched.prefix_cache.clear()
+    cache = sched.prefix_cache
+    if cache is not None:  # each cached name counts the cached full pages continuing it
+        for _ in range(2):  # before and after `clear` (pinned pages stay)
+            parents = [cache.blocks[p].parent for p in cache._full.values()]
+            assert cache._branches == collections.Counter(n for n in parents if n is not None)
+            cache.clear()
+        assert not cache._shared
     assert sched.allocator.num_free == sched.allocator.num_pages - 1
 
 
