@@ -161,15 +161,15 @@ class PrefixCache:
         for name in reversed(names):
             if name in last:
                 gap, block = last[name]
-                self.policy.reused(gap, returning=name not in self._shared and not self.policy.protected(block))
-                return
-            left = self._ghosts.get(name)
-            if left is not None:
-                self.policy.reused(max(now - left, 0.0), returning=name not in self._shared)
-                return
-            if self.tiers is not None and self.tiers.holds(name):  # on disk from an earlier process
-                self.policy.reused(None, returning=name not in self._shared)
-                return
+            elif name in self._ghosts:
+                gap, block = max(now - self._ghosts[name], 0.0), None
+            elif self.tiers is not None and self.tiers.holds(name):  # on disk from an earlier process
+                gap, block = None, None
+            else:
+                continue
+            shared = name in self._shared or (block is not None and self.policy.protected(block))
+            self.policy.reused(gap, returning=not shared)
+            return
         self.policy.reused(None, returning=False)
 
     def contains(self, name: bytes) -> bool:
@@ -341,15 +341,18 @@ class PrefixCache:
             if block.name is not None and self.policy.protected(block):  # past the protected cap
                 self._mark_shared(block.name)
             self._drop(block.page)
-        while len(self._ghosts) > self.GHOSTS_PER_PAGE * self.allocator.num_pages:
-            self._ghosts.popitem(last=False)
+        self._trim(self._ghosts)
         return len(victims)
 
     def _mark_shared(self, name: bytes) -> None:
         self._shared[name] = None
         self._shared.move_to_end(name)
-        while len(self._shared) > self.GHOSTS_PER_PAGE * self.allocator.num_pages:
-            self._shared.popitem(last=False)
+        self._trim(self._shared)
+
+    def _trim(self, names: collections.OrderedDict) -> None:
+        """Forgets the oldest of `names` past `GHOSTS_PER_PAGE` per page of the pool."""
+        while len(names) > self.GHOSTS_PER_PAGE * self.allocator.num_pages:
+            names.popitem(last=False)
 
     def clear(self) -> int:
         """Forgets every unpinned name; returns the pages dropped."""
