@@ -93,12 +93,15 @@ class LLM:
             prompts from the longest cached prefix (off by default here; None: on, which the
             server uses).
         max_pinned_fraction: most of the page pool that pinned prefixes may hold.
-        eviction_policy: which idle cached pages leave the device first: "lru" (least recently
-            used) or "advisor" (the graph eviction advisor, aither_jax/eviction/policy.py:
-            pages of system messages and of protected sections stay, the conversation due back
-            latest goes first). Needs prefix caching.
+        eviction_policy: which idle cached pages leave the device first: "advisor" (the graph
+            eviction advisor, aither_jax/eviction/policy.py: pages of system messages and of
+            protected sections stay, the conversation due back latest goes first) or "lru"
+            (least recently used). None (the default): the advisor, with prefix caching.
         max_protected_fraction: with the advisor, most of the page pool that idle protected
-            pages may hold (beyond it the least recently used of them may go too).
+            pages may hold (beyond it the least recently used of them may go too). None (the
+            default): 0.25, lowered where the pool must keep room for one request at full
+            length beside the pinned and protected pages; a share given that leaves no such
+            room is refused.
         advisor_weights: the advisor's score weights that differ from the defaults, as a dict
             (or JSON object) of `aither_jax.eviction.policy.AdvisorWeights` fields, such as
             {"age": 1.0}.
@@ -165,8 +168,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool | None = False,
         max_pinned_fraction: float = 0.5,
-        eviction_policy: str = "lru",
-        max_protected_fraction: float = 0.25,
+        eviction_policy: str | None = None,
+        max_protected_fraction: float | None = None,
         advisor_weights: dict | str | None = None,
         kv_offloading_size: float = 0.0,
         kv_cache_dir: str | os.PathLike | None = None,
@@ -225,7 +228,7 @@ class LLM:
         )
         if tiers.enabled and enable_prefix_caching is False:
             raise ValueError("kv_offloading_size and kv_cache_dir need prefix caching: enable_prefix_caching=True")
-        if eviction_policy != "lru" and enable_prefix_caching is False:
+        if eviction_policy not in (None, "lru") and enable_prefix_caching is False:
             raise ValueError(f"eviction_policy {eviction_policy!r} needs prefix caching: enable_prefix_caching=True")
         self.engine = Engine(
             self.model,

@@ -212,17 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pinned-fraction", type=float_in("--max-pinned-fraction", 0.0, 1.0), default=0.5)
     p.add_argument(
         "--eviction-policy",
-        choices=("lru", "advisor"),
-        default="lru",
-        help="which idle cached KV pages leave the device first: least recently used, or the graph eviction "
-        "advisor (system and protected pages stay; the conversation due back latest goes first)",
+        choices=("advisor", "lru"),
+        default=None,
+        help="which idle cached KV pages leave the device first: the graph eviction advisor (the default with "
+        "prefix caching: system and protected pages stay; the conversation due back latest goes first), or least "
+        "recently used",
     )
     add_residency_args(p)
     p.add_argument(
         "--max-protected-fraction",
         type=float_in("--max-protected-fraction", 0.0, 1.0),
-        default=0.25,
-        help="with the advisor, most of the page pool that idle protected pages may hold (default 0.25)",
+        default=None,
+        help="with the advisor, most of the page pool that idle protected pages may hold (default 0.25, lowered "
+        "where the pool must keep room for one request at full length beside the pinned and protected pages; a "
+        "share given that leaves none is refused)",
     )
     p.add_argument(
         "--advisor-weights",
@@ -414,6 +417,12 @@ def build_server(args: argparse.Namespace):
     if args.compile_shapes is not None:
         _use_shape_file(next(iter(llms.values())), args)
     for llm in llms.values():
+        policy = llm.engine.scheduler.policy
+        if policy.protects:
+            log.info(
+                "%s: the eviction advisor keeps up to %d idle pages of system and protected sections cached",
+                llm.model_name, policy.max_protected_pages,
+            )  # fmt: skip
         if args.compile_first_requests:
             start = time.perf_counter()
             n = llm.engine.precompile(llm.engine.compiler.first_request_shapes(), progress=True)

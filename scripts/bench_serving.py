@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared-prefix-tokens", type=int, default=1000)
     p.add_argument("--shared-max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eviction-policy", choices=("advisor", "lru"), help="the caching server's (default: the server's)")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "out" / "bench_serving.json")
     p.add_argument("--server-log", type=pathlib.Path, default=None, help="keep the servers' logs in this file")
     p.add_argument("--no-record", action="store_true", help="do not record the figures (scripts/bench_record.py)")
@@ -293,7 +294,8 @@ def bench(args: argparse.Namespace, save=lambda report: None) -> dict:
     levels = [int(c) for c in args.concurrency.split(",") if c]
     rates = [float(r) for r in args.rates.split(",") if r]
     report: dict = {"concurrency": [], "rates": [], "shared_prefix": {}}
-    with Server(args) as server:
+    policy = () if args.eviction_policy is None else ("--eviction-policy", args.eviction_policy)
+    with Server(args, *policy) as server:
         report["server_start_seconds"] = {"caching": server.start_seconds}
         print("warm-up (compiles every shape the workloads use) ...", flush=True)
         warm_up = report["warm_up"] = {}

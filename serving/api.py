@@ -303,7 +303,9 @@ def build_app(
         cache = served.engine.engine.scheduler.prefix_cache
         graph = served.engine.engine.scheduler.policy.graph
         if graph is None:
-            return _error(404, "the eviction advisor is off (start the server with --eviction-policy advisor)")
+            return _error(
+                404, "the eviction advisor is off: this server runs --eviction-policy lru or no prefix caching"
+            )
         return graph.to_json(cache.describe)
 
     @app.get("/v1/models")

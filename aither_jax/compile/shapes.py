@@ -26,6 +26,8 @@ RETURN_LOGITS = ("none", "last", "all")  # which logits a forward step returns
 # - verify: `verify_step` over [rows, tokens] of drafts (speculative decoding);
 # - sinks: `refill_sinks` over [rows, tokens] (sink formats on prefix-cache hits);
 # - copy: `copy_pages` of `pages` pages (prefix caching's copy on write);
+# - summaries: `page_key_summaries` of `pages` pages at `layer` (the eviction advisor's and
+#   bounded residency's mean keys of newly filled pages);
 # - draft: the DFlash draft's drafting call over [rows, pages] page tables.
 SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
     "forward": ("rows", "tokens", "pages", "logits", "greedy", "taps", "shared_pages"),
@@ -33,6 +35,7 @@ SHAPE_FIELDS: dict[str, tuple[str, ...]] = {
     "verify": ("rows", "tokens", "pages", "logits", "greedy"),
     "sinks": ("rows", "tokens"),
     "copy": ("pages",),
+    "summaries": ("pages", "layer"),
     "draft": ("rows", "pages"),
 }
 
@@ -75,8 +78,8 @@ def checked_shape(index: int, record: Any) -> dict[str, Any]:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
             )
             value = list(value) if ok else value
-        else:  # counts: rows and tokens from 1, pages from 0
-            low = 0 if field in ("pages", "shared_pages") else 1
+        else:  # counts: rows and tokens from 1, pages and layers from 0
+            low = 0 if field in ("pages", "shared_pages", "layer") else 1
             ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= 1 << 20
         if not ok:
             raise ValueError(f"step shape {index} ({kind}): bad {field} {value!r}")

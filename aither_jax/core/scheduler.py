@@ -69,14 +69,24 @@ class Scheduler:
         max_pinned_fraction: float = MAX_PINNED_FRACTION,
         sink_tokens: int = 0,
         min_token_bucket: int = 1,
-        eviction_policy: str = "lru",
-        max_protected_fraction: float = MAX_PROTECTED_FRACTION,
+        eviction_policy: str | None = None,
+        max_protected_fraction: float | None = None,
         advisor_weights: dict | str | None = None,
     ):
+        """`eviction_policy`: "lru", "advisor", or None for the advisor with prefix caching.
+        `max_protected_fraction`: the advisor's protected share of the pool; None is
+        `MAX_PROTECTED_FRACTION`, lowered where it must be to leave one request at full length
+        room beside the pinned and protected pages (a share given explicitly that leaves none
+        is refused)."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs ({max_num_seqs})"
             )
+        if eviction_policy is None:
+            eviction_policy = "advisor" if enable_prefix_caching else "lru"
+        self._protected_fits = max_protected_fraction is None  # the default share yields to one request
+        if max_protected_fraction is None:
+            max_protected_fraction = MAX_PROTECTED_FRACTION
         fractions = {"max_pinned_fraction": max_pinned_fraction, "max_protected_fraction": max_protected_fraction}
         for name, value in fractions.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
@@ -94,7 +104,7 @@ class Scheduler:
         self.policy = make_policy(eviction_policy, max_protected_pages=max_protected, weights=advisor_weights)
         self.prefix_cache = None
         if enable_prefix_caching:
-            if self.policy.name == "advisor":
+            if self.policy.name == "advisor" and not self._protected_fits:
                 # Pinned and protected pages together must leave room for one request at full length.
                 held = max_pinned + self.policy.max_protected_pages
                 if num_pages - 1 - held < max_pages_per_seq:
@@ -178,11 +188,14 @@ class Scheduler:
         return max(self.max_pages_per_seq + 1, top + 1)
 
     def _caps(self, num_pages: int) -> tuple[int, int]:
-        """(pinned, protected) page caps of a pool of `num_pages` pages: their shares of its usable pages."""
+        """(pinned, protected) page caps of a pool of `num_pages` pages: their shares of its
+        usable pages, the default protected share lowered to leave one full-length request room."""
         usable = num_pages - 1
-        return int(self.fractions["max_pinned_fraction"] * usable), int(
-            self.fractions["max_protected_fraction"] * usable
-        )
+        pinned = int(self.fractions["max_pinned_fraction"] * usable)
+        protected = int(self.fractions["max_protected_fraction"] * usable)
+        if self._protected_fits:
+            protected = max(min(protected, usable - pinned - self.max_pages_per_seq), 0)
+        return pinned, protected
 
     def allocate(self, n: int) -> list[int]:
         """`n` free device pages, evicting idle cached pages if it must."""

@@ -171,7 +171,8 @@ class Compiler:
         follow-up on its cached pages, greedy and sampled: the prefill of a fresh prompt at each
         token bucket, decode steps while it stays within its first page bucket, and with prefix
         caching the follow-up's prefill over cached pages (its sink refill and partial-page copy
-        too). With speculative decoding, the decode steps' verify passes and drafting call."""
+        too; with the eviction advisor, the key summaries of the pages each step fills). With
+        speculative decoding, the decode steps' verify passes and drafting call."""
         r = self.runner
         if not 1 <= prompt_tokens <= r.max_prefill_chunk:
             raise ValueError(f"prompt_tokens must be in [1, {r.max_prefill_chunk}], got {prompt_tokens}")
@@ -200,6 +201,9 @@ class Compiler:
             )
         if cached:
             records.append(shape_record("copy", pages=4))  # one partial page, padded to the copy bucket
+        if cached and r.scheduler.policy.graph is not None:  # the advisor's summaries of the pages a step fills
+            buckets = {r.store.padded_size(n) for n in range(1, r.scheduler.pages_needed(2 * prompt_tokens) + 1)}
+            records += [shape_record("summaries", pages=n, layer=r.mass_layers[0]) for n in sorted(buckets)]
         return records
 
     def precompile(self, shapes: Iterable[dict[str, Any]], *, workers: int | None = None, progress=False) -> int:
@@ -292,10 +296,14 @@ class Compiler:
         if record.get("tokens", 1) > longest:
             return f"more than {longest} tokens per row"
         pages = record.get("pages", 0)
-        if kind != "copy" and pages + record.get("shared_pages", 0) > r.max_pages_per_seq:
+        if kind not in ("copy", "summaries") and pages + record.get("shared_pages", 0) > r.max_pages_per_seq:
             return f"more pages than a sequence holds ({r.max_pages_per_seq})"
-        if kind == "copy" and pages > r.scheduler.num_usable_pages + 1:
-            return f"more page copies than pages ({r.scheduler.num_usable_pages})"
+        if kind in ("copy", "summaries") and pages > r.scheduler.num_usable_pages + 1:
+            return f"more pages than the pool's ({r.scheduler.num_usable_pages})"
+        if kind == "summaries" and record["layer"] >= r.cfg.num_layers:
+            return f"layer {record['layer']} is not a layer of this model (0 to {r.cfg.num_layers - 1})"
+        if kind == "summaries" and record["layer"] not in r.mass_layers:
+            return "page key summaries are taken by the eviction advisor and bounded residency, at their layer"
         if kind == "steps" and r.num_scheduler_steps == 1:
             return "fused decode steps need num_scheduler_steps > 1"
         if kind == "verify" and not self.num_speculative_tokens:
@@ -318,6 +326,8 @@ class Compiler:
         kind = record["kind"]
         if kind == "copy":
             return r.store.lower_copy(record["pages"]), None, None
+        if kind == "summaries":
+            return r.store.lower_summaries(record["pages"], record["layer"]), None, None
         if kind == "draft":
             return r.drafter.lower_propose(record["rows"], record["pages"]), None, None
         num_rows = record["rows"]
@@ -348,7 +358,9 @@ class Compiler:
         # Only a call with the draft's own taps writes the draft's context (`forward` with other
         # taps, for scoring or for a draft's training data, returns them and writes nothing).
         drafting = bool(r.taps) and tuple(record["taps"]) == tuple(r.taps)
-        return lowered, lowered.out_info[3], lowered.out_info[4] if drafting else None
+        # `model_step` writes the update without the attention mass it hands back to the host.
+        update = lowered.out_info[3].replace(attention_mass=None, query_summary=None)
+        return lowered, update, lowered.out_info[4] if drafting else None
 
     def _lower_accept(self, record: dict[str, Any], forward_outputs) -> Any:
         """`accept_step` lowered for a verify record, on the outputs of its `verify_forward`."""

@@ -203,7 +203,9 @@ class PageStore:
 
     def key_summaries(self, pages: list[int], layer: int) -> np.ndarray:
         """Each page's mean decoded key at `layer`: [len(pages), Hkv * Dh] float32."""
-        return np.asarray(page_key_summaries(self.cache, self._padded(pages), layer=layer))[: len(pages)]
+        index = self._padded(pages)
+        self.shapes.note("summaries", warmed=False, pages=len(index), layer=layer)
+        return np.asarray(page_key_summaries(self.cache, index, layer=layer))[: len(pages)]
 
     def read(self, pages: list[int]) -> list[np.ndarray]:
         """The stored bytes of device `pages`: one [len(pages), ...] host array per leaf of
@@ -224,6 +226,10 @@ class PageStore:
         self.cache = self.cache.replace(k=k, v=v)
         if self.drafter is not None:
             self.drafter.pools = write_pages(self.drafter.pools, index, rows[n:], axis=1)
+
+    def lower_summaries(self, num_pages: int, layer: int):
+        """The summaries call of `num_pages` pages at `layer` lowered on padding inputs (for precompiling)."""
+        return page_key_summaries.lower(self.cache, np.zeros(num_pages, np.int32), layer=layer)
 
     def lower_copy(self, num_pages: int):
         """The copy call of `num_pages` pages lowered on padding inputs (for precompiling)."""

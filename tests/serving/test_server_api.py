@@ -555,6 +555,10 @@ def test_budgets_that_cannot_hold_the_uncuttable_sections_get_a_400(server):
     assert r.status_code == 400 and "(rules" in r.json()["error"]["message"], r.text
 
 
-def test_the_graph_dump_needs_the_advisor(server_default):
+def test_the_advisor_is_the_default_and_its_graph_dump_needs_it(server_default, server_no_cache):
+    """Prefix caching brings the eviction advisor unless LRU is asked for; without prefix
+    caching there is no graph to dump."""
     r = httpx.get(server_default.url + "/debug/kv_graph", timeout=10)
-    assert r.status_code == 404 and "--eviction-policy advisor" in r.json()["error"]["message"]
+    assert r.status_code == 200 and {"nodes", "edges"} <= r.json().keys(), r.text
+    r = httpx.get(server_no_cache.url + "/debug/kv_graph", timeout=10)
+    assert r.status_code == 404 and "--eviction-policy lru or no prefix caching" in r.json()["error"]["message"]

@@ -34,7 +34,11 @@ def _workload(llm: aj.LLM) -> list[list[int]]:
 @pytest.mark.parametrize(
     "extra, kinds, pages",
     [
-        ({"kv_cache_dtype": "tq4-s2", "enable_prefix_caching": True, **TINY}, {"forward", "sinks", "copy"}, 67),
+        (
+            {"kv_cache_dtype": "tq4-s2", "enable_prefix_caching": True, **TINY},
+            {"forward", "sinks", "copy", "summaries"},
+            67,
+        ),
         (
             {"kv_cache_dtype": "fp32", "speculative": {"method": "dflash", "num_speculative_tokens": 7}, **TINY},
             {"forward", "verify", "draft"},
@@ -133,7 +137,9 @@ def test_precompile_skips_shapes_this_engine_cannot_run(llm_f32, caplog):
         ({"kind": "steps", "rows": 1, "pages": 8, "greedy": True}, "num_scheduler_steps > 1"),
         ({"kind": "verify", "rows": 1, "tokens": 4, "pages": 8, "logits": False, "greedy": True}, "speculative"),
         ({"kind": "sinks", "rows": 1, "tokens": 16}, "no sink tokens"),
-        ({"kind": "copy", "pages": 1 << 19}, "more page copies than pages"),
+        ({"kind": "copy", "pages": 1 << 19}, "more pages than the pool's"),
+        ({"kind": "summaries", "pages": 4, "layer": 99}, "not a layer of this model"),
+        ({"kind": "summaries", "pages": 4, "layer": 0}, "taken by the eviction advisor and bounded residency"),
     ]
     before, known = CompileCounter.count(), engine.step_shapes()
     with caplog.at_level(logging.WARNING, logger="aither_jax.core.warmup"):

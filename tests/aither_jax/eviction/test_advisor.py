@@ -154,6 +154,28 @@ def test_the_ranking_thread_refreshes_and_stops_with_its_owner():
     assert not thread.is_alive()
 
 
+def test_the_advisor_is_the_default_and_its_default_share_leaves_one_request_room():
+    """With prefix caching the advisor runs unless LRU is asked for. Its default protected
+    share (a quarter of the usable pages) is lowered where, with the pinned share, it would
+    leave one full-length request short of pages, also when the pool is resized; the same
+    share given explicitly is refused."""
+    assert make_scheduler().policy.name == "advisor"
+    assert make_scheduler(eviction_policy="lru").policy.name == "lru"
+    assert make_scheduler(enable_prefix_caching=False).policy.name == "lru"
+    roomy = make_scheduler(num_pages=41, max_pages_per_seq=8)  # 40 usable: 10 pinned, 10 protected
+    assert (roomy.prefix_cache.max_pinned_pages, roomy.policy.max_protected_pages) == (10, 10)
+    exact = make_scheduler(num_pages=17, max_pages_per_seq=8)  # 16 usable: 4 pinned, 8 for a request
+    assert (exact.prefix_cache.max_pinned_pages, exact.policy.max_protected_pages) == (4, 4)
+    tight = make_scheduler(num_pages=13, max_pages_per_seq=8)  # 12 usable: 3 pinned, 8 for a request
+    assert tight.policy.max_protected_pages == 1
+    tight = make_scheduler(num_pages=11, max_pages_per_seq=8)  # 10 usable: 2 pinned, 8 for a request
+    assert tight.policy.max_protected_pages == 0
+    assert tight.resize_pool(41) == 41 and tight.policy.max_protected_pages == 10
+    assert tight.resize_pool(13) == 13 and tight.policy.max_protected_pages == 1  # 12 usable: 3 pinned
+    with pytest.raises(ValueError, match="leaving less than one request"):
+        make_scheduler(num_pages=11, max_pages_per_seq=8, max_protected_fraction=0.25)
+
+
 def test_configurations_whose_protected_pages_could_fill_the_pool_are_refused():
     with pytest.raises(ValueError, match="leaving less than one request"):
         make_scheduler(eviction_policy="advisor", num_pages=17, max_pages_per_seq=8, max_protected_fraction=0.5)
