@@ -351,11 +351,21 @@ def test_follow_up_turn_prefills_only_its_new_tokens(server, tokenizer):
 
 
 def test_pinned_prefix_survives_pressure(server):
+    """A pinned system prompt stays cached through pressure that evicts an unpinned prompt
+    (a plain completion's, untagged: the eviction advisor would protect a system message)."""
     headers = {"X-Tenant-Id": "pins"}
     pinned_system = "Pinned instructions for the archive desk. " * 10
-    loose_system = "Unpinned instructions for the front desk. " * 10
+    loose_prompt = "Unpinned instructions for the front desk. " * 10
+
+    def loose(question: str) -> dict:
+        body = {"model": MODEL, "prompt": loose_prompt + question, "max_tokens": 2, "temperature": 0}
+        rr = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert rr.status_code == 200, rr.text
+        return rr.json()
+
     r = chat(server.url, "Hello.", system=pinned_system, headers=headers, pin_prefix=True, max_tokens=2)
-    chat(server.url, "Hello.", system=loose_system, headers=headers, max_tokens=2)
+    loose("Hello.")
+    assert loose("Hi.")["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # cached before the pressure
     metrics = server.metrics()
     assert metrics["aither:pinned_pages"] >= r["usage"]["prompt_tokens"] // 16 - 2
     # Pressure: distinct long prompts that need more pages than the pool has free.
@@ -376,9 +386,8 @@ def test_pinned_prefix_survives_pressure(server):
         filler_pages += rr.json()["usage"]["prompt_tokens"] // 16
     assert filler_pages > metrics["aither:kv_pages_total"]
     again = chat(server.url, "Hello again.", system=pinned_system, headers=headers, max_tokens=2)
-    loose = chat(server.url, "Hello again.", system=loose_system, headers=headers, max_tokens=2)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * (r["usage"]["prompt_tokens"] // 16 - 1)
-    assert loose["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # evicted: the pressure was real
+    assert loose("Hello again.")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the pressure was real
 
 
 def test_unpin_releases_a_tenants_pin_and_no_other(server, server_no_cache):

@@ -34,7 +34,7 @@ def test_shapes_recorded_by_one_server_compile_before_the_next_serves(tmp_path, 
     want = _complete(first.url)
     assert first.metrics()[COMPILES] > before  # a fresh process compiles what the requests need
     shapes = shape_file.load(path)
-    assert {s["kind"] for s in shapes} == {"forward"} and len(shapes) >= 2
+    assert {s["kind"] for s in shapes} == {"forward", "summaries"} and len(shapes) >= 3  # the advisor summarizes
     assert json.loads(path.read_text())["recorded_with"]["max_num_seqs"] == 4
     first.stop()
 
