@@ -33,6 +33,7 @@ the JSON.
     python scripts/bench_decode.py --random-weights      # no GGUF needed (e.g. on a GPU machine)
     python scripts/bench_decode.py --hf-compile          # HF with a static cache and torch.compile
     python scripts/bench_decode.py --no-hf --kv-cache-dtype auto   # ours alone, in the model's TurboQuant format
+    python scripts/bench_decode.py --no-hf --prefix-caching advisor  # ours as served (the advisor's attention mass)
 """
 
 from __future__ import annotations
@@ -200,6 +201,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="ours' decode steps per device call (LLM(num_scheduler_steps=...)): 1 syncs with the host after "
         "every token",
     )
+    p.add_argument(
+        "--prefix-caching",
+        choices=("off", "lru", "advisor"),
+        default="off",
+        help="ours with prefix caching and this eviction policy (the advisor's steps also return attention mass "
+        "per page); the timed calls then reuse the prompt's cached pages, prefill and full alike",
+    )
     p.add_argument("--out", default="out/bench_decode.json", help="JSON report path")
     p.add_argument("--no-record", action="store_true", help="do not record the results (scripts/bench_record.py)")
     return p.parse_args(argv)
@@ -326,6 +334,7 @@ def random_weights_llm(
     max_model_len: int,
     max_num_seqs: int,
     num_scheduler_steps: int,
+    **engine_options,
 ) -> LLM:
     """An `LLM` over random weights: `LLM.__init__` minus the GGUF (same engine, same generate path)."""
     llm = LLM.__new__(LLM)
@@ -348,6 +357,7 @@ def random_weights_llm(
         page_size=page_size,
         kv_cache_dtype=kv_cache_dtype,
         num_scheduler_steps=num_scheduler_steps,
+        **engine_options,
     )
     return llm
 
@@ -674,12 +684,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     # Ours first (HF is not even imported yet, so its threads do not compete).
     state = None
+    caching = {} if args.prefix_caching == "off" else {"enable_prefix_caching": True}
+    if caching:
+        caching["eviction_policy"] = args.prefix_caching
     if args.random_weights:
         cfg = model_config_for(args.model)
         state = random_hf_state(cfg)
         llm = random_weights_llm(
             cfg, state, args.dtype, args.kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_b,
-            num_scheduler_steps=args.num_scheduler_steps,
+            num_scheduler_steps=args.num_scheduler_steps, **caching,
         )  # fmt: skip
     else:
         llm = LLM(
@@ -690,6 +703,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             max_num_seqs=max_b,
             num_scheduler_steps=args.num_scheduler_steps,
             progress=False,
+            **caching,
         )
         cfg = llm.config
     print(f"ours: loaded in {llm.load_seconds:.1f}s ({cfg.name})", flush=True)
@@ -793,6 +807,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "max_model_len": max_model_len,
             "max_num_seqs": max_b,
             "num_scheduler_steps": args.num_scheduler_steps,
+            "prefix_caching": args.prefix_caching,
             "prompt_seed": PROMPT_SEED,
             "weights_seed": WEIGHTS_SEED if args.random_weights else None,
         },
