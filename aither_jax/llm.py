@@ -99,9 +99,9 @@ class LLM:
             (least recently used). None (the default): the advisor, with prefix caching.
         max_protected_fraction: with the advisor, most of the page pool that idle protected
             pages may hold (beyond it the least recently used of them may go too). None (the
-            default): 0.25, lowered where the pool must keep room for one request at full
-            length beside the pinned and protected pages; a share given that leaves no such
-            room is refused.
+            default): 0.25, lowered (with a warning) where the pool must keep room for one
+            request at full length, or at max_resident_tokens, beside the pinned and
+            protected pages; a share given that leaves no such room is refused.
         advisor_weights: the advisor's score weights that differ from the defaults, as a dict
             (or JSON object) of `aither_jax.eviction.policy.AdvisorWeights` fields, such as
             {"age": 1.0}.

@@ -224,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float_in("--max-protected-fraction", 0.0, 1.0),
         default=None,
         help="with the advisor, most of the page pool that idle protected pages may hold (default 0.25, lowered "
-        "where the pool must keep room for one request at full length beside the pinned and protected pages; a "
-        "share given that leaves none is refused)",
+        "with a warning where the pool must keep room for one request at full length, or at its resident bound, "
+        "beside the pinned and protected pages; a share given that leaves none is refused)",
     )
     p.add_argument(
         "--advisor-weights",

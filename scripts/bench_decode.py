@@ -612,6 +612,8 @@ def record(report: dict[str, Any]) -> None:
             "steps per call": p["num_scheduler_steps"],
             "HF": peer,
         }
+        if p.get("prefix_caching", "off") != "off":  # cached prompts: prefill figures are not comparable
+            config["prefix caching"] = p["prefix_caching"]
         figures = {
             "ours prefill tok/s": bench_record.rounded(ours["prefill_tok_s"]),
             "HF prefill tok/s": bench_record.rounded(hf.get("prefill_tok_s")),

@@ -50,6 +50,10 @@ from models.llama import ATTENTION_IMPLS
 from models.registry import ModelHandle
 
 Rows = list[tuple[Sequence, list[int]]]
+# The eviction advisor folds the attention mass of every prefill call and of one plain decode
+# call in this many: its host loop visits every page every row holds (64 rows of 256 pages:
+# ~3 ms on 2 CPU cores), a pace a step of a few milliseconds cannot keep.
+MASS_EVERY = 8
 
 
 class Engine:
@@ -111,6 +115,7 @@ class Engine:
             max_pinned_fraction=max_pinned_fraction, sink_tokens=cache.num_sinks, min_token_bucket=MIN_TOKEN_BUCKET,
             eviction_policy=eviction_policy, max_protected_fraction=max_protected_fraction,
             advisor_weights=advisor_weights,
+            max_resident_pages=None if residency is None else residency.max_tokens // page_size,
         )  # fmt: skip
         self.residency = Residency(self.scheduler)
         if self.scheduler.policy.name == "advisor":  # ranks the cached pages on its own thread
@@ -129,6 +134,7 @@ class Engine:
         # scheduler reserves pages for the extra tokens as it does for drafts.
         self.num_scheduler_steps = num_scheduler_steps
         self.num_multi_steps = 0  # `decode_steps` calls that ran more than one step
+        self.num_mass_calls = 0  # plain decode calls that returned attention mass (`MASS_EVERY`)
         self.num_lookahead_tokens = self.num_speculative_tokens or num_scheduler_steps - 1
         self.scheduler.lookahead = self.num_lookahead_tokens
         self.shapes = ShapeRegistry()
@@ -410,7 +416,9 @@ class Engine:
             rows, return_logits="last" if want_logprobs or top_k else "none", taps=taps, host_logits=not top_k
         )
         if mass is not None:  # the attention signal (advisor, residency), before new pages are named
-            if self.scheduler.policy.name == "advisor":
+            prefill = any(len(toks) > 1 for _, toks in rows)
+            self.num_mass_calls += not prefill
+            if self.scheduler.policy.name == "advisor" and (prefill or self.num_mass_calls % MASS_EVERY == 0):
                 attended(self.scheduler.policy, self.scheduler.allocator.blocks, rows, mass[0])
             if self.bounded is not None:
                 self.bounded.observe(rows, *mass)

@@ -54,10 +54,11 @@ def link_memories(graph, seq: Sequence, page_size: int) -> None:
 
 
 def attended(policy, blocks: BlockTable, rows, mass) -> None:
-    """Hands the eviction policy each row's attention mass per page held (`mass`: [rows,
-    pages read], `models.llama.forward`'s `mass_layers`)."""
+    """Hands the eviction policy each row's page records and attention mass per page held
+    (`mass`: [rows, pages read], `models.llama.forward`'s `mass_layers`), as Python floats."""
     per_row = []
     for (seq, _), row in zip(rows, mass, strict=False):
         if seq.slot >= 0:
-            per_row.append([(blocks[p], float(m)) for p, m in zip(seq.pages, row, strict=False)])
+            records = [blocks[p] for p in seq.pages]
+            per_row.append((records, row[: len(records)].tolist()))
     policy.attended(per_row)

@@ -6,8 +6,9 @@ prefill chunks of the others within a token budget (chunked prefill interleaved 
 The prefill call pads its rows to power-of-two buckets of rows and tokens, and that padded
 size is held within the budget too: five 50-token prompts would make an 8 x 64 call that
 costs twice a 4 x 64 one, so the fifth waits for the next step.
-Pages are taken as tokens need them; when none are left the newest running sequence is
-preempted: its pages go back (the full ones stay in the prefix cache) and it waits to be
+Pages are taken as tokens need them; when none are left a running sequence is preempted (the
+one the eviction policy names: the newest with LRU, the one whose pages matter least with the
+advisor): its pages go back (the full ones stay in the prefix cache) and it waits to be
 recomputed from its prompt and the tokens it already produced.
 
 With prefix caching a sequence starts from the longest run of cached pages of its tokens (and a
@@ -72,12 +73,14 @@ class Scheduler:
         eviction_policy: str | None = None,
         max_protected_fraction: float | None = None,
         advisor_weights: dict | str | None = None,
+        max_resident_pages: int | None = None,
     ):
         """`eviction_policy`: "lru", "advisor", or None for the advisor with prefix caching.
         `max_protected_fraction`: the advisor's protected share of the pool; None is
         `MAX_PROTECTED_FRACTION`, lowered where it must be to leave one request at full length
         room beside the pinned and protected pages (a share given explicitly that leaves none
-        is refused)."""
+        is refused here). `max_resident_pages`: with bounded residency, the most device pages
+        a request holds (its full length otherwise)."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs ({max_num_seqs})"
@@ -93,6 +96,8 @@ class Scheduler:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
+        # The device pages one request may need at once: pinned and protected pages leave room for them.
+        self.request_pages = min(max_pages_per_seq, max_resident_pages or max_pages_per_seq)
         self.fractions = fractions  # the pinned and protected caps, as shares of the pool
         self.sink_tokens = sink_tokens
         self.max_num_seqs = max_num_seqs
@@ -107,12 +112,19 @@ class Scheduler:
             if self.policy.name == "advisor" and not self._protected_fits:
                 # Pinned and protected pages together must leave room for one request at full length.
                 held = max_pinned + self.policy.max_protected_pages
-                if num_pages - 1 - held < max_pages_per_seq:
+                if num_pages - 1 - held < self.request_pages:
                     raise ValueError(
                         f"the eviction advisor may hold {self.policy.max_protected_pages} protected and {max_pinned} "
-                        f"pinned pages of {num_pages - 1}, leaving less than one request's {max_pages_per_seq}: "
+                        f"pinned pages of {num_pages - 1}, leaving less than one request's {self.request_pages}: "
                         "lower max_protected_fraction or max_pinned_fraction, or give the pool more pages"
                     )
+            elif self.policy.name == "advisor" and max_protected < int(MAX_PROTECTED_FRACTION * (num_pages - 1)):
+                log.warning(
+                    "the eviction advisor keeps at most %d idle protected pages (system prompts) of %d: more would "
+                    "leave a request of %d pages short beside %d pinned ones; give the pool more pages or lower "
+                    "max_pinned_fraction",
+                    max_protected, num_pages - 1, self.request_pages, max_pinned,
+                )  # fmt: skip
             self.prefix_cache = PrefixCache(self.allocator, page_size, max_pinned_pages=max_pinned, policy=self.policy)
         elif eviction_policy != "lru":
             raise ValueError(f"eviction policy {eviction_policy!r} needs prefix caching")
@@ -194,7 +206,7 @@ class Scheduler:
         pinned = int(self.fractions["max_pinned_fraction"] * usable)
         protected = int(self.fractions["max_protected_fraction"] * usable)
         if self._protected_fits:
-            protected = max(min(protected, usable - pinned - self.max_pages_per_seq), 0)
+            protected = max(min(protected, usable - pinned - self.request_pages), 0)
         return pinned, protected
 
     def allocate(self, n: int) -> list[int]:

@@ -65,7 +65,7 @@ class LRUPolicy:
     def protected(self, block: Block) -> bool:
         return False
 
-    def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
+    def attended(self, rows: Sequence[tuple[Sequence[Block], Sequence[float]]]) -> None:
         pass
 
     def preemption_victim(self, running: Sequence, blocks) -> object:
@@ -384,21 +384,23 @@ class AdvisorPolicy:
     MASS_SMOOTHING = 0.3  # weight of a step's mass in a page's moving average
     CO_ATTEND_THRESHOLD = 0.05  # share of a row's attention that makes a page "attended"
 
-    def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
-        """One step's attention: each row's (page record, mass) pairs. Folds the mass into each
-        page's moving average and its last-attended time, and counts the row's heavily
-        attended named pages as co-attending (CO_ATTEND edges)."""
+    def attended(self, rows: Sequence[tuple[Sequence[Block], Sequence[float]]]) -> None:
+        """One step's attention: each row's page records and the mass it put on each (floats).
+        Folds the mass into each page's moving average and its last-attended time, and counts
+        the row's heavily attended named pages as co-attending (CO_ATTEND edges). It visits
+        every page every row holds, so it runs on plain Python floats (`page_records.attended`)."""
         now, a = self.clock(), self.MASS_SMOOTHING
-        for row in rows:
+        keep, threshold = 1.0 - a, self.CO_ATTEND_THRESHOLD
+        for blocks, masses in rows:
             heavy = {}
-            for block, mass in row:
-                block.attention_mass = (1 - a) * block.attention_mass + a * mass
-                if mass >= self.CO_ATTEND_THRESHOLD:
+            for block, mass in zip(blocks, masses, strict=False):
+                block.attention_mass = keep * block.attention_mass + a * mass
+                if mass >= threshold:
                     block.attended_at = now
                     if block.name is not None:
                         heavy[block.name] = mass
             if len(heavy) > 1:
-                self.graph.co_attend(heavy, self.CO_ATTEND_THRESHOLD)
+                self.graph.co_attend(heavy, threshold)
 
     def preemption_victim(self, running: Sequence, blocks) -> object:
         """The running sequence whose pages matter least (lowest mean importance; the newest
@@ -422,7 +424,7 @@ def make_policy(name: str, *, max_protected_pages: int = 0, weights: dict | str 
     the advisor's score weights that differ from the defaults (`AdvisorWeights.parse`)."""
     if name == "lru":
         if weights:
-            raise ValueError("advisor weights apply to the advisor only (eviction policy 'advisor')")
+            raise ValueError("advisor weights apply to the advisor only (eviction policy 'advisor', prefix caching on)")
         return LRUPolicy()
     if name == "advisor":
         return AdvisorPolicy(max_protected_pages=max_protected_pages, weights=AdvisorWeights.parse(weights), **kwargs)

@@ -4,10 +4,11 @@ A full page's name is SHA-256(parent name || its token ids); the first page's pa
 tenant's salt, so two tenants sending the same prompt never share (or time) each other's
 pages. The cache keeps one reference of its own on every page it names, so a named page
 outlives the sequence that computed it; a page whose only reference is the cache's is idle and
-may be evicted, in the order the eviction policy ranks them (least recently used first by
-default, aither_jax/eviction/policy.py). A pin is one more reference: pinned pages are never
-idle. A sequence's last, partially filled page can be kept too (named by its parent and its
-tokens); it is never written by anyone else, so whoever adopts it gets a copy (copy on write).
+may be evicted, in the order the eviction policy ranks them (the graph eviction advisor by
+default, or least recently used first; aither_jax/eviction/policy.py). A pin is one more
+reference: pinned pages are never idle. A sequence's last, partially filled page can be
+kept too (named by its parent and its tokens); it is never written by anyone else, so whoever
+adopts it gets a copy (copy on write).
 With lower tiers (kv/tiers.py), an evicted full page is demoted to host or disk instead of
 dropped, and a lookup continues past the device's pages into them (`match_lower`, `promote`).
 """

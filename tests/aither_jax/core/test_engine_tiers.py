@@ -12,9 +12,10 @@ import aither_jax as aj
 from tests.conftest import F32, TINY
 
 MODEL = "smollm2-135m"
-# conftest's float32 settings (unused pages NaN) on the stand-in, two slots, no fixed pool size.
+# conftest's float32 settings (unused pages NaN) on the stand-in, two slots, no fixed pool size;
+# LRU eviction, whose order the counts below follow (the advisor's tiers: test_advisor.py).
 SETTINGS = {k: v for k, v in F32.items() if k != "num_pages"} | dict(
-    max_model_len=256, max_num_seqs=2, page_size=16, enable_prefix_caching=True, **TINY
+    max_model_len=256, max_num_seqs=2, page_size=16, enable_prefix_caching=True, eviction_policy="lru", **TINY
 )
 # Each conversation's rounds outgrow a 12-page pool together: a round's earlier rounds were
 # evicted by the other conversations' rounds in between.

@@ -6,7 +6,9 @@ sequence checked to read back its own tokens and produce the reference output)."
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import threading
 import types
 
@@ -154,26 +156,33 @@ def test_the_ranking_thread_refreshes_and_stops_with_its_owner():
     assert not thread.is_alive()
 
 
-def test_the_advisor_is_the_default_and_its_default_share_leaves_one_request_room():
+def test_the_advisor_is_the_default_and_its_default_share_leaves_one_request_room(caplog):
     """With prefix caching the advisor runs unless LRU is asked for. Its default protected
-    share (a quarter of the usable pages) is lowered where, with the pinned share, it would
-    leave one full-length request short of pages, also when the pool is resized; the same
-    share given explicitly is refused."""
-    assert make_scheduler().policy.name == "advisor"
-    assert make_scheduler(eviction_policy="lru").policy.name == "lru"
-    assert make_scheduler(enable_prefix_caching=False).policy.name == "lru"
-    roomy = make_scheduler(num_pages=41, max_pages_per_seq=8)  # 40 usable: 10 pinned, 10 protected
+    share (a quarter of the usable pages) is lowered, with a warning, where with the pinned
+    share it would leave one request short of pages (its full length, or its resident bound),
+    also when the pool is resized; the same share given explicitly is refused."""
+    default = functools.partial(make_scheduler, eviction_policy=None)  # (the cache tests pin LRU)
+    assert default().policy.name == "advisor"
+    assert default(eviction_policy="lru").policy.name == "lru"
+    assert default(enable_prefix_caching=False).policy.name == "lru"
+    caplog.clear()
+    roomy = default(num_pages=41, max_pages_per_seq=8)  # 40 usable: 10 pinned, 10 protected
     assert (roomy.prefix_cache.max_pinned_pages, roomy.policy.max_protected_pages) == (10, 10)
-    exact = make_scheduler(num_pages=17, max_pages_per_seq=8)  # 16 usable: 4 pinned, 8 for a request
+    exact = default(num_pages=17, max_pages_per_seq=8)  # 16 usable: 4 pinned, 8 for a request
     assert (exact.prefix_cache.max_pinned_pages, exact.policy.max_protected_pages) == (4, 4)
-    tight = make_scheduler(num_pages=13, max_pages_per_seq=8)  # 12 usable: 3 pinned, 8 for a request
+    assert not caplog.records  # nothing lowered so far
+    tight = default(num_pages=13, max_pages_per_seq=8)  # 12 usable: 3 pinned, 8 for a request
     assert tight.policy.max_protected_pages == 1
-    tight = make_scheduler(num_pages=11, max_pages_per_seq=8)  # 10 usable: 2 pinned, 8 for a request
+    with caplog.at_level(logging.WARNING, logger="aither_jax.core.scheduler"):
+        tight = default(num_pages=11, max_pages_per_seq=8)  # 10 usable: 2 pinned, 8 for a request
     assert tight.policy.max_protected_pages == 0
+    assert "keeps at most 0 idle protected pages" in caplog.text
+    bounded = default(num_pages=11, max_pages_per_seq=8, max_resident_pages=4)  # 4 for a request
+    assert bounded.policy.max_protected_pages == 2
     assert tight.resize_pool(41) == 41 and tight.policy.max_protected_pages == 10
     assert tight.resize_pool(13) == 13 and tight.policy.max_protected_pages == 1  # 12 usable: 3 pinned
     with pytest.raises(ValueError, match="leaving less than one request"):
-        make_scheduler(num_pages=11, max_pages_per_seq=8, max_protected_fraction=0.25)
+        default(num_pages=11, max_pages_per_seq=8, max_protected_fraction=0.25)
 
 
 def test_configurations_whose_protected_pages_could_fill_the_pool_are_refused():

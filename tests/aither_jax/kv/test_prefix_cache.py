@@ -255,6 +255,7 @@ def make_scheduler(**overrides) -> Scheduler:
         max_prefill_chunk=8,
         max_num_batched_tokens=16,
         enable_prefix_caching=True,
+        eviction_policy="lru",  # the cache's own mechanics (the advisor's: tests/aither_jax/eviction)
     )
     return Scheduler(**(kwargs | overrides))
 
