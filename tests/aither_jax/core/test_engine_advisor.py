@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import aither_jax as aj
+from aither_jax.core.engine import MASS_EVERY
 from tests.conftest import F32, TINY
 
 MODEL = "smollm2-135m"
@@ -97,10 +98,14 @@ def test_attention_mass_is_the_same_whichever_path_attention_takes(kv):
 
 
 def test_heavily_co_attended_pages_are_linked_and_named_pages_summarized():
+    """Also: attention mass is folded for the prefill and one decode call in `MASS_EVERY`."""
     llm = aj.LLM(MODEL, num_pages=40, eviction_policy="advisor", **SETTINGS)
-    params = aj.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm.chat(chats(1), params)
+    params = aj.SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     policy = llm.engine.scheduler.policy
+    folds, fold = [], policy.attended
+    policy.attended = lambda rows: (folds.append(len(rows)), fold(rows))
+    llm.chat(chats(1), params)
+    assert llm.engine.num_mass_calls == 47 and len(folds) == 1 + 47 // MASS_EVERY  # 48 tokens: 1 prefill
     from aither_jax.eviction.graph import EdgeType
 
     assert policy.graph.num_edges(EdgeType.CO_ATTEND) > 0
