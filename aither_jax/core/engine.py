@@ -51,8 +51,8 @@ from models.registry import ModelHandle
 
 Rows = list[tuple[Sequence, list[int]]]
 # The eviction advisor folds the attention mass of every prefill call and of one plain decode
-# call in this many: its host loop visits every page every row holds (64 rows of 256 pages:
-# ~3 ms on 2 CPU cores), a pace a step of a few milliseconds cannot keep.
+# call in this many: its host loop visits every page every row holds (64 rows of 256 pages take
+# milliseconds), a pace a GPU decode step of a few milliseconds cannot keep.
 MASS_EVERY = 8
 
 
