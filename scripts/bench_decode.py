@@ -686,9 +686,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     # Ours first (HF is not even imported yet, so its threads do not compete).
     state = None
-    caching = {} if args.prefix_caching == "off" else {"enable_prefix_caching": True}
-    if caching:
-        caching["eviction_policy"] = args.prefix_caching
+    caching = {"enable_prefix_caching": True, "eviction_policy": args.prefix_caching}
+    caching = {} if args.prefix_caching == "off" else caching
     if args.random_weights:
         cfg = model_config_for(args.model)
         state = random_hf_state(cfg)

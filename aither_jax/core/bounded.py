@@ -264,10 +264,10 @@ class BoundedResidency:
         scores = self._scores(seq, pages)
         return [pages[k] for k in np.argsort(scores, kind="stable")]
 
-    def observe(self, rows, mass: np.ndarray, query: np.ndarray) -> None:
+    def observe(self, rows, mass, query) -> None:
         """Folds a step's attention mass per page read (and query summaries) into the
-        resident sets of its bounded rows."""
-        for (seq, _), row_mass, row_query in zip(rows, mass, query, strict=False):
+        resident sets of its bounded rows (`mass` and `query` as the step returned them)."""
+        for (seq, _), row_mass, row_query in zip(rows, np.asarray(mass), np.asarray(query), strict=False):
             resident = seq.resident
             if resident is None or seq.slot < 0:
                 continue

@@ -5,6 +5,8 @@ attention mass each step put on each page."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from aither_jax.context.prompt import ROLE_IMPORTANCE, SectionSpan
 from aither_jax.core.sequence import Sequence
 from aither_jax.eviction.graph import EdgeType
@@ -57,7 +59,7 @@ def attended(policy, blocks: BlockTable, rows, mass) -> None:
     """Hands the eviction policy each row's page records and attention mass per page held
     (`mass`: [rows, pages read], `models.llama.forward`'s `mass_layers`), as Python floats."""
     per_row = []
-    for (seq, _), row in zip(rows, mass, strict=False):
+    for (seq, _), row in zip(rows, np.asarray(mass), strict=False):
         if seq.slot >= 0:
             records = [blocks[p] for p in seq.pages]
             per_row.append((records, row[: len(records)].tolist()))

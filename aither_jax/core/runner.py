@@ -175,7 +175,7 @@ class ModelRunner:
         """One padded call of the jitted step over (sequence, new tokens) rows: (next tokens,
         logits by `return_logits` (a device array unless `host_logits`), tapped hidden states
         or None, the padded batch, with `mass_layers` (attention mass per page read [rows,
-        pages], query summaries [rows, Hkv * Dh]) else None)."""
+        pages], query summaries [rows, Hkv * Dh]; device arrays, padding rows included) else None)."""
         tokens, batch, sampling, num_pages, greedy_only, shared = self.pack(
             rows, all_logits=return_logits == "all", share_prefix=True
         )
@@ -184,8 +184,8 @@ class ModelRunner:
         )
         if logits is not None and host_logits:
             logits = np.asarray(logits)
-        if mass is not None:  # (attention mass per page read, query summaries), host rows
-            mass = tuple(np.asarray(a)[: len(rows)] for a in mass)
+        # Attention mass stays on the device until a consumer reads it (the advisor folds one
+        # decode call in `MASS_EVERY`).
         return np.asarray(next_tokens)[: len(rows)], logits, hidden, batch, mass
 
     def dispatch(

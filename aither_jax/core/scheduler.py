@@ -109,16 +109,15 @@ class Scheduler:
         self.policy = make_policy(eviction_policy, max_protected_pages=max_protected, weights=advisor_weights)
         self.prefix_cache = None
         if enable_prefix_caching:
-            if self.policy.name == "advisor" and not self._protected_fits:
-                # Pinned and protected pages together must leave room for one request at full length.
-                held = max_pinned + self.policy.max_protected_pages
-                if num_pages - 1 - held < self.request_pages:
-                    raise ValueError(
-                        f"the eviction advisor may hold {self.policy.max_protected_pages} protected and {max_pinned} "
-                        f"pinned pages of {num_pages - 1}, leaving less than one request's {self.request_pages}: "
-                        "lower max_protected_fraction or max_pinned_fraction, or give the pool more pages"
-                    )
-            elif self.policy.name == "advisor" and max_protected < int(MAX_PROTECTED_FRACTION * (num_pages - 1)):
+            _, share, room = self._shares(num_pages)
+            if self.policy.name == "advisor" and share > room and not self._protected_fits:
+                # Pinned and protected pages together must leave room for one request.
+                raise ValueError(
+                    f"the eviction advisor may hold {share} protected and {max_pinned} pinned pages of "
+                    f"{num_pages - 1}, leaving less than one request's {self.request_pages}: "
+                    "lower max_protected_fraction or max_pinned_fraction, or give the pool more pages"
+                )
+            if self.policy.name == "advisor" and share > max(room, 0):  # the default share, lowered
                 log.warning(
                     "the eviction advisor keeps at most %d idle protected pages (system prompts) of %d: more would "
                     "leave a request of %d pages short beside %d pinned ones; give the pool more pages or lower "
@@ -199,15 +198,19 @@ class Scheduler:
         )  # fmt: skip
         return max(self.max_pages_per_seq + 1, top + 1)
 
-    def _caps(self, num_pages: int) -> tuple[int, int]:
-        """(pinned, protected) page caps of a pool of `num_pages` pages: their shares of its
-        usable pages, the default protected share lowered to leave one full-length request room."""
+    def _shares(self, num_pages: int) -> tuple[int, int, int]:
+        """(pinned, protected, room) of a pool of `num_pages` pages: the two shares of its usable
+        pages, and the most protected pages that leave one request room beside the pinned ones
+        (negative when the pinned share alone leaves none)."""
         usable = num_pages - 1
         pinned = int(self.fractions["max_pinned_fraction"] * usable)
-        protected = int(self.fractions["max_protected_fraction"] * usable)
-        if self._protected_fits:
-            protected = max(min(protected, usable - pinned - self.request_pages), 0)
-        return pinned, protected
+        return pinned, int(self.fractions["max_protected_fraction"] * usable), usable - pinned - self.request_pages
+
+    def _caps(self, num_pages: int) -> tuple[int, int]:
+        """(pinned, protected) page caps of a pool of `num_pages` pages: their shares, the default
+        protected share lowered to leave one request room (`_shares`)."""
+        pinned, protected, room = self._shares(num_pages)
+        return pinned, max(min(protected, room), 0) if self._protected_fits else protected
 
     def allocate(self, n: int) -> list[int]:
         """`n` free device pages, evicting idle cached pages if it must."""
