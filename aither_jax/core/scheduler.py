@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 
 import numpy as np
 
@@ -159,8 +160,9 @@ class Scheduler:
     def resize_pool(self, num_pages: int) -> int:
         """Grows or shrinks the pool's page ids to `num_pages` (between steps; the device pools
         follow in `PageStore.resize`) and scales the pinned and protected caps with it. A shrink
-        first drops the idle cached pages it cuts off (to the tiers below, if any) and stops above
-        the highest page still held (by a sequence or a pin). Returns the new page count.
+        first drops the idle cached pages it cuts off (to the tiers below, if any) and stops at
+        `min_pool_size` (above the highest page still held, and where an explicit protected share
+        still leaves one request room). Returns the new page count.
 
         Raises:
             ValueError: fewer pages than one sequence of full length needs.
@@ -186,8 +188,9 @@ class Scheduler:
 
     def min_pool_size(self) -> int:
         """The fewest pages `resize_pool` can shrink to now: one sequence of full length plus
-        the null page, and above the highest page a sequence or a pin holds (idle cached pages
-        above it can go)."""
+        the null page, above the highest page a sequence or a pin holds (idle cached pages
+        above it can go), and large enough that a protected share given explicitly still leaves
+        one request room beside the pinned pages (the check the constructor makes)."""
         cache = self.prefix_cache
         top = next(
             (
@@ -196,7 +199,19 @@ class Scheduler:
             ),
             0,
         )  # fmt: skip
-        return max(self.max_pages_per_seq + 1, top + 1)
+        return max(self.max_pages_per_seq + 1, top + 1, self._explicit_share_floor())
+
+    def _explicit_share_floor(self) -> int:
+        """The smallest pool whose explicit protected share leaves one request room (0 where
+        the share is the default, which yields instead, or nothing is protected)."""
+        if self._protected_fits or self.prefix_cache is None or not self.policy.protects:
+            return 0
+        # room - share <= usable * (1 - both shares) - request + 2 (two roundings down), so no
+        # pool below this bound fits; the pool as it is does (the constructor checked it).
+        both = self.fractions["max_pinned_fraction"] + self.fractions["max_protected_fraction"]
+        least = 2 if both >= 1.0 else max(2, math.ceil((self.request_pages - 2) / (1.0 - both)) + 1)
+        now = self.allocator.num_pages
+        return next((n for n in range(least, now) if (shares := self._shares(n))[1] <= shares[2]), now)
 
     def _shares(self, num_pages: int) -> tuple[int, int, int]:
         """(pinned, protected, room) of a pool of `num_pages` pages: the two shares of its usable

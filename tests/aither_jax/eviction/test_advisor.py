@@ -183,6 +183,12 @@ def test_the_advisor_is_the_default_and_its_default_share_leaves_one_request_roo
     assert tight.resize_pool(13) == 13 and tight.policy.max_protected_pages == 1  # 12 usable: 3 pinned
     with pytest.raises(ValueError, match="leaving less than one request"):
         default(num_pages=11, max_pages_per_seq=8, max_protected_fraction=0.25)
+    # Nor does a shrink (a balloon move) take the explicit share below that: 14 usable pages
+    # hold 3 pinned, 3 protected and 8 for a request; 13 would leave 2 for 3 protected.
+    explicit = default(num_pages=41, max_pages_per_seq=8, max_protected_fraction=0.25)
+    assert explicit.min_pool_size() == 15
+    assert explicit.resize_pool(9) == 15 and explicit.policy.max_protected_pages == 3
+    assert default(num_pages=41, max_pages_per_seq=8).min_pool_size() == 9  # the default share yields
 
 
 def test_configurations_whose_protected_pages_could_fill_the_pool_are_refused():
