@@ -331,7 +331,9 @@ def build_app(
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         conversation = body.user if body.user is not None else request.headers.get("x-session-id")
         messages = body.conversation()
-        route = lambda: router.route(messages, reasoning_effort=body.reasoning_effort, conversation=conversation)  # noqa: E731
+        route = lambda: router.route(  # noqa: E731
+            messages, reasoning_effort=body.reasoning_effort, conversation=conversation, scope=_scope(request)
+        )
         served = _pick(body.model, route)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
@@ -381,6 +383,8 @@ def build_app(
         if name == "auto" and router is not None:
             chosen = route()
             served = by_name[chosen.model]
+            if not served.engine.alive:  # the other model still answers
+                served = next((m for m in models if m.engine.alive), served)
             served.engine.metrics.inc("aither:routed_requests_total", effort=str(chosen.effort), reason=chosen.reason)
             return served
         if name == "auto" and len(models) == 1:
@@ -447,10 +451,17 @@ def build_app(
         return prompt if options.report else dataclasses.replace(prompt, report=None)
 
     def _salt(request: Request, served: ServedModel) -> bytes:
+        return config.salt(_tenant(request), request.scope["state"].get("api_key_index"), served.name)
+
+    def _scope(request: Request) -> str:
+        """The router's conversation scope: a tenant's conversations are its own."""
+        return config.salt(_tenant(request), request.scope["state"].get("api_key_index"), "auto").hex()
+
+    def _tenant(request: Request) -> str:
         tenant = request.headers.get("x-tenant-id", "")
         if len(tenant) > MAX_TENANT_LEN or not tenant.isprintable():
             raise HTTPError(400, f"X-Tenant-Id must be at most {MAX_TENANT_LEN} printable characters")
-        return config.salt(tenant, request.scope["state"].get("api_key_index"), served.name)
+        return tenant
 
     async def _serve(served: ServedModel, request: Request, body, jobs: list[_Job], kind: str, num_logprobs, *, chat):
         if app.state.draining:

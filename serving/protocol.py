@@ -143,7 +143,7 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | Annotated[list[TextPart], Field(max_length=64)]
     name: Annotated[StrictStr, Field(max_length=64)] | None = None
     # Extensions (context pipeline, aither_jax/context/sections.py): the section this message

@@ -7,12 +7,14 @@ light one.
 
 Follow-ups keep their intent. A conversation (a key the client gives: OpenAI's `user` field or
 an `X-Session-Id` header; else the hash of its leading messages, the system messages and the
-first user message, which every later turn repeats) remembers a high-effort turn, or a turn
-with tool results, for its next `carry_turns` turns: their effort is at least the remembered
-one. Past that window the memory decays one level per turn, except that a short follow-up
-that refers back ("How do I get tickets for it?", "and that one?") is routed like the turn
-before it. This is the bug it prevents: a research question's short follow-up scored alone
-looks like chit-chat and went to a bare model.
+first user message, which every later turn repeats; within a `scope`, the server's tenant)
+remembers a high-effort turn, or a turn with tool results, for its next `carry_turns` turns:
+their effort is at least the remembered one. Past that window the remembered effort decays a
+level per turn, and only a short follow-up that refers back ("How do I get tickets for it?",
+"and that one?") still draws on it: it is routed like the turn before it, up to the decayed
+effort, so a run of such follow-ups comes down to the light model within a few turns. A short
+thanks or goodbye ("thanks, that helped") is not a follow-up. This is the bug it prevents: a
+research question's short follow-up scored alone looks like chit-chat and went to a bare model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import re
 import threading
 from collections.abc import Sequence
 
-from aither_jax.fleet.effort import MAX_EFFORT, score_effort
+from aither_jax.fleet.effort import MAX_EFFORT, markers, score_effort
 
 REASONING_EFFORT = {"none": 1, "minimal": 1, "low": 2, "medium": 3, "high": 5}
 CARRY_TURNS = 3
@@ -48,7 +50,7 @@ class Route:
 
 @dataclasses.dataclass
 class _Memory:
-    effort: int  # remembered effort of the last heavy or tool turn
+    effort: int  # remembered effort of the last heavy or tool turn, decaying past the window
     turns_left: int  # turns still carrying it in full
     last: int  # the effort the previous turn was routed with
 
@@ -73,13 +75,24 @@ class Router:
         self.routed: collections.Counter[tuple[str, int]] = collections.Counter()  # (model, effort) -> requests
 
     def route(
-        self, messages: Sequence[dict], *, reasoning_effort: str | None = None, conversation: str | None = None
+        self,
+        messages: Sequence[dict],
+        *,
+        reasoning_effort: str | None = None,
+        conversation: str | None = None,
+        scope: str = "",
     ) -> Route:
-        """The model for a chat turn (`messages`, OpenAI-style), and why."""
-        text = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        """The model for a chat turn (`messages`, OpenAI-style), and why. `conversation` names
+        the conversation (None: the hash of its leading messages; "": remember nothing), within
+        `scope` (a tenant: equal conversations of two scopes are two conversations)."""
+        last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+        text = messages[last_user].get("content") if last_user >= 0 else ""
         text = text if isinstance(text, str) else ""
         key = conversation if conversation is not None else conversation_key(messages)
-        tool_turn = any(m.get("role") == "tool" for m in messages[-3:])
+        key = key and f"{scope}\x00{key}"
+        # Tool results answer this turn's request, after its user message; a later turn's
+        # history still holds them, but they belong to the turn that opened the window.
+        tool_turn = any(m.get("role") == "tool" for m in messages[last_user + 1 :])
         with self._lock:
             memory = self._memory.get(key)
             if reasoning_effort is not None:
@@ -93,8 +106,8 @@ class Router:
                 reason, detail = "scored", scored.reasons
                 if memory is not None and memory.turns_left > 0 and memory.effort > effort:
                     effort, reason = memory.effort, "carried"
-                elif memory is not None and memory.last > effort and _follows_up(text):
-                    effort, reason = memory.last, "follow-up"
+                elif memory is not None and min(memory.last, memory.effort) > effort and _follows_up(text):
+                    effort, reason = min(memory.last, memory.effort), "follow-up"
             self._remember(key, memory, effort, heavy_turn=own >= self.threshold or tool_turn, own=own)
             model = self.heavy if effort >= self.threshold else self.light
             self.routed[(model, effort)] += 1
@@ -137,5 +150,8 @@ def conversation_key(messages: Sequence[dict]) -> str:
 
 
 def _follows_up(text: str) -> bool:
-    """A short message that refers back to what came before."""
-    return len(text.split()) <= SHORT_FOLLOW_UP_WORDS and bool(_REFERS_BACK.search(text))
+    """A short message that refers back to what came before, and is not a thanks or goodbye
+    (a greeting or acknowledgement that asks nothing: "thanks, that helped", "ok and bye")."""
+    if len(text.split()) > SHORT_FOLLOW_UP_WORDS or not _REFERS_BACK.search(text):
+        return False
+    return "?" in text or not markers(text)["a greeting"]

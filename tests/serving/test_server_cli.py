@@ -4,6 +4,7 @@ engine loop has died."""
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import re
@@ -337,6 +338,7 @@ def test_health_names_a_dead_engine_and_the_other_model_keeps_serving(monkeypatc
     from starlette.testclient import TestClient
 
     import aither_jax as aj
+    from aither_jax.fleet.router import Router
     from serving.api import ServedModel, build_app
     from serving.async_engine import AsyncEngine
     from serving.metrics import Metrics
@@ -350,7 +352,7 @@ def test_health_names_a_dead_engine_and_the_other_model_keeps_serving(monkeypatc
     monkeypatch.setattr(broken.engine, "step", broken_step)
     engines = [AsyncEngine(llm.engine, Metrics(name), max_waiting=4) for llm, name in ((broken, "a"), (healthy, "b"))]
     served = [ServedModel(name, e, broken.tokenizer, 256) for name, e in zip("ab", engines, strict=True)]
-    app = build_app(served, ServerConfig(secret=b"s" * 32))
+    app = build_app(served, ServerConfig(secret=b"s" * 32), router=Router("b", "a"))  # "a" is the heavy one
     for e in engines:
         e.start()
     try:
@@ -366,6 +368,20 @@ def test_health_names_a_dead_engine_and_the_other_model_keeps_serving(monkeypatc
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
         r = client.post("/v1/completions", json=body | {"model": "b"})  # the other model still serves
         assert r.status_code == 200 and r.json()["model"] == "b" and r.json()["usage"]["completion_tokens"] == 4
+        # A request routed to the dead model is served by the live one.
+        heavy = {"model": "auto", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "user": "u"}
+        chat = functools.partial(client.post, "/v1/chat/completions")
+        r = chat(json=heavy | {"reasoning_effort": "high"}, headers={"X-Tenant-Id": "t1"})
+        assert r.status_code == 200 and r.json()["model"] == "b"
+        # Its conversation carries its effort for the tenant that had it, not for another one.
+        light = heavy | {"messages": [{"role": "user", "content": "ok"}]}
+        for tenant in ("t2", "t1"):
+            assert chat(json=light, headers={"X-Tenant-Id": tenant}).status_code == 200
+        routed = {line for line in client.get("/metrics").text.splitlines() if line.startswith("aither:routed")}
+        for effort, reason in (("5", "reasoning_effort"), ("1", "scored"), ("5", "carried")):
+            assert f'aither:routed_requests_total{{effort="{effort}",model_name="b",reason="{reason}"}} 1.0' in routed
+        tool = [{"role": "user", "content": "find me a flight"}, {"role": "tool", "content": "LH123 at 9:40"}]
+        assert chat(json=light | {"model": "b", "messages": tool}).status_code == 200
         metrics = client.get("/metrics").text  # still scrapeable: one family header, a series per model
         assert metrics.count("# TYPE vllm:num_requests_running gauge") == 1
         assert 'vllm:num_requests_running{model_name="a"}' in metrics

@@ -85,6 +85,27 @@ def test_a_heavy_turn_carries_for_three_turns_then_decays():
     assert r.routed[("big", first.effort)] >= 1
 
 
+def test_past_the_window_follow_ups_draw_on_a_decaying_effort_and_come_down():
+    """A run of short follow-ups that refer back stays with the heavy turn only while the
+    remembered effort, down a level per turn past the window, is heavy; thanks are no follow-up."""
+    r = Router("small", "big", carry_turns=1)
+    conv = [SYSTEM, {"role": "user", "content": "Prove that there are infinitely many primes."}]
+    assert r.route(conv).effort == 5
+    conv = turn(conv, "ok")
+    assert r.route(conv).reason == "carried"
+    routes = []
+    for _ in range(5):
+        conv = turn(conv, "and what about them?")
+        routes.append(r.route(conv))
+    assert [(x.reason, x.effort) for x in routes[:3]] == [("follow-up", 5), ("follow-up", 4), ("follow-up", 3)]
+    assert [x.model for x in routes] == ["big", "big", "big", "small", "small"]
+    r = Router("small", "big", carry_turns=0)
+    conv = [SYSTEM, {"role": "user", "content": RESEARCH}]
+    r.route(conv)
+    assert r.route(turn(conv, "thanks, that helped")).model == "small"
+    assert r.route(turn(conv, "ok and bye")).model == "small"
+
+
 def test_a_short_follow_up_that_refers_back_is_routed_like_the_turn_before():
     r = Router("small", "big", carry_turns=0)
     conv = [SYSTEM, {"role": "user", "content": RESEARCH}]
@@ -107,11 +128,25 @@ def test_conversations_are_told_apart_by_their_leading_messages_or_their_key():
     assert r.route([{"role": "user", "content": "ok"}], conversation="session-2").model == "small"
 
 
-def test_tool_results_open_a_carry_window():
+def test_tool_results_open_a_carry_window_of_three_turns():
     r = Router("small", "big")
     conv = [SYSTEM, {"role": "user", "content": "find me a flight"}, {"role": "tool", "content": "results..."}]
     r.route(conv)
-    assert r.route(turn(conv, "ok")).model == "big"
+    models = []
+    for _ in range(4):  # each later turn's history still holds the tool result: it opens no new window
+        conv = turn(conv, "ok")
+        models.append(r.route(conv).model)
+    assert models == ["big", "big", "big", "small"]
+
+
+def test_conversations_of_two_scopes_are_two_conversations():
+    r = Router("small", "big")
+    research = [SYSTEM, {"role": "user", "content": RESEARCH}]
+    r.route(research, scope="tenant-a")
+    assert r.route(turn(research, "ok"), scope="tenant-b").model == "small"
+    assert r.route(turn(research, "ok"), scope="tenant-a").model == "big"
+    r.route([{"role": "user", "content": RESEARCH}], conversation="s", scope="tenant-a")
+    assert r.route([{"role": "user", "content": "ok"}], conversation="s", scope="tenant-b").model == "small"
 
 
 def test_bad_settings_are_refused():
