@@ -65,12 +65,20 @@ def tree_bytes(tree) -> int:
 
 def device_budget(memory_budget_gib: float | None, gpu_memory_utilization: float | None) -> int:
     """The device bytes to plan: an explicit budget, or a fraction of the accelerator's memory
-    less what is already in use. Raises ValueError when neither applies (CPU needs a budget)."""
+    less what is already in use. Raises ValueError when neither applies (CPU needs a budget),
+    and for an explicit budget above what an accelerator that reports its memory has free."""
+    stats = jax.devices()[0].memory_stats() or {}
     if memory_budget_gib is not None:
         if not memory_budget_gib > 0:
             raise ValueError(f"the memory budget must be positive GiB, got {memory_budget_gib!r}")
-        return int(memory_budget_gib * GIB)
-    stats = jax.devices()[0].memory_stats() or {}
+        budget = int(memory_budget_gib * GIB)
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        if stats.get("bytes_limit") and budget > free:
+            raise ValueError(
+                f"a memory budget of {memory_budget_gib:g} GiB is more than the {free / GIB:.2f} GiB free on "
+                f"{jax.devices()[0].device_kind}: give at most that"
+            )
+        return budget
     if gpu_memory_utilization is None or not stats.get("bytes_limit"):
         raise ValueError(
             f"several models need a memory budget: give memory_budget_gib (--memory-budget), or on an accelerator "

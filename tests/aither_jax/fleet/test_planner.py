@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from aither_jax.fleet import fleet
 from aither_jax.fleet.planner import MIB, ModelNeeds, PlanError, plan_memory
 
 
@@ -54,3 +55,17 @@ def test_the_table_and_json_list_every_zone_and_the_host_tier_is_not_charged():
     assert "unassigned" in table and "budget" in table and "1,000.0" in table
     js = plan.to_json()
     assert js["budget_bytes"] == 1000 * MIB and len(js["zones"]) == len(plan.zones)
+
+
+def test_an_explicit_budget_is_refused_above_what_the_accelerator_has_free(monkeypatch):
+    class Device:
+        device_kind = "NVIDIA H200"
+
+        def memory_stats(self):
+            return {"bytes_limit": 10 * fleet.GIB, "bytes_in_use": 2 * fleet.GIB}
+
+    monkeypatch.setattr(fleet.jax, "devices", lambda: [Device()])
+    assert fleet.device_budget(8, None) == 8 * fleet.GIB
+    with pytest.raises(ValueError, match="more than the 8.00 GiB free on NVIDIA H200"):
+        fleet.device_budget(8.5, None)
+    assert fleet.device_budget(None, 0.5) == 3 * fleet.GIB  # half the memory, less what is in use
