@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -151,6 +152,8 @@ class LLM:
             the newest query's estimate), "qk" (the newest query's estimated attention share from
             each page's mean key), "lru" (most recently written first) or "window" (sinks and the
             newest pages, no protection).
+        chat_template: jinja2 source that replaces the model's chat template for this `LLM`
+            (`chat`, `context`) only; other `LLM`s of the model keep theirs.
         progress: show progress bars while loading and generating.
     """
 
@@ -185,6 +188,7 @@ class LLM:
         max_resident_tokens: int | None = None,
         residency_tau: int = 64,
         residency_scorer: str = "attention",
+        chat_template: str | None = None,
         progress: bool = True,
         _cache_fill_value: float = 0.0,
         _num_layers: int | None = None,
@@ -200,6 +204,9 @@ class LLM:
         self.model = load_model(model, dtype, progress=progress, num_layers=_num_layers)
         self.model_path, self.model_name, self.dtype = self.model.path, model, dtype
         self.config, self.tokenizer = self.model.config, self.model.tokenizer
+        if chat_template is not None:  # the loaded model's tokenizer is shared: change a copy
+            self.tokenizer = copy.copy(self.tokenizer)
+            self.tokenizer.set_chat_template(chat_template)
         self.load_seconds = self.model.load_seconds
         self.sampling_defaults = default_sampling(model)  # what `sampling_params=None` samples with
         max_model_len = self.config.max_context if max_model_len is None else max_model_len

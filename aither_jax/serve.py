@@ -526,14 +526,14 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
         **residency_kwargs(args),
         progress=True,
     )
-    per_model, templates = {}, {}
+    per_model = {}
     for name in names:
         opts = dict(own[name])
         opts.pop("served_model_name", None)
         if "chat_template" in opts:
-            templates[name] = _chat_template(opts.pop("chat_template"))
+            opts["chat_template"] = _chat_template(opts["chat_template"])
         elif args.chat_template is not None:
-            templates[name] = _chat_template(args.chat_template)
+            opts["chat_template"] = _chat_template(args.chat_template)
         if "speculative_config" in opts:
             opts["speculative"] = opts.pop("speculative_config")
         if args.kv_cache_dir is not None:  # several models: a directory each (their pages never mix)
@@ -563,8 +563,6 @@ def _load(args: argparse.Namespace, own: dict[str, dict]):
             llms, plan = fleet.llms, fleet.plan
             router = fleet.router if several else None
             log.info("memory plan:\n%s", plan.table())
-        for name, template in templates.items():
-            llms[name].tokenizer.set_chat_template(template)
     except (GGUFError, ChatTemplateError) as e:
         raise ValueError(str(e)) from None
     return fleet, llms, plan, router

@@ -212,3 +212,18 @@ def test_control_token_text_in_a_message_is_encoded_as_text(tokenizer, role):
     clean = [SYSTEM, {"role": role, "content": "Hi there."}, USER]
     text = tokenizer.apply_chat_template(clean)
     assert chat_prompt(tokenizer, clean).ids == tokenizer.encode_prompt(text)
+
+
+def test_an_llms_own_chat_template_leaves_the_models_other_llms_theirs():
+    import aither_jax as aj
+    from tests.conftest import MODEL, TINY
+
+    plain = aj.LLM(MODEL, dtype="float32", kv_cache_dtype="fp32", max_model_len=64, num_pages=8, progress=False, **TINY)
+    own = aj.LLM(
+        MODEL, dtype="float32", kv_cache_dtype="fp32", max_model_len=64, num_pages=8, progress=False,
+        chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}", **TINY,
+    )  # fmt: skip
+    assert own.tokenizer.decode(chat_prompt(own.tokenizer, [USER]).ids) == f"[user] {USER['content']}\n"
+    assert plain.tokenizer.apply_chat_template([USER]).startswith("<|im_start|>")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        aj.LLM(MODEL, max_model_len=64, num_pages=8, progress=False, chat_template="{% bad %}", **TINY)
