@@ -55,12 +55,16 @@ def _here(_model: str, fn: Callable[[], T]) -> T:
 
 def tree_bytes(tree) -> int:
     """Bytes of the distinct arrays in a pytree (a tied embedding counts once)."""
-    seen, total = set(), 0
-    for leaf in jax.tree.leaves(tree):
-        if id(leaf) not in seen:
-            seen.add(id(leaf))
-            total += math.prod(leaf.shape) * leaf.dtype.itemsize
-    return total
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in _distinct_leaves(tree))
+
+
+def tree_params(tree) -> int:
+    """Elements of the distinct arrays in a pytree: a model's parameter count, whatever its dtype."""
+    return sum(math.prod(leaf.shape) for leaf in _distinct_leaves(tree))
+
+
+def _distinct_leaves(tree) -> list:
+    return list({id(leaf): leaf for leaf in jax.tree.leaves(tree)}.values())
 
 
 def device_budget(memory_budget_gib: float | None, gpu_memory_utilization: float | None) -> int:
@@ -231,10 +235,10 @@ class Fleet:
                     )
                 llm.before_steps = self.rebalance
         self._handles = handles  # keeps the loaded weights shared with the engines
-        sizes = {n.name: n.weight_bytes for n in needs}
         if heavy is not None and heavy not in self.llms:
             raise ValueError(f"heavy model {heavy!r} is not one of {list(self.llms)}")
-        heavy = heavy or max(sizes, key=sizes.get)
+        params = {name: tree_params(handle.weights) for name, handle in handles.items()}
+        heavy = heavy or max(params, key=params.get)  # by parameters: per-model dtypes do not decide
         light = next((m for m in self.llms if m != heavy), heavy)
         self.router = Router(light, heavy, threshold=threshold)
 
@@ -396,12 +400,23 @@ class Fleet:
         ]
         return self._fan_out(targets, conversations, sampling_params, use_tqdm, chat=True)
 
-    def generate(self, prompts, sampling_params=None, *, model: str = "auto", use_tqdm: bool | None = None):
-        """`LLM.generate` on the named model, or routed by each prompt's effort."""
+    def generate(
+        self,
+        prompts,
+        sampling_params=None,
+        *,
+        model: str = "auto",
+        reasoning_effort: str | None = None,
+        use_tqdm: bool | None = None,
+    ):
+        """`LLM.generate` on the named model, or routed by each prompt's effort (or the
+        `reasoning_effort` given)."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        route = self.router.route_text
         targets = [
-            self._target(model, lambda p=p: self.router.route_text(p if isinstance(p, str) else "")) for p in prompts
+            self._target(model, lambda p=p: route(p if isinstance(p, str) else "", reasoning_effort=reasoning_effort))
+            for p in prompts
         ]
         return self._fan_out(targets, prompts, sampling_params, use_tqdm, chat=False)
 

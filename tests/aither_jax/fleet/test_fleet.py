@@ -67,6 +67,9 @@ def test_auto_routes_by_effort(fleet):
     outs = fleet.chat([easy, hard], GREEDY, model="auto")
     assert [o.model for o in outs] == list(MODELS)
     assert outs[1].prompt_token_ids[:2] == [2, 105]  # <bos><start_of_turn>
+    assert fleet.router.heavy == "gemma3-270m"  # the one with more parameters
+    outs = fleet.generate(["hi there!", "hi there!"], GREEDY, model="auto", reasoning_effort="high")
+    assert [o.model for o in outs] == ["gemma3-270m"] * 2
 
 
 def test_budgets_that_do_not_fit_are_refused(monkeypatch):

@@ -69,3 +69,12 @@ def test_an_explicit_budget_is_refused_above_what_the_accelerator_has_free(monke
     with pytest.raises(ValueError, match="more than the 8.00 GiB free on NVIDIA H200"):
         fleet.device_budget(8.5, None)
     assert fleet.device_budget(None, 0.5) == 3 * fleet.GIB  # half the memory, less what is in use
+
+
+def test_parameters_are_counted_whatever_the_dtype_and_a_tied_array_once():
+    import jax.numpy as jnp
+
+    embed = jnp.zeros((10, 4), jnp.bfloat16)
+    tree = {"embed": embed, "head": embed, "w": jnp.zeros((4, 4), jnp.float32)}
+    assert fleet.tree_params(tree) == 56
+    assert fleet.tree_bytes(tree) == 10 * 4 * 2 + 16 * 4
