@@ -446,7 +446,7 @@ def build_app(
             ctx.context_budget, ctx.prefill_budget = budget, options.prefill_budget
         contexts.move_to_end(key)
         while len(contexts) > MAX_CONTEXTS:
-            contexts.popitem(last=False)
+            served.engine.release_pin(contexts.popitem(last=False)[1].pin_key)
         prompt = ctx.assemble(sections, pinned=breakpoint)
         return prompt if options.report else dataclasses.replace(prompt, report=None)
 
@@ -567,7 +567,8 @@ def build_app(
         if include_usage:
             prompt_tokens = sum(len(j.prompt_ids) for j in jobs if j.index % body.n == 0)
             completion_tokens = sum(len(t) for t in tokens.values())
-            block = protocol.usage(prompt_tokens, completion_tokens, cached, seqs if served.speculative else None)
+            spec = seqs if served.speculative else None
+            block = protocol.usage(prompt_tokens, completion_tokens, cached, spec, jobs[0].prompt.report)
             yield _event(protocol.envelope(rid, kind, name, [], block))
         yield "data: [DONE]\n\n"
 
@@ -615,7 +616,7 @@ async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprob
                 pin_tokens=job.prompt.num_pinned if job.takes_pin else 0,
                 num_logprobs=num_logprobs,
                 sections=job.prompt.sections,
-                unpin_ids=job.prompt.unpin_ids if job.takes_pin else None,
+                pin_key=job.prompt.pin_key if job.takes_pin else None,
             )
             async with contextlib.aclosing(gen) as it:
                 async for update in it:

@@ -131,7 +131,7 @@ class AsyncEngine:
         pin_tokens: int = 0,
         num_logprobs: int | None = None,
         sections: tuple = (),
-        unpin_ids: list[int] | None = None,
+        pin_key: bytes | None = None,
     ) -> AsyncIterator[Update]:
         """Yields the request's updates until it finishes; aborts it if the caller stops early.
         Gives back one place of `reservation` when it ends.
@@ -146,7 +146,7 @@ class AsyncEngine:
             try:
                 seq = self.engine.add_request(
                     prompt_ids, params, salt=salt, pin_tokens=pin_tokens, num_logprobs=num_logprobs,
-                    sections=sections, unpin_ids=unpin_ids,
+                    sections=sections, pin_key=pin_key,
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
@@ -222,6 +222,11 @@ class AsyncEngine:
             return await done
         finally:
             self._calls.discard(done)
+
+    def release_pin(self, pin_key: bytes) -> None:
+        """Drops the pin an owner holds (`Engine.release_pin`), between steps; returns at once."""
+        if self.alive:
+            self._inbox.put(lambda: self.engine.release_pin(pin_key))
 
     def call(self, fn: Callable[[], T], timeout: float = 600.0) -> T:
         """Runs `fn` on the loop thread between steps and returns its result (or raises what it

@@ -50,7 +50,8 @@ class Prompt:
         num_pinned: leading tokens whose cached pages stay pinned (0: none; at most len(ids)).
         text: the text the ids encode (a rendered conversation), or None for ids given as ids.
         sections: the tagged sections' token spans, for the KV pages' block records.
-        unpin_ids: a previously pinned prefix whose pin this prompt replaces (release it).
+        pin_key: the owner of the pin (a `Context`): a pin under a key replaces the key's
+            earlier one when it is taken, and is taken once however many prompts ask for it.
         report: what the context pipeline kept and cut (a `ContextReport`), or None.
     """
 
@@ -58,7 +59,7 @@ class Prompt:
     num_pinned: int = 0
     text: str | None = None
     sections: tuple[SectionSpan, ...] = ()
-    unpin_ids: list[int] = dataclasses.field(default_factory=list)
+    pin_key: bytes | None = None
     report: object | None = None
 
     @property

@@ -16,7 +16,8 @@ cascade). Sections are cut least important first (later sections first among equ
 to their minimum: `tail` keeps the start of a text, `head` keeps its end, `messages` drops
 the oldest messages in steps of `step` messages, so the kept history changes only every
 `step` messages and stays hash-identical (cache hits) in between, `drop` keeps all or
-nothing, and `never` is never cut.
+nothing, and `never` is never cut (over its max_tokens it is refused). The stable prefix is
+pinned under the Context's `pin_key`: the engine holds one pin per key, on the latest prefix.
 
 Every section's token span rides along with the ids (`Prompt.sections`); the scheduler writes
 each page's section tag and importance into its block record (the eviction advisor's input;
@@ -25,14 +26,18 @@ a page spanning two sections takes the more important).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import re
+import secrets
 from collections.abc import Sequence
 
 from aither_jax.context.prompt import ROLE_IMPORTANCE, Prompt, SectionSpan
 from models.tokenizer import CHAT_ROLES, Tokenizer
 
 TRUNCATIONS = ("tail", "head", "messages", "drop", "never")
+MAX_SEEN = 4096  # stable prefixes a Context remembers having seen, least recently seen dropped
 
 
 class ContextError(ValueError):
@@ -52,7 +57,9 @@ class Section:
         stable: expected to repeat byte for byte across requests (the leading run of stable
             sections is the stable prefix, pinned once seen).
         truncate: "tail" (keep the start), "head" (keep the end), "messages" (drop the oldest
-            messages in steps of `step`), "drop" (all or nothing), "never".
+            messages in steps of `step`), "drop" (all or nothing), "never"; None (the default):
+            "tail" for text, "messages" for a list of messages. A list is cut only by "messages",
+            "drop" or "never".
         role: the role of text content.
         step: messages dropped at a time by "messages" truncation.
         source: the source tag its KV pages take, if not `tag` (a chat message's role).
@@ -64,7 +71,7 @@ class Section:
     min_tokens: int = 0
     max_tokens: int | None = None
     stable: bool = False
-    truncate: str = "tail"
+    truncate: str | None = None
     role: str = "system"
     step: int = 4
     source: str | None = None
@@ -73,6 +80,10 @@ class Section:
         if not isinstance(self.tag, str) or not self.tag:
             raise ContextError(f"a section's tag must be a non-empty string, got {self.tag!r}")
         where = f"section {self.tag!r}"
+        if not isinstance(self.stable, bool):
+            raise ContextError(f"{where}: stable must be true or false, got {self.stable!r}")
+        if self.truncate is None:
+            object.__setattr__(self, "truncate", "tail" if isinstance(self.content, str) else "messages")
         if isinstance(self.importance, bool) or not isinstance(self.importance, int | float):
             raise ContextError(f"{where}: importance must be a number in [0, 1], got {self.importance!r}")
         if not 0 <= self.importance <= 1:
@@ -97,6 +108,10 @@ class Section:
             for m in self.content
         ):
             object.__setattr__(self, "content", tuple(dict(m) for m in self.content))
+            if self.truncate in ("tail", "head"):
+                raise ContextError(
+                    f"{where}: a list of messages is cut by 'messages', 'drop' or 'never', not {self.truncate!r}"
+                )
         else:
             raise ContextError(f"{where}: content must be text or a list of {{'role', 'content'}} messages")
 
@@ -175,8 +190,10 @@ class Context:
         self.tokenizer = tokenizer
         self.context_budget = context_budget
         self.prefill_budget = prefill_budget
-        self._seen: set[str] = set()
-        self.pinned: tuple[str, list[int]] | None = None  # (hash, ids) of the pinned stable prefix
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # The owner of this context's pin: the engine keeps one pin per key, the latest stable
+        # prefix asked for, taken once however many prompts ask (`Scheduler.pin`).
+        self.pin_key = secrets.token_bytes(16)
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -267,6 +284,8 @@ class Context:
         # the prefill budget, which a cached stable prefix no longer uses.
         room = self.context_budget - stable_tokens - tail
         uncached = room if self.prefill_budget is None else min(room, self.prefill_budget - stable_tokens - tail)
+        if uncached < 0 <= room and not cached:
+            uncached = room  # a stable prefix over the prefill budget alone is paid once, when first seen
         downstream = (
             uncached if not cached else (room if self.prefill_budget is None else min(room, self.prefill_budget - tail))
         )
@@ -275,9 +294,10 @@ class Context:
                 f"the stable prefix ({', '.join(tags[:num_stable])}) takes {stable_tokens} tokens: more than the "
                 f"budget allows"
             )
-        for s, size in zip(sections[:num_stable], sizes[:num_stable], strict=True):
-            if s.max_tokens is not None and size > s.max_tokens:
-                raise ContextError(f"section {s.tag!r}: stable sections are never cut; {size} tokens > max_tokens")
+        for i, (s, size) in enumerate(zip(sections, sizes, strict=True)):
+            if (i < num_stable or s.truncate == "never") and s.max_tokens is not None and size > s.max_tokens:
+                kind = "stable sections are" if i < num_stable else "a 'never' section is"
+                raise ContextError(f"section {s.tag!r}: {kind} never cut; {size} tokens > max_tokens {s.max_tokens}")
         budgets = self._allocate(sections[num_stable:], sizes[num_stable:], downstream)
         parts = [s.messages() for s in sections[:num_stable]]
         how: list[str | None] = [None] * num_stable
@@ -286,6 +306,11 @@ class Context:
             parts.append(messages)
             how.append(cut)
         ids, ends = self._render(parts)
+        if len(ids) > self.context_budget:  # a template may write a cut conversation longer (a default system prompt)
+            raise ContextError(
+                f"the assembled prompt is {len(ids)} tokens, over the context budget of {self.context_budget}: "
+                "give the sections that may be cut smaller budgets, or the context a larger one"
+            )
         starts = [0, *ends[:-1]]
         wanted = [_wanted(s, size) for s, size in zip(sections, sizes, strict=True)]
         reports = tuple(
@@ -298,22 +323,18 @@ class Context:
             reports, self.context_budget, self.prefill_budget, len(ids), stable_tokens, stable_hash, cached,
             downstream, uncached, len(ids) - (stable_tokens if cached else 0),
         )  # fmt: skip
-        unpin: list[int] = []
-        num_pinned = 0
-        if cached:
-            num_pinned = stable_tokens
-            if self.pinned is not None and self.pinned[0] != stable_hash:
-                unpin = self.pinned[1]  # the old stable prefix: its pin goes
-            if self.pinned is None or self.pinned[0] != stable_hash:
-                self.pinned = (stable_hash, ids[:stable_tokens])
-        if stable_hash is not None:
-            self._seen.add(stable_hash)
         spans = tuple(
             SectionSpan(s.source or s.tag, s.importance, r.start, r.stop)
             for s, r in zip(sections, reports, strict=True)
             if r.stop > r.start
         )
-        return Prompt(ids, num_pinned, None, sections=spans, unpin_ids=unpin, report=report)
+        if stable_hash is not None:
+            self._seen[stable_hash] = None
+            self._seen.move_to_end(stable_hash)
+            while len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
+        num_pinned = stable_tokens if cached else 0
+        return Prompt(ids, num_pinned, None, sections=spans, pin_key=self.pin_key if cached else None, report=report)
 
     def _allocate(self, sections: list[Section], sizes: list[int], budget: int) -> list[int]:
         """Token budgets for the downstream sections within `budget`: each its full size (at most
@@ -352,6 +373,7 @@ def prefix_hash(ids: Sequence[int]) -> str:
 
 
 SECTION_FIELDS = ("tag", "importance", "stable", "truncate", "min_tokens", "max_tokens", "step")
+_AUTOMATIC = re.compile(r"message-\d+")  # the tags of untagged messages
 
 
 def sections_from_messages(messages: Sequence[dict]) -> tuple[list[Section], bool]:
@@ -374,6 +396,11 @@ def sections_from_messages(messages: Sequence[dict]) -> tuple[list[Section], boo
         if unknown:
             raise ContextError(f"message {i}: unknown section fields {sorted(unknown)}; allowed: {SECTION_FIELDS}")
         tag = spec.get("tag")
+        if tag is not None and (not isinstance(tag, str) or not tag or _AUTOMATIC.fullmatch(tag)):
+            raise ContextError(
+                f"message {i}: a section's tag must be a non-empty string other than message-N (the name of an "
+                f"untagged message), got {tag!r}"
+            )
         if tag is None or not groups or groups[-1][0] != tag:
             groups.append((tag if tag is not None else f"message-{i}", spec, []))
         elif spec:

@@ -299,7 +299,7 @@ class Engine:
         pin_tokens: int = 0,
         num_logprobs: int | None = None,
         sections: tuple = (),
-        unpin_ids: list[int] | None = None,
+        pin_key: bytes | None = None,
     ) -> Sequence:
         """Queues a tokenized prompt. Raises ValueError if it can never fit.
 
@@ -308,8 +308,9 @@ class Engine:
             pin_tokens: pin the cached pages of this many leading prompt tokens once computed.
             sections: `SectionSpan`s of the prompt (context/sections.py): the KV pages their
                 tokens fill take their tag and importance.
-            unpin_ids: a stable prefix this prompt's pin replaces: its pin is dropped first
-                (`unpin`; nothing without prefix caching).
+            pin_key: the owner of the pin (a context pipeline's `Context`): once computed, the
+                pin replaces the owner's earlier one, and a prefix the owner holds pinned is
+                not pinned again (`Scheduler.pin`).
             num_logprobs: None for no log-probabilities, else how many top alternatives to
                 record beside each sampled token's.
         """
@@ -340,13 +341,12 @@ class Engine:
             frozenset(stop_ids),
             salt=salt,
             pin_tokens=min(int(pin_tokens), len(prompt_ids)),
+            pin_key=pin_key,
             num_logprobs=num_logprobs,
             sections=tuple(sections),
         )
         if self.bounded is not None:
             self.bounded.check(seq)
-        if unpin_ids and self.scheduler.prefix_cache is not None:
-            self.unpin(unpin_ids, salt)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
@@ -362,6 +362,10 @@ class Engine:
         if cache is None:
             raise ValueError("prefix caching is off: nothing is pinned")
         return cache.unpin(hash_chain(salt, prompt_ids, self.page_size))
+
+    def release_pin(self, pin_key: bytes) -> int:
+        """Drops the pin an owner (`add_request`'s `pin_key`) holds; returns the pages unpinned."""
+        return self.scheduler.release_pin(pin_key)
 
     def abort(self, seq: Sequence) -> None:
         """Stops a request and returns its slot and pages."""

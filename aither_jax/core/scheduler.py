@@ -136,6 +136,7 @@ class Scheduler:
         self._computing: set[bytes] = set()  # names of pages that running prefills will fill
         self.promoted: list[bytes] = []  # pages promoted at admission, whose graph neighbours may follow (Residency)
         self.named: list[tuple[bytes, int]] = []  # (name, page) of pages named since the engine last took them
+        self._owned_pins: dict[bytes, list[bytes]] = {}  # a pin owner's key -> the names it holds pinned
         self.lookahead = 0  # draft tokens a decoding row may carry (speculative decoding)
         self.bounded = None  # core/bounded.py: each sequence's device pages capped, the rest on the host
         # Counters (tokens unless named otherwise), read by the metrics.
@@ -518,7 +519,26 @@ class Scheduler:
         if graph is not None and seq.sections and seq.num_cached >= len(seq.prompt_ids) > seq.num_cached - num_new:
             link_memories(graph, seq, self.page_size)
         if seq.pin_tokens and seq.num_pinned_pages is None and seq.num_cached >= seq.pin_tokens:
-            seq.num_pinned_pages = self.prefix_cache.pin(seq.names[: seq.pin_tokens // self.page_size])
+            seq.num_pinned_pages = self.pin(seq.names[: seq.pin_tokens // self.page_size], seq.pin_key)
+
+    def pin(self, names: list[bytes], key: bytes | None = None) -> int:
+        """Pins the cached pages `names` (`PrefixCache.pin`); returns the pages pinned. Under
+        an owner's `key` the pin replaces the one the owner held, and pages the owner holds
+        pinned already are not pinned again, so an owner holds at most one pin on a page."""
+        if key is None:
+            return self.prefix_cache.pin(names)
+        held = self._owned_pins.get(key, [])
+        if held == names and self.prefix_cache.num_pinned_of(held) == len(held):
+            return len(held)
+        self.prefix_cache.unpin(held)
+        done = self.prefix_cache.pin(names)
+        self._owned_pins[key] = names[:done]
+        return done
+
+    def release_pin(self, key: bytes) -> int:
+        """Drops the pin an owner holds (`pin`); returns the pages unpinned."""
+        held = self._owned_pins.pop(key, [])
+        return self.prefix_cache.unpin(held) if held and self.prefix_cache is not None else 0
 
     def finish(self) -> list[Sequence]:
         """Releases and returns the running sequences that have finished."""

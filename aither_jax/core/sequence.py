@@ -20,6 +20,7 @@ class Sequence:
     stop_ids: frozenset[int]
     salt: bytes = b""  # root of the prefix-cache chain (the tenant)
     pin_tokens: int = 0  # pin the full pages of this many leading prompt tokens once computed
+    pin_key: bytes | None = None  # the pin's owner: its pin replaces the owner's last one (Scheduler)
     sections: tuple = ()  # context/prompt.py SectionSpans: the tag and importance of prompt spans
     num_logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k
     output_ids: list[int] = dataclasses.field(default_factory=list)

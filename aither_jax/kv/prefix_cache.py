@@ -407,6 +407,10 @@ class PrefixCache:
             done += 1
         return done
 
+    def num_pinned_of(self, names: Sequence[bytes]) -> int:
+        """How many of the pages named `names` are cached and pinned."""
+        return sum(1 for name in names if (page := self._full.get(name)) is not None and self.blocks[page].pins)
+
     def unpin(self, names: Sequence[bytes]) -> int:
         """Drops one pin from each named page; returns the pages unpinned."""
         done = 0

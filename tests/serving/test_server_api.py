@@ -538,6 +538,12 @@ def test_sections_cache_control_and_prompt_cache_key_through_the_openai_client(s
     )  # fmt: skip
     assert second.usage.prompt_tokens_details.cached_tokens >= 16 * pages
     assert second.usage.model_extra["context"]["stable_hash"] == report["stable_hash"]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=sectioned("Other news: the ferry is late.", "Is the ferry late?"), max_tokens=2,
+        temperature=0, extra_body=extra, extra_headers=headers, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].model_extra["context"]["stable_hash"] == report["stable_hash"]  # streamed, the report too
 
 
 @pytest.mark.parametrize(
@@ -546,6 +552,8 @@ def test_sections_cache_control_and_prompt_cache_key_through_the_openai_client(s
         ({"tag": "knowledge", "truncate": "middle"}, "section 'knowledge': truncate must be one of"),
         ({"tag": "knowledge", "importance": -1}, "section 'knowledge': importance must be in [0, 1]"),
         ({"tag": "knowledge", "colour": "red"}, "unknown section fields ['colour']"),
+        ({"tag": ["knowledge"]}, "message 0: a section's tag must be a non-empty string"),
+        ({"tag": "knowledge", "stable": "false"}, "section 'knowledge': stable must be true or false"),
     ],
 )
 def test_bad_sections_get_a_400_naming_the_section(server, section, fragment):

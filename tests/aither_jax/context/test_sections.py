@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from aither_jax.context import sections as sections_module
 from aither_jax.context.sections import Context, ContextError, Section, prefix_hash, sections_from_messages
 from models.gguf_file import GGUFFile
 from models.registry import resolve_model
@@ -127,8 +128,11 @@ def test_the_pin_follows_the_stable_prefix(tok):
     p1 = ctx.assemble(a)
     p2 = ctx.assemble(a)
     p3 = ctx.assemble(b, pinned=True)
-    assert p1.num_pinned == 0 and p2.num_pinned == p2.report.stable_tokens > 0 and not p2.unpin_ids
-    assert p3.num_pinned == p3.report.stable_tokens and p3.unpin_ids == p2.ids[: p2.num_pinned]
+    assert p1.num_pinned == 0 and p1.pin_key is None
+    assert p2.num_pinned == p2.report.stable_tokens > 0 and p2.pin_key == ctx.pin_key
+    # Under the context's key the engine replaces the old prefix's pin with the new one.
+    assert p3.num_pinned == p3.report.stable_tokens and p3.pin_key == ctx.pin_key
+    assert Context(tok, context_budget=4096).pin_key != ctx.pin_key
 
 
 @pytest.mark.parametrize(
@@ -140,6 +144,8 @@ def test_the_pin_follows_the_stable_prefix(tok):
         (dict(tag="x", content="a", truncate="messages"), "'messages' truncation needs a list"),
         (dict(tag="x", content=[{"role": "boss", "content": "a"}]), "section 'x': content must be"),
         (dict(tag="", content="a"), "tag must be a non-empty string"),
+        (dict(tag="x", content="a", stable="false"), "section 'x': stable must be true or false"),
+        (dict(tag="x", content=[{"role": "user", "content": "a"}], truncate="tail"), "cut by 'messages', 'drop'"),
     ],
 )
 def test_bad_sections_are_refused_with_their_name(section, message):
@@ -158,3 +164,57 @@ def test_untagged_messages_fill_pages_known_by_their_role(tok):
     prompt = Context(tok, context_budget=2048).assemble(sections)
     spans = [(s.tag, s.importance) for s in prompt.sections]
     assert spans == [("identity", 0.9), ("system", 1.0), ("user", 0.5), ("assistant", 0.7)]
+
+
+def test_a_list_of_messages_is_cut_by_messages_unless_told_and_a_never_section_is_never_cut(tok):
+    history = [{"role": "user", "content": f"Question {i} about the tides?"} for i in range(8)]
+    assert Section("history", history).truncate == "messages" and Section("text", "a").truncate == "tail"
+    ctx = Context(tok, context_budget=4096)
+    with pytest.raises(ContextError, match="section 'q': a 'never' section is never cut; .* > max_tokens 4"):
+        ctx.assemble([Section("q", "When is high tide at the harbour?", truncate="never", max_tokens=4)])
+
+
+def test_a_stable_prefix_over_the_prefill_budget_is_paid_once_then_cached(tok):
+    sections = [*system_layers(), Section("q", "When is high tide?", role="user", truncate="never")]
+    ctx = Context(tok, context_budget=4096, prefill_budget=20)
+    first = ctx.assemble(sections).report
+    assert not first.stable_cached and first.stable_tokens > 20 and first.sections[-1].kept > 0
+    second = ctx.assemble(sections).report
+    assert second.stable_cached and second.prefill_tokens <= 20
+
+
+def test_the_assembled_prompt_never_exceeds_the_context_budget(tok):
+    # SmolLM2's template writes its default system prompt when no system message leads: a
+    # dropped leading section lengthens what is left.
+    sections = [Section("lead", IDENTITY, truncate="drop", importance=0.1), Section("q", "Hi there", role="user")]
+    ctx = Context(tok, context_budget=15)
+    with pytest.raises(ContextError, match="over the context budget of 15"):
+        ctx.assemble(sections)
+
+
+def test_the_stable_prefixes_seen_are_bounded(tok, monkeypatch):
+    monkeypatch.setattr(sections_module, "MAX_SEEN", 2)
+    ctx = Context(tok, context_budget=4096)
+    for rule in ("one", "two", "three"):
+        ctx.assemble([Section("identity", f"{IDENTITY} Rule {rule}.", stable=True), Section("q", "Hi", role="user")])
+    assert len(ctx._seen) == 2
+    again = [Section("identity", f"{IDENTITY} Rule one.", stable=True), Section("q", "Hi", role="user")]
+    assert not ctx.assemble(again).report.stable_cached  # the oldest was forgotten
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"tag": ["a"]}, "message 1: a section's tag must be a non-empty string"),
+        ({"tag": 3}, "message 1: a section's tag must be a non-empty string"),
+        ({"tag": "message-0"}, "other than message-N"),
+    ],
+)
+def test_bad_message_tags_are_refused(section, message):
+    messages = [
+        {"role": "system", "content": IDENTITY},
+        {"role": "user", "content": "Hi", "section": section},
+        {"role": "user", "content": "Hello", "section": section},
+    ]
+    with pytest.raises(ContextError, match=message):
+        sections_from_messages(messages)

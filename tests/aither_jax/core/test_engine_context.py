@@ -46,11 +46,15 @@ def test_pages_carry_their_sections_tags_and_the_stable_prefix_is_pinned_once_se
     second = ctx.assemble(sections("And low tide?"))
     llm.generate(second, GREEDY)
     assert second.num_pinned == spans["identity"].stop and cache.num_pinned == spans["identity"].stop // 16
+    llm.generate(ctx.assemble(sections("And tomorrow?")), GREEDY)  # asks again: the pin is taken once
+    assert {b.pins for b in cache.blocks.blocks if b.pins} == {1}
 
     changed = ctx.assemble(sections("And now?", IDENTITY + "You speak French."), pinned=True)
     llm.generate(changed, GREEDY)
-    assert changed.unpin_ids == second.ids[: second.num_pinned]
-    assert cache.num_pinned == changed.num_pinned // 16  # the old prefix's pins were released
+    assert cache.num_pinned == changed.num_pinned // 16  # the old prefix's pin was released
+    del ctx, second, changed  # a context dropped gives its pin back before the next requests
+    llm.generate(["Hello"], GREEDY)
+    assert cache.num_pinned == 0
 
 
 def test_the_automatic_pin_stays_within_the_pools_cap():

@@ -650,3 +650,32 @@ def test_admission_on_cached_pages_comes_with_a_sink_refill(sink_tokens):
         device.run_until_done()
         seqs += [first, seq]
     check_drained(sched, seqs)
+
+
+def test_an_owners_pin_is_taken_once_and_replaced_by_its_next_prefix():
+    """A context pipeline's requests pin their stable prefix under the context's key: however
+    many ask for it the owner holds one pin, a new prefix releases the old one once computed,
+    and a request that never computes changes nothing."""
+    sched = make_scheduler(num_pages=32, max_num_seqs=2, max_pinned_fraction=0.5)
+    cache, device, key = sched.prefix_cache, FakeDevice(sched), b"context"
+    old, new = list(range(1, 9)), list(range(40, 48))  # two pages each
+
+    def ask(prefix: list[int], tail: int) -> Sequence:
+        seq = make_seq(prefix + [tail], max_tokens=1)
+        seq.pin_tokens, seq.pin_key = len(prefix), key
+        sched.add(seq)
+        return seq
+
+    for tail in (90, 91, 92):
+        seq = ask(old, tail)
+        device.run_until_done()
+        assert seq.num_pinned_pages == 2
+    pinned = [p for p in range(sched.allocator.num_pages) if sched.allocator.blocks[p].pins]
+    assert len(pinned) == 2 and all(sched.allocator.blocks[p].pins == 1 for p in pinned)
+    sched.abort(ask(new, 93))  # never computed: the old pin stays
+    assert cache.num_pinned == 2 and cache.num_pinned_of(seq.names[:2]) == 2
+    ask(new, 94)
+    device.run_until_done()
+    assert cache.num_pinned == 2 and cache.num_pinned_of(seq.names[:2]) == 0  # the old prefix let go
+    assert sched.release_pin(key) == 2 and cache.num_pinned == 0
+    assert sched.release_pin(key) == 0
