@@ -10,10 +10,13 @@ into place, so a reader sees either the whole file or none. Each file carries:
 The header holds the store's fingerprint (everything that makes the bytes meaningful: model
 file, tokenizer, KV format and codec, page size, code version; see `PageStore.fingerprint`),
 the page's name and parent, what its block record knew (tag, importance, token range, hits),
-the payload's length and its SHA-256. Opening a directory indexes
-the files whose header matches; one written under another configuration, torn (short) or
-unreadable is skipped and counted, never loaded. A payload whose checksum fails when read is
-deleted and counted as corrupt, and the lookup is a miss: the page is recomputed.
+the payload's length and its SHA-256. Each configuration keeps its files in a directory of
+its own (`pages/<fingerprint>/`), so stores of two models sharing a root never write the same
+file. Opening a directory indexes the files whose header matches; one torn (short), unreadable
+or with a malformed header is skipped and counted, never loaded. A payload whose checksum (or
+header) fails when read is deleted and counted as corrupt, and the lookup is a miss: the page
+is recomputed. A file that cannot be deleted (a read-only disk) is logged and left; the store
+goes on.
 
 With `background=True` files are written and read on one I/O thread, off the caller's path:
 a write is in the index (and readable, from memory) at once and reaches its file later; `stage`
@@ -79,7 +82,7 @@ class DiskStore:
         if capacity < 1:
             raise DiskStoreError(f"the disk tier must hold at least one page ({page_bytes} bytes), got {capacity}")
         self.root = pathlib.Path(directory)
-        self.dir = self.root / "pages"
+        self.dir = self.root / "pages" / hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -117,8 +120,8 @@ class DiskStore:
                 continue
             found.append((path.stat().st_mtime_ns, header))
         for _, header in sorted(found, key=lambda f: f[0]):
-            parent, name = header["parent"], bytes.fromhex(header["name"])
-            self._index[name] = None if parent is None else bytes.fromhex(parent)
+            name, parent = header["name"], header["parent"]
+            self._index[name] = parent
             if isinstance(header.get("meta"), dict):
                 self._meta[name] = header["meta"]
         if self.counters.num_skipped:
@@ -128,7 +131,8 @@ class DiskStore:
         self._fit(self.capacity)
 
     def _read_header(self, path: pathlib.Path) -> dict | None:
-        """The header of an intact file of this configuration, else None."""
+        """The header of an intact file of this configuration, its name and parent as bytes;
+        None for any other file (torn, foreign, malformed)."""
         try:
             with open(path, "rb") as f:
                 if f.read(len(MAGIC)) != MAGIC:
@@ -144,9 +148,12 @@ class DiskStore:
             return None
         if header.get("payload") != self.page_bytes or size != len(MAGIC) + _LEN.size + n + self.page_bytes:
             return None  # torn, or a page of another layout
-        if path.name != header.get("name", "") + SUFFIX:
+        name, parent, digest = header.get("name"), header.get("parent"), header.get("sha256")
+        if not isinstance(name, str) or path.name != name + SUFFIX or not _hex(name) or not _hex(digest, 32):
             return None
-        return header
+        if parent is not None and not _hex(parent):
+            return None
+        return header | {"name": bytes.fromhex(name), "parent": None if parent is None else bytes.fromhex(parent)}
 
     def _path(self, name: bytes) -> pathlib.Path:
         return self.dir / (name.hex() + SUFFIX)
@@ -158,7 +165,9 @@ class DiskStore:
         return len(self._index)
 
     def parent(self, name: bytes) -> bytes | None:
-        return self._index[name]
+        """The page's parent name (None for a chain's first page, or a page no longer held)."""
+        with self._lock:
+            return self._index.get(name)
 
     def meta(self, name: bytes) -> dict | None:
         """The block metadata written with a page (None without any)."""
@@ -172,8 +181,7 @@ class DiskStore:
         if len(payload) != self.page_bytes:
             raise ValueError(f"a page payload is {self.page_bytes} bytes, got {len(payload)}")
         with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
+            if self.touch(name, meta):
                 return
             self._fit(self.capacity - 1)
             self._index[name] = parent
@@ -187,6 +195,17 @@ class DiskStore:
             payload = bytes(payload)
             self._pending[name] = payload
         self._io.submit(self._write_file, name, parent, payload, meta)
+
+    def touch(self, name: bytes, meta: dict | None = None) -> bool:
+        """Makes a held page the most recently used, with its newer block metadata `meta` (its
+        file keeps what it was written with); returns whether the page is held."""
+        with self._lock:
+            if name not in self._index:
+                return False
+            self._index.move_to_end(name)
+            if meta:
+                self._meta[name] = meta
+            return True
 
     def _write_file(self, name: bytes, parent: bytes | None, payload: bytes, meta: dict | None = None) -> None:
         """Writes a temporary file, fsyncs it, and renames it into place if the page is still
@@ -216,7 +235,7 @@ class DiskStore:
                     tmp = None
                 if current:
                     self._pending.pop(name, None)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - in the background the page is dropped, not the thread
             if self._io is None:
                 with self._lock:
                     self._index.pop(name, None)
@@ -234,9 +253,23 @@ class DiskStore:
                 pathlib.Path(tmp).unlink(missing_ok=True)
 
     def sync(self) -> None:
-        """Returns once every write made so far is on disk."""
+        """Returns once every write made so far is on disk, its directory entry included."""
         if self._io is not None:
-            self._io.submit(lambda: None).result()
+            self._io.submit(self._sync_dir).result()
+        else:
+            self._sync_dir()
+
+    def _sync_dir(self) -> None:
+        try:
+            fd = os.open(self.dir, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)  # the renames and unlinks so far survive a power cut
+        except OSError as e:
+            log.warning("KV disk tier: syncing %s failed (%s)", self.dir, e)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Finishes the pending writes and stops the I/O thread."""
@@ -261,16 +294,23 @@ class DiskStore:
         return started
 
     def _load(self, path: pathlib.Path) -> bytes | None:
-        """The payload of a page file if it passes its checksum, else None."""
+        """The payload of a page file if its header is this configuration's and the payload
+        passes its checksum, else None."""
         try:
             with open(path, "rb") as f:
-                f.seek(len(MAGIC))
+                if f.read(len(MAGIC)) != MAGIC:
+                    return None
                 (n,) = _LEN.unpack(f.read(_LEN.size))
-                header = json.loads(f.read(n))
+                header = json.loads(f.read(min(n, MAX_HEADER)))
                 payload = f.read()
+            os.utime(path)  # read: the most recently used at the next open too
         except (OSError, ValueError, struct.error):
             return None
-        if len(payload) != self.page_bytes or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
+            return None
+        if path.name != f"{header.get('name')}{SUFFIX}" or len(payload) != self.page_bytes:
+            return None
+        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
             return None
         return payload
 
@@ -305,7 +345,11 @@ class DiskStore:
             self._meta.pop(name, None)
             self._pending.pop(name, None)
             self._staged.pop(name, None)
-            self._path(name).unlink(missing_ok=True)
+            try:
+                self._path(name).unlink(missing_ok=True)
+            except OSError as e:  # a read-only or failing disk: the page is gone from the index all the same
+                self.counters.num_failed += 1
+                log.warning("KV disk tier: removing %s failed (%s)", name.hex(), e)
 
     def _fit(self, limit: int) -> None:
         """Drops the least recently used pages until at most `limit` remain."""
@@ -313,6 +357,17 @@ class DiskStore:
             name = next(iter(self._index))
             self.drop(name)
             self.counters.num_dropped += 1
+
+
+def _hex(value, num_bytes: int | None = None) -> bool:
+    """Whether `value` is the hex text of some bytes (`num_bytes` of them when given)."""
+    if not isinstance(value, str) or not value or (num_bytes is not None and len(value) != 2 * num_bytes):
+        return False
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return False
+    return True
 
 
 SECRET_FILE = "tenant_secret"

@@ -251,9 +251,12 @@ class KVTiers:
         metadata or None) each."""
         todo = []
         for name, parent, page, meta in pages:
-            if name in self._host:
+            if name in self._host:  # its bytes are kept already; what its record knows is newer
+                slot, held_parent, held_meta = self._host[name]
+                self._host[name] = (slot, held_parent, meta or held_meta)
                 self._host.move_to_end(name)
             elif self.host.capacity == 0 and self.disk is not None and name in self.disk:
+                self.disk.touch(name, meta)  # on disk already: only its order and metadata change
                 continue
             else:
                 todo.append((name, parent, page, meta))

@@ -61,7 +61,53 @@ def test_files_of_another_configuration_torn_or_corrupt_are_never_loaded(tmp_pat
     assert reopened.read(name(2)) is None and reopened.counters.num_corrupt == 1 and name(2) not in reopened
     assert reopened.read(name(3)) == payload(name(3))
     other = DiskStore(tmp_path, fingerprint="another model", page_bytes=PAGE_BYTES, capacity=8)
-    assert len(other) == 0 and other.counters.num_skipped == 4  # left alone: kept for their own configuration
+    assert len(other) == 0 and other.dir != reopened.dir  # another configuration's files: its own directory
+
+
+def test_two_configurations_sharing_a_directory_keep_their_own_pages(tmp_path):
+    a = DiskStore(tmp_path, fingerprint="model a", page_bytes=PAGE_BYTES, capacity=4)
+    b = DiskStore(tmp_path, fingerprint="model b", page_bytes=PAGE_BYTES, capacity=4)
+    a.write(name(0), None, payload(name(0)))
+    b.write(name(0), None, payload(name(1)))  # one chain name (one salt, one prompt), two models
+    assert a.read(name(0)) == payload(name(0)) and b.read(name(0)) == payload(name(1))
+
+
+@pytest.mark.parametrize(
+    ("change", "payload_unsure"),
+    [
+        (lambda h: h.replace(b'"sha256"', b'"sha2u6"'), True),  # no checksum
+        (lambda h: h.replace(b'"fingerprint": "f"', b'"fingerprint": "g"'), True),  # another configuration's
+        (lambda h: h.replace(b'"parent": null', b'"parent": "zz"'), False),  # not hex (the index has it right)
+    ],
+)
+def test_a_malformed_header_is_skipped_at_open_and_a_miss_when_read(tmp_path, change, payload_unsure):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=4)
+    store.write(name(0), None, payload(name(0)))
+    path = store.dir / (name(0).hex() + ".kvpage")
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[8:12], "little")
+    header = change(raw[12 : 12 + n])
+    assert len(header) == n  # the same length: only the header's content is wrong
+    path.write_bytes(raw[:12] + header + raw[12 + n :])
+    if payload_unsure:  # indexed before the header went bad: a counted miss
+        assert store.read(name(0)) is None and store.counters.num_corrupt == 1
+        store.write(name(0), None, payload(name(0)))
+        path.write_bytes(raw[:12] + header + raw[12 + n :])
+    reopened = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=4)
+    assert name(0) not in reopened and reopened.counters.num_skipped == 1
+
+
+def test_a_disk_that_refuses_deletes_leaves_the_store_working(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=1)
+    store.write(name(0), None, payload(name(0)))
+
+    def read_only(self, missing_ok=False):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    store.write(name(1), None, payload(name(1)))  # drops page 0 to stay within capacity
+    assert name(0) not in store and store.read(name(1)) == payload(name(1))
+    assert store.counters.num_failed == 1
 
 
 def test_bad_disk_settings_are_refused(tmp_path):

@@ -221,6 +221,18 @@ def test_a_demotion_larger_than_the_host_pool_sends_its_oldest_pages_on_down(dis
         assert page_bytes(store, [6, 7, 8, 9, 10]) == before
 
 
+@pytest.mark.parametrize("host_pages", [2, 0])
+def test_a_page_demoted_again_keeps_what_its_record_knows_now(host_pages, tmp_path):
+    store = store_for("smollm2-135m", "bf16", np.random.default_rng(5))
+    below = DiskStore(tmp_path, fingerprint="f", page_bytes=store.page_bytes, capacity=8)
+    tiers = KVTiers(store, host_pages=host_pages, disk=below)
+    name = bytes([7]) * 32
+    tiers.demote([(name, None, 1, {"hits": 1, "importance": 0.1})])
+    assert tiers.promote([name], [2]) == 1
+    tiers.demote([(name, None, 2, {"hits": 9, "importance": 0.9})])
+    assert tiers.meta(name) == {"hits": 9, "importance": 0.9}
+
+
 @pytest.mark.parametrize("model, kv, draft", [FORMATS[1], FORMATS[5]], ids=["fp32+draft", "turboquant"])
 def test_a_resize_through_host_memory_equals_the_one_call_resize(model, kv, draft, monkeypatch):
     """Where the device has no room for the new pools beside the old ones, a resize goes
