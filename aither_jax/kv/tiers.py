@@ -311,14 +311,19 @@ class KVTiers:
         if self.disk is None:
             return 0
         device = [d for d in device if d[0] not in self._host and d[0] not in self.disk]
+        written = 0
+        # Least recently used first, so that a full disk keeps the most recent: the host's
+        # pages (oldest first), then the device's.
+        for name, (slot, parent, meta) in self._host.items():
+            if not self.disk.touch(name, meta):
+                self.disk.write(name, parent, self.host.payload(slot), meta)
+                written += 1
         if device:
             rows = self.store.read([page for _, _, page, _ in device])
             for i, (name, parent, _, meta) in enumerate(device):
                 self.disk.write(name, parent, page_payload(rows, i), meta)
-        for name, (slot, parent, meta) in self._host.items():
-            self.disk.write(name, parent, self.host.payload(slot), meta)
         self.disk.sync()
-        return len(device) + len(self._host)
+        return written + len(device)
 
     # -- up -----------------------------------------------------------------------------------
 

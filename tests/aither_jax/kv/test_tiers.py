@@ -221,6 +221,18 @@ def test_a_demotion_larger_than_the_host_pool_sends_its_oldest_pages_on_down(dis
         assert page_bytes(store, [6, 7, 8, 9, 10]) == before
 
 
+def test_a_flush_onto_a_full_disk_keeps_the_most_recent_pages_and_counts_what_it_wrote(tmp_path):
+    store = store_for("smollm2-135m", "bf16", np.random.default_rng(6))
+    below = DiskStore(tmp_path, fingerprint="f", page_bytes=store.page_bytes, capacity=2)
+    tiers = KVTiers(store, host_pages=2, disk=below)
+    host, device = [bytes([i]) * 32 for i in (2, 3)], [bytes([i]) * 32 for i in (7, 8)]
+    tiers.demote([(n, None, p, None) for n, p in zip(host, [2, 3], strict=True)])
+    assert tiers.flush([(n, None, p, None) for n, p in zip(device, [7, 8], strict=True)]) == 4
+    assert [n in below for n in host + device] == [False, False, True, True]  # the device's pages are newest
+    assert tiers.flush() == 2  # the host's pages again (the disk dropped them)
+    assert tiers.flush() == 0  # all on disk now
+
+
 @pytest.mark.parametrize("host_pages", [2, 0])
 def test_a_page_demoted_again_keeps_what_its_record_knows_now(host_pages, tmp_path):
     store = store_for("smollm2-135m", "bf16", np.random.default_rng(5))
