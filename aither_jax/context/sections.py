@@ -38,6 +38,7 @@ from models.tokenizer import CHAT_ROLES, Tokenizer
 
 TRUNCATIONS = ("tail", "head", "messages", "drop", "never")
 MAX_SEEN = 4096  # stable prefixes a Context remembers having seen, least recently seen dropped
+MAX_TAG_CHARS = 128  # a tag rides in every page's block record, and in its disk file's header
 
 
 class ContextError(ValueError):
@@ -77,8 +78,11 @@ class Section:
     source: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.tag, str) or not self.tag:
-            raise ContextError(f"a section's tag must be a non-empty string, got {self.tag!r}")
+        if not isinstance(self.tag, str) or not self.tag or len(self.tag) > MAX_TAG_CHARS:
+            raise ContextError(
+                f"a section's tag must be a non-empty string of at most {MAX_TAG_CHARS} characters, "
+                f"got {self.tag[: MAX_TAG_CHARS + 3] if isinstance(self.tag, str) else self.tag!r}"
+            )
         where = f"section {self.tag!r}"
         if not isinstance(self.stable, bool):
             raise ContextError(f"{where}: stable must be true or false, got {self.stable!r}")

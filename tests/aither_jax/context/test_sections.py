@@ -144,6 +144,7 @@ def test_the_pin_follows_the_stable_prefix(tok):
         (dict(tag="x", content="a", truncate="messages"), "'messages' truncation needs a list"),
         (dict(tag="x", content=[{"role": "boss", "content": "a"}]), "section 'x': content must be"),
         (dict(tag="", content="a"), "tag must be a non-empty string"),
+        (dict(tag="x" * 129, content="a"), "tag must be a non-empty string of at most 128 characters"),
         (dict(tag="x", content="a", stable="false"), "section 'x': stable must be true or false"),
         (dict(tag="x", content=[{"role": "user", "content": "a"}], truncate="tail"), "cut by 'messages', 'drop'"),
     ],
