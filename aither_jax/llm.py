@@ -307,8 +307,9 @@ class LLM:
         Its stable prefix is pinned once seen when prefix caching is on."""
         budget = max(1, self.engine.max_model_len - 256) if context_budget is None else context_budget
         ctx = Context(self.tokenizer, context_budget=budget, prefill_budget=prefill_budget)
-        # A context dropped by its caller gives its pin back before the next requests run.
-        weakref.finalize(ctx, self._dropped_pins.append, ctx.pin_key)
+        # A context dropped by its caller (and its prompts) gives its pin back before the next
+        # requests run.
+        weakref.finalize(ctx.pin_owner, self._dropped_pins.append, ctx.pin_owner.key)
         return ctx
 
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, workers: int | None = None) -> int:

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 
 import anyio
@@ -441,12 +442,14 @@ def build_app(
         ctx = contexts.get(key)
         if ctx is None:
             ctx = Context(served.tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
+            # Its pin goes once the context is dropped and its last request is done with it.
+            weakref.finalize(ctx.pin_owner, served.engine.release_pin, ctx.pin_owner.key)
             contexts[key] = ctx
         else:  # the stable prefixes seen still count under this request's budgets
             ctx.context_budget, ctx.prefill_budget = budget, options.prefill_budget
         contexts.move_to_end(key)
         while len(contexts) > MAX_CONTEXTS:
-            served.engine.release_pin(contexts.popitem(last=False)[1].pin_key)
+            contexts.popitem(last=False)
         prompt = ctx.assemble(sections, pinned=breakpoint)
         return prompt if options.report else dataclasses.replace(prompt, report=None)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,6 +42,17 @@ class SectionSpan:
     stop: int
 
 
+class PinOwner:
+    """The owner of a replaceable pin (one per `Context`): the engine keeps one pin per owner's
+    `key`. Whoever gives the pin back does so when the owner is garbage collected
+    (`weakref.finalize`): the context and every prompt it made are gone by then."""
+
+    __slots__ = ("key", "__weakref__")
+
+    def __init__(self):
+        self.key = secrets.token_bytes(16)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     """Token ids for the engine, and how many of the leading ones to pin.
@@ -50,8 +62,9 @@ class Prompt:
         num_pinned: leading tokens whose cached pages stay pinned (0: none; at most len(ids)).
         text: the text the ids encode (a rendered conversation), or None for ids given as ids.
         sections: the tagged sections' token spans, for the KV pages' block records.
-        pin_key: the owner of the pin (a `Context`): a pin under a key replaces the key's
-            earlier one when it is taken, and is taken once however many prompts ask for it.
+        pin_owner: the owner of the pin (a `Context`'s `PinOwner`): a pin under its key
+            replaces the owner's earlier one when it is taken, and is taken once however many
+            prompts ask for it. The prompt holds the owner, so the owner outlives its prompts.
         report: what the context pipeline kept and cut (a `ContextReport`), or None.
     """
 
@@ -59,8 +72,12 @@ class Prompt:
     num_pinned: int = 0
     text: str | None = None
     sections: tuple[SectionSpan, ...] = ()
-    pin_key: bytes | None = None
+    pin_owner: PinOwner | None = None
     report: object | None = None
+
+    @property
+    def pin_key(self) -> bytes | None:
+        return None if self.pin_owner is None else self.pin_owner.key
 
     @property
     def pinned_ids(self) -> list[int]:

@@ -17,7 +17,8 @@ to their minimum: `tail` keeps the start of a text, `head` keeps its end, `messa
 the oldest messages in steps of `step` messages, so the kept history changes only every
 `step` messages and stays hash-identical (cache hits) in between, `drop` keeps all or
 nothing, and `never` is never cut (over its max_tokens it is refused). The stable prefix is
-pinned under the Context's `pin_key`: the engine holds one pin per key, on the latest prefix.
+pinned under the Context's `pin_owner`: the engine holds one pin per owner, on the latest
+prefix computed.
 
 Every section's token span rides along with the ids (`Prompt.sections`); the scheduler writes
 each page's section tag and importance into its block record (the eviction advisor's input;
@@ -30,10 +31,9 @@ import collections
 import dataclasses
 import hashlib
 import re
-import secrets
 from collections.abc import Sequence
 
-from aither_jax.context.prompt import ROLE_IMPORTANCE, Prompt, SectionSpan
+from aither_jax.context.prompt import ROLE_IMPORTANCE, PinOwner, Prompt, SectionSpan
 from models.tokenizer import CHAT_ROLES, Tokenizer
 
 TRUNCATIONS = ("tail", "head", "messages", "drop", "never")
@@ -195,9 +195,9 @@ class Context:
         self.context_budget = context_budget
         self.prefill_budget = prefill_budget
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
-        # The owner of this context's pin: the engine keeps one pin per key, the latest stable
-        # prefix asked for, taken once however many prompts ask (`Scheduler.pin`).
-        self.pin_key = secrets.token_bytes(16)
+        # The owner of this context's pin: the engine keeps one pin per owner, on the latest
+        # stable prefix computed, taken once however many prompts ask (`Scheduler.pin`).
+        self.pin_owner = PinOwner()
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -288,7 +288,7 @@ class Context:
         # the prefill budget, which a cached stable prefix no longer uses.
         room = self.context_budget - stable_tokens - tail
         uncached = room if self.prefill_budget is None else min(room, self.prefill_budget - stable_tokens - tail)
-        if uncached < 0 <= room and not cached:
+        if uncached < 0 <= room and stable_tokens and not cached:
             uncached = room  # a stable prefix over the prefill budget alone is paid once, when first seen
         downstream = (
             uncached if not cached else (room if self.prefill_budget is None else min(room, self.prefill_budget - tail))
@@ -338,7 +338,8 @@ class Context:
             while len(self._seen) > MAX_SEEN:
                 self._seen.popitem(last=False)
         num_pinned = stable_tokens if cached else 0
-        return Prompt(ids, num_pinned, None, sections=spans, pin_key=self.pin_key if cached else None, report=report)
+        owner = self.pin_owner if cached else None
+        return Prompt(ids, num_pinned, None, sections=spans, pin_owner=owner, report=report)
 
     def _allocate(self, sections: list[Section], sizes: list[int], budget: int) -> list[int]:
         """Token budgets for the downstream sections within `budget`: each its full size (at most

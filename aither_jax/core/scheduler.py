@@ -177,6 +177,8 @@ class Scheduler:
         old = self.allocator.num_pages
         if num_pages < old:
             num_pages = max(num_pages, self.min_pool_size())
+            # The shares round down, so a size above the floor may still not fit: the next that does.
+            num_pages = next((n for n in range(num_pages, old) if self._share_fits(n)), old)
             if self.prefix_cache is not None:
                 self.prefix_cache.evict_pages(range(num_pages, old))
         self.allocator.resize(num_pages)
@@ -205,14 +207,25 @@ class Scheduler:
     def _explicit_share_floor(self) -> int:
         """The smallest pool whose explicit protected share leaves one request room (0 where
         the share is the default, which yields instead, or nothing is protected)."""
-        if self._protected_fits or self.prefix_cache is None or not self.policy.protects:
+        if not self._explicit_share:
             return 0
         # room - share <= usable * (1 - both shares) - request + 2 (two roundings down), so no
         # pool below this bound fits; the pool as it is does (the constructor checked it).
         both = self.fractions["max_pinned_fraction"] + self.fractions["max_protected_fraction"]
         least = 2 if both >= 1.0 else max(2, math.ceil((self.request_pages - 2) / (1.0 - both)) + 1)
         now = self.allocator.num_pages
-        return next((n for n in range(least, now) if (shares := self._shares(n))[1] <= shares[2]), now)
+        return next((n for n in range(least, now) if self._share_fits(n)), now)
+
+    @property
+    def _explicit_share(self) -> bool:
+        """Whether pages are protected under a share given explicitly (which never yields)."""
+        return not self._protected_fits and self.prefix_cache is not None and self.policy.protects
+
+    def _share_fits(self, num_pages: int) -> bool:
+        """Whether a pool of `num_pages` leaves one request room beside an explicit protected
+        share and the pinned one (always, for the default share, which yields)."""
+        _, protected, room = self._shares(num_pages)
+        return not self._explicit_share or protected <= room
 
     def _shares(self, num_pages: int) -> tuple[int, int, int]:
         """(pinned, protected, room) of a pool of `num_pages` pages: the two shares of its usable

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -70,9 +71,9 @@ class DiskCounters:
 
 
 class DiskStore:
-    """Pages on disk under `directory/pages/`, at most `capacity` of them (least recently used
-    dropped first). `fingerprint` names the configuration the bytes belong to; `page_bytes` is
-    every page's payload length."""
+    """Pages on disk under `directory/pages/<fingerprint>/`, at most `capacity` of them (least
+    recently used dropped first). `fingerprint` names the configuration the bytes belong to;
+    `page_bytes` is every page's payload length."""
 
     MAX_STAGED = 256  # reads started ahead and not yet taken
 
@@ -303,9 +304,10 @@ class DiskStore:
                 (n,) = _LEN.unpack(f.read(_LEN.size))
                 header = json.loads(f.read(min(n, MAX_HEADER)))
                 payload = f.read()
-            os.utime(path)  # read: the most recently used at the next open too
         except (OSError, ValueError, struct.error):
             return None
+        with contextlib.suppress(OSError):  # read: the most recently used at the next open too
+            os.utime(path)
         if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
             return None
         if path.name != f"{header.get('name')}{SUFFIX}" or len(payload) != self.page_bytes:

@@ -129,10 +129,10 @@ def test_the_pin_follows_the_stable_prefix(tok):
     p2 = ctx.assemble(a)
     p3 = ctx.assemble(b, pinned=True)
     assert p1.num_pinned == 0 and p1.pin_key is None
-    assert p2.num_pinned == p2.report.stable_tokens > 0 and p2.pin_key == ctx.pin_key
+    assert p2.num_pinned == p2.report.stable_tokens > 0 and p2.pin_key == ctx.pin_owner.key
     # Under the context's key the engine replaces the old prefix's pin with the new one.
-    assert p3.num_pinned == p3.report.stable_tokens and p3.pin_key == ctx.pin_key
-    assert Context(tok, context_budget=4096).pin_key != ctx.pin_key
+    assert p3.num_pinned == p3.report.stable_tokens and p3.pin_key == ctx.pin_owner.key
+    assert Context(tok, context_budget=4096).pin_owner.key != ctx.pin_owner.key
 
 
 @pytest.mark.parametrize(

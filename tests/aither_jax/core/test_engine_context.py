@@ -55,6 +55,13 @@ def test_pages_carry_their_sections_tags_and_the_stable_prefix_is_pinned_once_se
     del ctx, second, changed  # a context dropped gives its pin back before the next requests
     llm.generate(["Hello"], GREEDY)
     assert cache.num_pinned == 0
+    # A context dropped while its prompt still runs: the prompt keeps the pin's owner alive.
+    prompt = llm.context().assemble(sections("And the day after?"), pinned=True)
+    llm.generate(prompt, GREEDY)
+    assert cache.num_pinned == prompt.num_pinned // 16 > 0
+    del prompt
+    llm.generate(["Hello"], GREEDY)
+    assert cache.num_pinned == 0
 
 
 def test_the_automatic_pin_stays_within_the_pools_cap():

@@ -189,6 +189,11 @@ def test_the_advisor_is_the_default_and_its_default_share_leaves_one_request_roo
     assert explicit.min_pool_size() == 15
     assert explicit.resize_pool(9) == 15 and explicit.policy.max_protected_pages == 3
     assert default(num_pages=41, max_pages_per_seq=8).min_pool_size() == 9  # the default share yields
+    # Both shares round down, so fitting is not monotone in the pool's size: 9 and 11 usable
+    # pages leave a request of 8 room, 10 do not (1 pinned and 2 protected leave 7).
+    uneven = functools.partial(default, num_pages=41, max_pages_per_seq=8, max_pinned_fraction=0.1)
+    assert uneven(max_protected_fraction=0.2).resize_pool(11) == 12
+    assert uneven(max_protected_fraction=0.2).resize_pool(10) == 10
 
 
 def test_configurations_whose_protected_pages_could_fill_the_pool_are_refused():
