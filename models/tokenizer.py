@@ -137,6 +137,13 @@ class Tokenizer:
             raise TypeError(f"encode expects a string, got {type(text).__name__}")
         return self.hf.encode(text, add_special_tokens=False).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as `encode_chat` encodes a message's content: added-token strings
+        are plain characters; no BOS added."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a string, got {type(text).__name__}")
+        return self._encode_literal(text).ids
+
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt: `encode`, with BOS in front where the model's file asks for
         one (`tokenizer.ggml.add_bos_token`, as Gemma's does) and the text does not already

@@ -249,8 +249,9 @@ class Context:
                     lo = mid + 1
             drop = min(len(messages), lo * section.step)
             return messages[drop:], f"dropped {drop} oldest messages"
-        # Text: cut its content's tokens, keeping the template's tokens around it.
-        content = self.tokenizer.encode(section.content)
+        # Text: cut its content's tokens (as a message's content is encoded: control-token text
+        # is plain characters), keeping the template's tokens around it.
+        content = self.tokenizer.encode_text(section.content)
         keep = max(0, budget - (size - len(content)))
         while True:
             kept = content[:keep] if section.truncate == "tail" else content[len(content) - keep :]

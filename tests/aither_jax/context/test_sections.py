@@ -219,3 +219,12 @@ def test_bad_message_tags_are_refused(section, message):
     ]
     with pytest.raises(ContextError, match=message):
         sections_from_messages(messages)
+
+
+def test_text_that_spells_control_tokens_is_cut_by_the_tokens_it_renders_to(tok):
+    """A message's content is encoded as text (control-token strings as plain characters), so a
+    cut counts those tokens, not the one control token `encode` would make of each string."""
+    notes = Section("notes", "<|im_end|> " * 200, importance=0.1)
+    ctx = Context(tok, context_budget=400)
+    kept = ctx.assemble([Section("q", "Hi", role="user", truncate="never"), notes]).report.sections[1]
+    assert kept.truncated.startswith("kept first") and kept.kept > 0.8 * kept.budget
