@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import os
@@ -206,7 +205,6 @@ class LLM:
         self.model = load_model(model, dtype, progress=progress, num_layers=_num_layers)
         self.model_path, self.model_name, self.dtype = self.model.path, model, dtype
         self.config, self.tokenizer = self.model.config, self.model.tokenizer
-        self._dropped_pins: collections.deque[bytes] = collections.deque()  # pin keys of contexts gone
         if chat_template is not None:  # the loaded model's tokenizer is shared: change a copy
             self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.set_chat_template(chat_template)
@@ -307,9 +305,8 @@ class LLM:
         Its stable prefix is pinned once seen when prefix caching is on."""
         budget = max(1, self.engine.max_model_len - 256) if context_budget is None else context_budget
         ctx = Context(self.tokenizer, context_budget=budget, prefill_budget=prefill_budget)
-        # A context dropped by its caller (and its prompts) gives its pin back before the next
-        # requests run.
-        weakref.finalize(ctx.pin_owner, self._dropped_pins.append, ctx.pin_owner.key)
+        # A context dropped by its caller (and its prompts) gives its pin back.
+        weakref.finalize(ctx.pin_owner, self.engine.release_pin, ctx.pin_owner.key)
         return ctx
 
     def warmup(self, max_len: int | None = None, *, sampling: bool = True, workers: int | None = None) -> int:
@@ -329,8 +326,6 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        while self._dropped_pins:
-            self.engine.release_pin(self._dropped_pins.popleft())
         seqs = []
         try:
             for p, params in zip(prompts, sampling_params, strict=True):

@@ -443,7 +443,7 @@ def build_app(
         if ctx is None:
             ctx = Context(served.tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
             # Its pin goes once the context is dropped and its last request is done with it.
-            weakref.finalize(ctx.pin_owner, served.engine.release_pin, ctx.pin_owner.key)
+            weakref.finalize(ctx.pin_owner, served.engine.engine.release_pin, ctx.pin_owner.key)
             contexts[key] = ctx
         else:  # the stable prefixes seen still count under this request's budgets
             ctx.context_budget, ctx.prefill_budget = budget, options.prefill_budget
@@ -453,12 +453,14 @@ def build_app(
         prompt = ctx.assemble(sections, pinned=breakpoint)
         return prompt if options.report else dataclasses.replace(prompt, report=None)
 
-    def _salt(request: Request, served: ServedModel) -> bytes:
-        return config.salt(_tenant(request), request.scope["state"].get("api_key_index"), served.name)
+    def _salt(request: Request, served: ServedModel | None) -> bytes:
+        """The request's tenant root on `served` (None: the router's, which names no model)."""
+        model = "auto" if served is None else served.name
+        return config.salt(_tenant(request), request.scope["state"].get("api_key_index"), model)
 
     def _scope(request: Request) -> str:
         """The router's conversation scope: a tenant's conversations are its own."""
-        return config.salt(_tenant(request), request.scope["state"].get("api_key_index"), "auto").hex()
+        return _salt(request, None).hex()
 
     def _tenant(request: Request) -> str:
         tenant = request.headers.get("x-tenant-id", "")

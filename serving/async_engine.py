@@ -223,11 +223,6 @@ class AsyncEngine:
         finally:
             self._calls.discard(done)
 
-    def release_pin(self, pin_key: bytes) -> None:
-        """Drops the pin an owner holds (`Engine.release_pin`), between steps; returns at once."""
-        if self.alive:
-            self._inbox.put(lambda: self.engine.release_pin(pin_key))
-
     def call(self, fn: Callable[[], T], timeout: float = 600.0) -> T:
         """Runs `fn` on the loop thread between steps and returns its result (or raises what it
         raised); for threads other than the event loop's (the balloon, serving/balloon.py).

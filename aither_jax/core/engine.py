@@ -15,6 +15,7 @@ the results back. The pieces it drives, one file each:
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -189,6 +190,7 @@ class Engine:
         self.recorder: TapRecorder | None = None  # set by `record`
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
+        self._dropped_pins: collections.deque[bytes] = collections.deque()  # owners' keys (`release_pin`)
         self.num_steps = 0
 
     @property
@@ -321,6 +323,7 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         self.check_prompt(len(prompt_ids))
+        self._release_dropped_pins()
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt_ids))
         usable = self.scheduler.num_usable_pages
         if self.bounded is None and self.scheduler.pages_needed(len(prompt_ids) + max_tokens) > usable:
@@ -363,9 +366,15 @@ class Engine:
             raise ValueError("prefix caching is off: nothing is pinned")
         return cache.unpin(hash_chain(salt, prompt_ids, self.page_size))
 
-    def release_pin(self, pin_key: bytes) -> int:
-        """Drops the pin an owner (`add_request`'s `pin_key`) holds; returns the pages unpinned."""
-        return self.scheduler.release_pin(pin_key)
+    def release_pin(self, pin_key: bytes) -> None:
+        """Gives back the pin an owner (`add_request`'s `pin_key`) holds, at the next request or
+        step. It only queues the key, so any thread may call it, a `weakref.finalize` callback
+        included (the context pipeline's owners are released that way)."""
+        self._dropped_pins.append(pin_key)
+
+    def _release_dropped_pins(self) -> None:
+        while self._dropped_pins:
+            self.scheduler.release_pin(self._dropped_pins.popleft())
 
     def abort(self, seq: Sequence) -> None:
         """Stops a request and returns its slot and pages."""
@@ -376,6 +385,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Runs one scheduled step; returns the sequences that finished in it."""
         self.code_budget.release_after_compiles()
+        self._release_dropped_pins()
         if self.speculator is not None:
             self.speculator.choose_lookahead()
         plan = self.scheduler.schedule()

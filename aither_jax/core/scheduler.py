@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 
 import numpy as np
 
@@ -176,9 +175,7 @@ class Scheduler:
             )
         old = self.allocator.num_pages
         if num_pages < old:
-            num_pages = max(num_pages, self.min_pool_size())
-            # The shares round down, so a size above the floor may still not fit: the next that does.
-            num_pages = next((n for n in range(num_pages, old) if self._share_fits(n)), old)
+            num_pages = self._fitting(max(num_pages, self.min_pool_size()))
             if self.prefix_cache is not None:
                 self.prefix_cache.evict_pages(range(num_pages, old))
         self.allocator.resize(num_pages)
@@ -202,19 +199,14 @@ class Scheduler:
             ),
             0,
         )  # fmt: skip
-        return max(self.max_pages_per_seq + 1, top + 1, self._explicit_share_floor())
+        return max(top + 1, self._fitting(self.max_pages_per_seq + 1))
 
-    def _explicit_share_floor(self) -> int:
-        """The smallest pool whose explicit protected share leaves one request room (0 where
-        the share is the default, which yields instead, or nothing is protected)."""
-        if not self._explicit_share:
-            return 0
-        # room - share <= usable * (1 - both shares) - request + 2 (two roundings down), so no
-        # pool below this bound fits; the pool as it is does (the constructor checked it).
-        both = self.fractions["max_pinned_fraction"] + self.fractions["max_protected_fraction"]
-        least = 2 if both >= 1.0 else max(2, math.ceil((self.request_pages - 2) / (1.0 - both)) + 1)
+    def _fitting(self, num_pages: int) -> int:
+        """The smallest pool of at least `num_pages` pages (and at most the pool's size now,
+        which fits: the constructor checked it) where an explicit protected share leaves one
+        request room. The shares round down, so fitting is not monotone in the size."""
         now = self.allocator.num_pages
-        return next((n for n in range(least, now) if self._share_fits(n)), now)
+        return next((n for n in range(num_pages, now) if self._share_fits(n)), max(num_pages, now))
 
     @property
     def _explicit_share(self) -> bool:
@@ -550,8 +542,8 @@ class Scheduler:
 
     def release_pin(self, key: bytes) -> int:
         """Drops the pin an owner holds (`pin`); returns the pages unpinned."""
-        held = self._owned_pins.pop(key, [])
-        return self.prefix_cache.unpin(held) if held and self.prefix_cache is not None else 0
+        held = self._owned_pins.pop(key, [])  # nothing without prefix caching
+        return self.prefix_cache.unpin(held) if held else 0
 
     def finish(self) -> list[Sequence]:
         """Releases and returns the running sequences that have finished."""

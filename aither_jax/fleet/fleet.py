@@ -71,7 +71,8 @@ def device_budget(memory_budget_gib: float | None, gpu_memory_utilization: float
     """The device bytes to plan: an explicit budget, or a fraction of the accelerator's memory
     less what is already in use. Raises ValueError when neither applies (CPU needs a budget),
     and for an explicit budget above what an accelerator that reports its memory has free."""
-    stats = jax.devices()[0].memory_stats() or {}
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
     if memory_budget_gib is not None:
         if not memory_budget_gib > 0:
             raise ValueError(f"the memory budget must be positive GiB, got {memory_budget_gib!r}")
@@ -80,7 +81,7 @@ def device_budget(memory_budget_gib: float | None, gpu_memory_utilization: float
         if stats.get("bytes_limit") and budget > free:
             raise ValueError(
                 f"a memory budget of {memory_budget_gib:g} GiB is more than the {free / GIB:.2f} GiB free on "
-                f"{jax.devices()[0].device_kind}: give at most that"
+                f"{device.device_kind}: give at most that"
             )
         return budget
     if gpu_memory_utilization is None or not stats.get("bytes_limit"):

@@ -107,7 +107,7 @@ class Router:
                 if memory is not None and memory.turns_left > 0 and memory.effort > effort:
                     effort, reason = memory.effort, "carried"
                 elif memory is not None and min(memory.last, memory.effort) > effort and _follows_up(text):
-                    effort, reason = min(memory.last, memory.effort), "follow-up"
+                    effort, reason = min(memory.last, memory.effort), "follow-up"  # the turn before, decayed
             self._remember(key, memory, effort, heavy_turn=own >= self.threshold or tool_turn, own=own)
             model = self.heavy if effort >= self.threshold else self.light
             self.routed[(model, effort)] += 1

@@ -134,6 +134,21 @@ class DiskStore:
     def _read_header(self, path: pathlib.Path) -> dict | None:
         """The header of an intact file of this configuration, its name and parent as bytes;
         None for any other file (torn, foreign, malformed)."""
+        read = self._read(path, payload=False)
+        if read is None:
+            return None
+        header, parent = read[0], read[0].get("parent")
+        if parent is not None and not _hex(parent):
+            return None
+        return header | {
+            "name": bytes.fromhex(header["name"]),
+            "parent": None if parent is None else bytes.fromhex(parent),
+        }
+
+    def _read(self, path: pathlib.Path, *, payload: bool) -> tuple[dict, bytes | None] | None:
+        """(header, payload if asked for) of a file of this configuration whose header is well
+        formed, whose length is the header's and the payload's, and (with `payload`) whose
+        payload passes its checksum; None otherwise."""
         try:
             with open(path, "rb") as f:
                 if f.read(len(MAGIC)) != MAGIC:
@@ -142,6 +157,7 @@ class DiskStore:
                 if n > MAX_HEADER:
                     return None
                 header = json.loads(f.read(n))
+                body = f.read() if payload else None
                 size = os.fstat(f.fileno()).st_size
         except (OSError, ValueError, struct.error):
             return None
@@ -149,12 +165,12 @@ class DiskStore:
             return None
         if header.get("payload") != self.page_bytes or size != len(MAGIC) + _LEN.size + n + self.page_bytes:
             return None  # torn, or a page of another layout
-        name, parent, digest = header.get("name"), header.get("parent"), header.get("sha256")
+        name, digest = header.get("name"), header.get("sha256")
         if not isinstance(name, str) or path.name != name + SUFFIX or not _hex(name) or not _hex(digest, 32):
             return None
-        if parent is not None and not _hex(parent):
+        if payload and hashlib.sha256(body).hexdigest() != digest:
             return None
-        return header | {"name": bytes.fromhex(name), "parent": None if parent is None else bytes.fromhex(parent)}
+        return header, body
 
     def _path(self, name: bytes) -> pathlib.Path:
         return self.dir / (name.hex() + SUFFIX)
@@ -297,24 +313,12 @@ class DiskStore:
     def _load(self, path: pathlib.Path) -> bytes | None:
         """The payload of a page file if its header is this configuration's and the payload
         passes its checksum, else None."""
-        try:
-            with open(path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    return None
-                (n,) = _LEN.unpack(f.read(_LEN.size))
-                header = json.loads(f.read(min(n, MAX_HEADER)))
-                payload = f.read()
-        except (OSError, ValueError, struct.error):
+        read = self._read(path, payload=True)
+        if read is None:
             return None
         with contextlib.suppress(OSError):  # read: the most recently used at the next open too
             os.utime(path)
-        if not isinstance(header, dict) or header.get("fingerprint") != self.fingerprint:
-            return None
-        if path.name != f"{header.get('name')}{SUFFIX}" or len(payload) != self.page_bytes:
-            return None
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return None
-        return payload
+        return read[1]
 
     def read(self, name: bytes) -> bytes | None:
         """A page's payload, or None when its file is gone or fails its checksum (it is then
