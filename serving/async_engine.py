@@ -360,7 +360,7 @@ class AsyncEngine:
             ("aither:engine_steps_total", "Engine steps run.", lambda: self.engine.num_steps),
             (
                 "aither:compiled_code_releases_total",
-                "Times every compiled step was dropped because the process neared vm.max_map_count.",
+                "Times compiled steps were dropped because the process neared vm.max_map_count.",
                 lambda: eng.code_budget.num_releases,
             ),
             (

@@ -9,11 +9,14 @@ the process dies with a segmentation fault, on a default machine after ~60 shape
 
 `CodeMapBudget.release_after_compiles` (called at the start of every engine step) reads the
 count when something compiled since its last look. Once it passes `high_water` of the limit,
-it drops every compiled executable (`jax.clear_caches`), which unmaps their code; the shapes
-still in use compile again on their next call (or load from the persistent cache,
-`aither_jax.compile.cache`). Warm-ups (`Engine.warmup`, `Engine.precompile`) make the same
-check before compiling, so code compiled for earlier shapes never stops them at their first
-shape. Raising `vm.max_map_count` makes all of this rarer.
+it drops the compiled executables of the engine's own model (its compile scope, scope.py),
+which unmaps their code; another model's steps in the same process stay compiled. Only if
+that does not bring the count under the threshold (the other models' code holds the rest) does
+it drop every compiled executable (`jax.clear_caches`). The shapes still in use compile again
+on their next call (or load from the persistent cache, `aither_jax.compile.cache`). Warm-ups
+(`Engine.warmup`, `Engine.precompile`) make the same check before compiling, so code compiled
+for earlier shapes never stops them at their first shape. Raising `vm.max_map_count` makes all
+of this rarer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import jax
 
 from aither_jax.compile.counter import CompileCounter
+from aither_jax.compile.scope import CompileScope
 
 log = logging.getLogger(__name__)
 
@@ -81,23 +85,39 @@ class CodeMapBudget:
         """Whether the process holds more mappings than the threshold."""
         return self._count_if_over() is not None
 
-    def release_after_compiles(self) -> bool:
+    def release_after_compiles(self, scope: CompileScope | None = None) -> bool:
         """`release_if_over`, but only when something compiled since the last look (the map
         count is a read of /proc, too slow for every decode step); returns whether it cleared."""
         compiles = CompileCounter.count()
         if compiles == self._compiles_seen:
             return False
         self._compiles_seen = compiles
-        return self.release_if_over()
+        return self.release_if_over(scope)
 
-    def release_if_over(self) -> bool:
-        """Drops every compiled executable if `over()`; returns whether it did."""
+    def release_if_over(self, scope: CompileScope | None = None) -> bool:
+        """If `over()`, drops `scope`'s compiled steps, or every compiled executable when that
+        is not enough or no scope is given; returns whether it dropped any."""
         before = self._count_if_over()
         if before is None:
             return False
+        self.num_releases += 1
+        if scope is not None and scope.release():
+            gc.collect()
+            after = map_count()
+            if after is None or after <= self.threshold:
+                log.warning(
+                    "compiled steps held %s of %s memory mappings (vm.max_map_count): dropped %s's, now %s; its "
+                    "shapes compile again on their next use, other models' stay compiled (raise vm.max_map_count "
+                    "to keep more)",
+                    before, self.limit, scope.name, after,
+                )  # fmt: skip
+                return True
+            log.warning(
+                "dropping %s's compiled steps left %s of %s memory mappings, above %s: dropping every model's",
+                scope.name, after, self.limit, self.threshold,
+            )  # fmt: skip
         jax.clear_caches()
         gc.collect()
-        self.num_releases += 1
         after = map_count()
         log.warning(
             "compiled steps held %s of %s memory mappings (vm.max_map_count): dropped them all, now %s; "

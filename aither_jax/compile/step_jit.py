@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from aither_jax.compile import scope
+
 log = logging.getLogger(__name__)
 
 # Threads that compile warm-up shapes at once (`compile_workers`): each XLA compilation holds
@@ -53,7 +55,8 @@ def compiler_options() -> dict[str, Any]:
 
 class StepFunction:
     """A function jitted on first use with `compiler_options()`; otherwise a `jax.jit` object
-    (`.lower`, `.trace` and the rest are forwarded to it)."""
+    (`.lower`, `.trace` and the rest are forwarded to it). Inside a compile scope (scope.py)
+    it dispatches through the scope's own jit object of the function."""
 
     def __init__(self, fun: Callable, jit_kwargs: dict[str, Any]):
         functools.update_wrapper(self, fun)
@@ -63,10 +66,23 @@ class StepFunction:
 
     @property
     def jitted(self):
+        """The active compile scope's jit object of the function, else the process-wide one."""
+        active = scope.current()
+        if active is not None:
+            return active.jit(self)
         if self._jitted is None:
-            options = compiler_options()
-            self._jitted = jax.jit(self._fun, compiler_options=options or None, **self._jit_kwargs)
+            self._jitted = self._jit(self._fun)
         return self._jitted
+
+    def new_jit(self):
+        """A jit object of its own (a compile scope's): it jits a new wrapper of the function,
+        and JAX keys its caches by the function, so its executables are held apart."""
+        fun = self._fun
+        return self._jit(functools.wraps(fun)(lambda *args, **kwargs: fun(*args, **kwargs)))
+
+    def _jit(self, fun: Callable):
+        options = compiler_options()
+        return jax.jit(fun, compiler_options=options or None, **self._jit_kwargs)
 
     def __call__(self, *args, **kwargs):
         return self.jitted(*args, **kwargs)

@@ -24,6 +24,7 @@ import numpy as np
 
 from aither_jax.compile.code_maps import CodeMapBudget
 from aither_jax.compile.counter import CompileCounter
+from aither_jax.compile.scope import in_scope
 from aither_jax.compile.services import services
 from aither_jax.compile.shapes import ShapeRegistry
 from aither_jax.core.bounded import BoundedResidency, ResidencyConfig
@@ -96,6 +97,8 @@ class Engine:
         )  # fmt: skip
         self.model = model
         weights, cfg = model.weights, model.config
+        # Its steps compile apart from other models' (compile/scope.py), and run in it (`in_scope`).
+        self.compile_scope = self.compile_services.scope(cfg, model.name)
         self.weights, self.cfg, self.tokenizer = weights, cfg, model.tokenizer
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_prefill_chunk = max_prefill_chunk
@@ -184,7 +187,7 @@ class Engine:
                 self.speculative, *parts, num_speculative_tokens=self.num_speculative_tokens
             )
         self.compiler = Compiler(
-            self.runner, self.compile_services, max_model_len=max_model_len,
+            self.runner, self.compile_services, self.compile_scope, max_model_len=max_model_len,
             num_speculative_tokens=self.num_speculative_tokens, num_lookahead_tokens=self.num_lookahead_tokens,
         )  # fmt: skip
         self.recorder: TapRecorder | None = None  # set by `record`
@@ -212,6 +215,7 @@ class Engine:
         """Pages in the KV pool, the null page included."""
         return self.scheduler.allocator.num_pages
 
+    @in_scope
     def resize_pool(self, num_pages: int) -> int:
         """Grows or shrinks the KV pool (every pool sharing page ids) to `num_pages` pages,
         between steps; returns the count it reached. A shrink gives back idle cached pages from
@@ -236,6 +240,7 @@ class Engine:
                 raise
         return num_pages
 
+    @in_scope
     def precompile_pool(
         self, num_pages: int, shapes: Iterable[dict[str, Any]] | None = None, *, workers: int | None = None
     ) -> int:
@@ -257,6 +262,7 @@ class Engine:
         """The host and disk tiers below the device pool, if configured."""
         return self.scheduler.prefix_cache.tiers if self.scheduler.prefix_cache else None
 
+    @in_scope
     def persist(self) -> int:
         """Writes every cached page (device and host) to the disk tier, before a clean exit;
         returns how many."""
@@ -292,6 +298,7 @@ class Engine:
                 "completion). Please reduce the prompt or max_tokens."
             )
 
+    @in_scope
     def add_request(
         self,
         prompt_ids: list[int],
@@ -376,15 +383,17 @@ class Engine:
         while self._dropped_pins:
             self.scheduler.release_pin(self._dropped_pins.popleft())
 
+    @in_scope
     def abort(self, seq: Sequence) -> None:
         """Stops a request and returns its slot and pages."""
         self.scheduler.abort(seq)
 
     # -- the loop -------------------------------------------------------------------------------
 
+    @in_scope
     def step(self) -> list[Sequence]:
         """Runs one scheduled step; returns the sequences that finished in it."""
-        self.code_budget.release_after_compiles()
+        self.code_budget.release_after_compiles(self.compile_scope)
         self._release_dropped_pins()
         if self.speculator is not None:
             self.speculator.choose_lookahead()
@@ -484,12 +493,14 @@ class Engine:
         takes them, in this process or in the next one (`aither_jax.compile.shape_file`)."""
         return self.shapes.records()
 
+    @in_scope
     def warmup(
         self, max_len: int | None = None, *, sampling: bool = True, progress: bool = False, workers: int | None = None
     ) -> int:
         """Compiles every decode shape for sequences up to `max_len` tokens (`Compiler.warmup`)."""
         return self.compiler.warmup(max_len, sampling=sampling, progress=progress, workers=workers)
 
+    @in_scope
     def precompile(
         self, shapes: Iterable[dict[str, Any]], *, workers: int | None = None, progress: bool = False
     ) -> int:
@@ -532,6 +543,7 @@ class Engine:
         """The hidden states after each layer in `taps`, concatenated: [len(ids), len(taps) * D]."""
         return self.forward(ids, taps=taps, logits=False)[1]
 
+    @in_scope
     def forward(
         self, ids: list[int], *, taps: tuple[int, ...] = (), logits: bool = True, top_k: int = 0, positions=None
     ) -> tuple[Any, np.ndarray | None]:

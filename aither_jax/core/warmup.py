@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from aither_jax.compile.buckets import bucket
 from aither_jax.compile.code_maps import CodeMapBudget
+from aither_jax.compile.scope import CompileScope
 from aither_jax.compile.services import CompileServices
 from aither_jax.compile.shapes import checked_shape, shape_key, shape_record
 from aither_jax.compile.step_jit import compile_workers
@@ -53,11 +54,12 @@ class Compiler:
     """Compiles an engine's step shapes ahead of use, within the process's mapping budget."""
 
     def __init__(
-        self, runner: ModelRunner, services: CompileServices, *, max_model_len: int, num_speculative_tokens: int,
-        num_lookahead_tokens: int,
+        self, runner: ModelRunner, services: CompileServices, scope: CompileScope, *, max_model_len: int,
+        num_speculative_tokens: int, num_lookahead_tokens: int,
     ):  # fmt: skip
         self.runner = runner
         self.services = services
+        self.scope = scope  # the engine's (compile/scope.py): what a release over the budget drops first
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -109,7 +111,7 @@ class Compiler:
         if workers > 1:
             self._precompile_decode(shapes, workers, progress)
         else:
-            self.code_budget.release_if_over()
+            self.code_budget.release_if_over(self.scope)
         done, tokens = 0, None
         for num_rows, num_pages, greedy_only in tqdm(shapes, desc="compiling decode steps", disable=not progress):
             if self.code_budget.over():
@@ -235,7 +237,7 @@ class Compiler:
         compiled: set = set()  # the writes, samplers and verifications submitted
         outputs: dict[tuple, Any] = {}  # each program submitted (`program_key`): its outputs' shapes
         done = 0
-        self.code_budget.release_if_over()  # earlier shapes' code does not stop this one
+        self.code_budget.release_if_over(self.scope)  # earlier shapes' code does not stop this one
         bar = tqdm(total=0, desc=f"compiling steps ({workers} threads)", disable=not progress)
         with ThreadPoolExecutor(workers, thread_name_prefix="aither-compile") as pool:
             futures = []

@@ -1,15 +1,20 @@
 """Two models resident in one process (two-block random-weight stand-ins of SmolLM2 and
 Gemma-3): the planner's zones equal what the engines allocate, each model's greedy output with
 both resident equals its output alone, no prefix is shared across models, a route change
-compiles nothing, and budgets that do not fit are refused."""
+compiles nothing, one model's code release keeps the other's steps compiled, and budgets that do
+not fit are refused."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import pytest
 
 import aither_jax as aj
+from aither_jax.compile import code_maps
+from aither_jax.compile.code_maps import HIGH_WATER, MAPS_PATH, CodeMapBudget, map_count
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.fleet.balloon import Move
 from aither_jax.fleet.fleet import Fleet
@@ -56,6 +61,45 @@ def test_a_route_change_compiles_nothing(fleet):
     for m in (*MODELS, *MODELS):
         fleet.generate([PROMPT], GREEDY, model=m)
     assert CompileCounter.count() == before
+
+
+class OverOnce(CodeMapBudget):
+    """Over its limit until its first release, then far below it."""
+
+    def release_if_over(self, scope=None):
+        released = super().release_if_over(scope)
+        if released:
+            self.limit = 10**9
+        return released
+
+
+@pytest.mark.skipif(not os.path.exists(MAPS_PATH), reason="needs /proc (Linux)")
+def test_one_models_code_release_keeps_the_other_models_steps_compiled(fleet, caplog):
+    light, heavy = (fleet.llms[m].engine for m in MODELS)
+    first = {m: fleet.generate([PROMPT], GREEDY, model=m)[0].token_ids for m in MODELS}  # both warm
+    shared = light.code_budget
+    try:
+        # Over by less than the light model's code holds: its next step drops its steps alone.
+        light.code_budget = OverOnce(limit=int((map_count() - 10) / HIGH_WATER))
+        before = CompileCounter.count()
+        with caplog.at_level(logging.WARNING, logger=code_maps.__name__):
+            assert fleet.generate([PROMPT], GREEDY, model=MODELS[0])[0].token_ids == first[MODELS[0]]
+        assert light.code_budget.num_releases == 1 and CompileCounter.count() > before  # compiled again
+        assert f"dropped {light.compile_scope.name}'s" in caplog.text and "every model's" not in caplog.text
+        before = CompileCounter.count()
+        assert fleet.generate([PROMPT], GREEDY, model=MODELS[1])[0].token_ids == first[MODELS[1]]
+        assert CompileCounter.count() == before  # the heavy model's steps stayed compiled
+        # Over by more than the light model's code: every model's steps are dropped.
+        light.code_budget = OverOnce(limit=map_count() // 2)
+        with caplog.at_level(logging.WARNING, logger=code_maps.__name__):
+            assert fleet.generate([PROMPT], GREEDY, model=MODELS[0])[0].token_ids == first[MODELS[0]]
+        assert "dropping every model's" in caplog.text
+        before = CompileCounter.count()
+        assert fleet.generate([PROMPT], GREEDY, model=MODELS[1])[0].token_ids == first[MODELS[1]]
+        assert CompileCounter.count() > before
+    finally:
+        light.code_budget = shared
+    assert heavy.code_budget is shared
 
 
 def test_auto_routes_by_effort(fleet):
