@@ -36,7 +36,7 @@ from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.context.sections import Context, sections_from_messages
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.fleet.planner import MemoryPlan
-from aither_jax.fleet.router import Router
+from aither_jax.fleet.router import Route, Router
 from aither_jax.kv.prefix_cache import tenant_salt
 from models.tokenizer import Tokenizer
 from serving import protocol
@@ -323,19 +323,22 @@ def build_app(
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         text = prompts[0] if prompts and isinstance(prompts[0], str) else ""
-        served = _pick(body.model, lambda: router.route_text(text, reasoning_effort=body.reasoning_effort))
+        served, routed = _pick(
+            body.model, lambda: router.route_text(text, reasoning_effort=body.reasoning_effort, remember=False)
+        )
         assembled = [text_prompt(served.tokenizer, p, pin=body.pin_prefix) for p in prompts]
         jobs = _jobs(served, assembled, body, body.max_tokens)
-        return await _serve(served, request, body, jobs, "text_completion", body.logprobs, chat=False)
+        return await _serve(served, request, body, jobs, "text_completion", body.logprobs, chat=False, routed=routed)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         conversation = body.user if body.user is not None else request.headers.get("x-session-id")
         messages = body.conversation()
         route = lambda: router.route(  # noqa: E731
-            messages, reasoning_effort=body.reasoning_effort, conversation=conversation, scope=_scope(request)
-        )
-        served = _pick(body.model, route)
+            messages, reasoning_effort=body.reasoning_effort, conversation=conversation, scope=_scope(request),
+            remember=False,
+        )  # fmt: skip
+        served, routed = _pick(body.model, route)
         max_tokens = body.max_completion_tokens or body.max_tokens
         try:
             if body.sectioned:
@@ -346,7 +349,7 @@ def build_app(
             raise HTTPError(400, str(e), "messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs = _jobs(served, [prompt], body, max_tokens)
-        return await _serve(served, request, body, jobs, "chat.completion", top, chat=True)
+        return await _serve(served, request, body, jobs, "chat.completion", top, chat=True, routed=routed)
 
     @app.post("/v1/unpin")
     async def unpin(body: protocol.UnpinRequest, request: Request):
@@ -377,20 +380,20 @@ def build_app(
             raise HTTPError(404, f"The model `{name}` does not exist; this server serves {served}{more}.", "model")
         return by_name[name]
 
-    def _pick(name: str | None, route) -> ServedModel:
+    def _pick(name: str | None, route) -> tuple[ServedModel, Route | None]:
         """The model that serves a request: the one it names, the routed one for `auto`,
-        else the server's default."""
+        else the server's default; and the route when the router chose (`_serve` records it
+        once the request is accepted)."""
         name = config.default_model if name is None else name
         if name == "auto" and router is not None:
             chosen = route()
             served = by_name[chosen.model]
             if not served.engine.alive:  # the other model still answers
                 served = next((m for m in models if m.engine.alive), served)
-            served.engine.metrics.inc("aither:routed_requests_total", effort=str(chosen.effort), reason=chosen.reason)
-            return served
+            return served, chosen
         if name == "auto" and len(models) == 1:
-            return models[0]
-        return _named(name)
+            return models[0], None
+        return _named(name), None
 
     def _jobs(served: ServedModel, prompts: list[Prompt], body, max_tokens: int | None) -> list[_Job]:
         """`body.n` choices of each prompt; only the first choice of a prompt takes its pin."""
@@ -468,7 +471,10 @@ def build_app(
             raise HTTPError(400, f"X-Tenant-Id must be at most {MAX_TENANT_LEN} printable characters")
         return tenant
 
-    async def _serve(served: ServedModel, request: Request, body, jobs: list[_Job], kind: str, num_logprobs, *, chat):
+    async def _serve(
+        served: ServedModel, request: Request, body, jobs: list[_Job], kind: str, num_logprobs, *, chat,
+        routed: Route | None = None,
+    ):  # fmt: skip
         if app.state.draining:
             raise HTTPError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         salt = _salt(request, served)
@@ -476,6 +482,9 @@ def build_app(
             reservation = served.engine.reserve(len(jobs))
         except (QueueFullError, EngineDeadError) as e:
             raise _as_http(e) from None
+        if routed is not None:  # accepted: the turn counts, and its conversation remembers it
+            router.remember(routed)
+            served.engine.metrics.inc("aither:routed_requests_total", effort=str(routed.effort), reason=routed.reason)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + request.scope["state"]["request_id"]
         updates = _merge(served.engine, jobs, salt, num_logprobs, reservation)

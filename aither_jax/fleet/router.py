@@ -46,6 +46,11 @@ class Route:
     effort: int
     reason: str  # "reasoning_effort", "scored", "carried" or "follow-up"
     detail: tuple[str, ...] = ()  # the scorer's reasons
+    # What `Router.remember` records of the turn: its conversation ("": none), its own effort
+    # (scored or given), and whether it opens a carry window (a heavy or tool turn).
+    key: str = dataclasses.field(default="", repr=False, compare=False)
+    own: int = dataclasses.field(default=0, repr=False, compare=False)
+    opens_window: bool = dataclasses.field(default=False, repr=False, compare=False)
 
 
 @dataclasses.dataclass
@@ -81,10 +86,14 @@ class Router:
         reasoning_effort: str | None = None,
         conversation: str | None = None,
         scope: str = "",
+        remember: bool = True,
     ) -> Route:
         """The model for a chat turn (`messages`, OpenAI-style), and why. `conversation` names
         the conversation (None: the hash of its leading messages; "": remember nothing), within
-        `scope` (a tenant: equal conversations of two scopes are two conversations)."""
+        `scope` (a tenant: equal conversations of two scopes are two conversations). With
+        `remember` False the turn is neither counted nor remembered until `remember(route)`:
+        the server does that once it has accepted the request, so a refused one uses up no
+        carry turn."""
         last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
         text = messages[last_user].get("content") if last_user >= 0 else ""
         text = text if isinstance(text, str) else ""
@@ -108,34 +117,41 @@ class Router:
                     effort, reason = memory.effort, "carried"
                 elif memory is not None and min(memory.last, memory.effort) > effort and _follows_up(text):
                     effort, reason = min(memory.last, memory.effort), "follow-up"  # the turn before, decayed
-            self._remember(key, memory, effort, heavy_turn=own >= self.threshold or tool_turn, own=own)
-            model = self.heavy if effort >= self.threshold else self.light
-            self.routed[(model, effort)] += 1
-        return Route(model, effort, reason, detail)
+        model = self.heavy if effort >= self.threshold else self.light
+        opens_window = own >= self.threshold or tool_turn
+        chosen = Route(model, effort, reason, detail, key=key, own=own, opens_window=opens_window)
+        if remember:
+            self.remember(chosen)
+        return chosen
 
-    def route_text(self, prompt: str, *, reasoning_effort: str | None = None) -> Route:
+    def route_text(self, prompt: str, *, reasoning_effort: str | None = None, remember: bool = True) -> Route:
         """The model for a plain completion prompt (no conversation to remember)."""
-        return self.route([{"role": "user", "content": prompt}], reasoning_effort=reasoning_effort, conversation="")
+        messages = [{"role": "user", "content": prompt}]
+        return self.route(messages, reasoning_effort=reasoning_effort, conversation="", remember=remember)
 
-    def _remember(self, key: str, memory: _Memory | None, effort: int, *, heavy_turn: bool, own: int) -> None:
-        """Updates a conversation's memory after a turn routed with `effort` whose own effort
-        (scored or given) was `own`: a heavy or tool turn starts a new carry window."""
-        if key == "":
-            return
-        if memory is None:
-            memory = _Memory(effort=0, turns_left=0, last=0)
-        if heavy_turn:  # the window restarts; a stronger effort still carried is kept
+    def remember(self, route: Route) -> None:
+        """Counts a routed turn and updates its conversation's memory: a heavy or tool turn
+        starts a new carry window; past the window the remembered effort decays."""
+        with self._lock:
+            self.routed[(route.model, route.effort)] += 1
+            if route.key == "":
+                return
+            memory = self._memory.get(route.key) or _Memory(effort=0, turns_left=0, last=0)
+            self._update(memory, route)
+            self._memory[route.key] = memory
+            self._memory.move_to_end(route.key)
+            while len(self._memory) > MAX_CONVERSATIONS:
+                self._memory.popitem(last=False)
+
+    def _update(self, memory: _Memory, route: Route) -> None:
+        if route.opens_window:  # the window restarts; a stronger effort still carried is kept
             held = memory.effort if memory.turns_left > 0 else 0
-            memory.effort, memory.turns_left = max(own, self.threshold, held), self.carry_turns
+            memory.effort, memory.turns_left = max(route.own, self.threshold, held), self.carry_turns
         elif memory.turns_left > 0:
             memory.turns_left -= 1
         else:  # past the window the remembered effort decays a level per turn
             memory.effort = max(0, memory.effort - 1)
-        memory.last = effort
-        self._memory[key] = memory
-        self._memory.move_to_end(key)
-        while len(self._memory) > MAX_CONVERSATIONS:
-            self._memory.popitem(last=False)
+        memory.last = route.effort
 
 
 def conversation_key(messages: Sequence[dict]) -> str:

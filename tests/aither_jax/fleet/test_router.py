@@ -106,6 +106,24 @@ def test_past_the_window_follow_ups_draw_on_a_decaying_effort_and_come_down():
     assert r.route(turn(conv, "ok and bye")).model == "small"
 
 
+def test_a_turn_routed_without_remembering_counts_only_once_remembered():
+    """The server routes before it validates a request and records the turn once it accepts
+    it, so a refused request uses up no carry turn and is not counted."""
+    r = Router("small", "big", carry_turns=1)
+    conv = [SYSTEM, {"role": "user", "content": RESEARCH}]
+    refused = r.route(conv, remember=False)
+    assert refused.model == "big" and not r.routed
+    assert r.route(turn(conv, "ok"), remember=False).reason == "scored"  # nothing was remembered
+    r.remember(refused)
+    assert r.routed == {("big", refused.effort): 1}
+    follow = turn(conv, "ok")
+    for _ in range(3):  # refused follow-ups leave the one carried turn in place
+        assert r.route(follow, remember=False).reason == "carried"
+    r.remember(r.route(follow, remember=False))
+    assert r.route(turn(follow, "cool"), remember=False).model == "small"  # the window has passed
+    assert sum(r.routed.values()) == 2
+
+
 def test_a_short_follow_up_that_refers_back_is_routed_like_the_turn_before():
     r = Router("small", "big", carry_turns=0)
     conv = [SYSTEM, {"role": "user", "content": RESEARCH}]
