@@ -28,14 +28,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jax._src import util as jax_util
+try:  # JAX's internals: where they moved, a release falls back to clearing everything
+    from jax._src import util as jax_util
+except ImportError:
+    jax_util = None
 
-log = logging.getLogger(__name__)
 
 _active: contextvars.ContextVar[CompileScope | None] = contextvars.ContextVar("compile_scope", default=None)
 
@@ -48,7 +49,7 @@ def current() -> CompileScope | None:
 def _clear_shared_caches() -> Callable[[], None] | None:
     """JAX's function clearing its Python-level caches (all but the C++ dispatch caches), or
     None in a JAX that has none by that name."""
-    return getattr(jax_util, "clear_all_caches", None)
+    return getattr(jax_util, "clear_all_caches", None) if jax_util is not None else None
 
 
 class CompileScope:

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 
+from aither_jax.compile import scope as scope_module
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.compile.scope import CompileScope, current
 from aither_jax.compile.services import services
@@ -56,3 +57,18 @@ def test_engines_of_one_configuration_share_a_scope_and_other_configurations_do_
     assert again.compile_scope is tiny_f32.engine.compile_scope
     assert tiny_f32.engine.compile_scope is not llm_f32.engine.compile_scope
     assert services().scope(tiny_f32.model.config, "ignored") is tiny_f32.engine.compile_scope
+
+
+def test_without_jaxs_cache_internals_a_scope_release_drops_nothing(monkeypatch):
+    """A JAX that moved `clear_all_caches`: the release says it dropped nothing, and the code
+    budget then clears every executable instead (code_maps.CodeMapBudget.release_if_over)."""
+    a = CompileScope("a")
+    x = np.ones(4, np.float32)
+    with a.active():
+        scale(x, k=3)
+    monkeypatch.setattr(scope_module, "jax_util", None)
+    before = CompileCounter.count()
+    assert not a.release() and a.num_releases == 0
+    with a.active():
+        np.testing.assert_array_equal(scale(x, k=3), 4)
+    assert CompileCounter.count() == before
