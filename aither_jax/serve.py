@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="GIB",
         help="host memory (GiB) for KV pages evicted from the device pool; a later prompt that starts with them "
-        "gets them back instead of recomputing them (default 0: dropped)",
+        "gets them back instead of recomputing them (default 0: dropped); several models share it",
     )
     p.add_argument(
         "--kv-cache-dir",
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float_in("--kv-disk-size", 0.0, 1 << 30, low_open=True),
         default=None,
         metavar="GIB",
-        help="GiB the disk tier may hold (default 4; needs --kv-cache-dir)",
+        help="GiB the disk tier may hold (default 4; needs --kv-cache-dir); several models share it",
     )
     p.add_argument(
         "--kv-high-watermark",
@@ -340,6 +340,8 @@ MODEL_OPTIONS = {
     "max_model_len": int,
     "max_num_seqs": int,
     "kv_share": (int, float),
+    "kv_offloading_size": (int, float),
+    "kv_disk_size": (int, float),
     "served_model_name": str,
 }
 

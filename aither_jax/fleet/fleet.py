@@ -33,6 +33,7 @@ from aither_jax.fleet.planner import (
     repage,
 )
 from aither_jax.fleet.router import Route, Router
+from aither_jax.kv.tiers import DEFAULT_DISK_GIB, GIB
 from aither_jax.llm import LLM, RequestOutput, resolve_dtype
 from aither_jax.speculative.config import SpeculativeConfig
 from models.kv_cache import init_cache
@@ -40,7 +41,6 @@ from models.kv_spec import parse_kv_spec
 from models.kv_transform import load_key_transforms
 from models.registry import ModelHandle, load_model, resolve_kv_cache_dtype
 
-GIB = 1 << 30
 BALLOON_GRID = 8  # by default a pool's balloon step is at most an eighth of its planned pool
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,30 @@ def _draft_needs(handle: ModelHandle, speculative, page_size: int) -> tuple[int,
     return weights, 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * item
 
 
+def _shared_tier_sizes(own: Mapping[str, Mapping], common: Mapping) -> dict[str, dict[str, float]]:
+    """The host and disk tier sizes (GiB) of the models that have the tier but give no size of
+    their own (`own`: each model's options; `common`: the fleet's): the fleet's size (the disk
+    tier's default without one) split between them by `kv_share`."""
+    sizes: dict[str, dict[str, float]] = {name: {} for name in own}
+    for key, default in (("kv_offloading_size", None), ("kv_disk_size", DEFAULT_DISK_GIB)):
+        total = common.get(key)
+        total = default if total is None else total
+        sharing = [
+            name for name, o in own.items()
+            if key not in o and (key != "kv_disk_size" or {**common, **o}.get("kv_cache_dir") is not None)
+        ]  # fmt: skip
+        weights = {name: {**common, **own[name]}.get("kv_share", 1.0) for name in sharing}
+        if not sharing or not all(_positive(x) for x in (total, *weights.values())):
+            continue  # nothing to share, or a size or share the engines and planner refuse by name
+        for name in sharing:
+            sizes[name][key] = total * weights[name] / sum(weights.values())
+    return sizes
+
+
+def _positive(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x > 0
+
+
 class Fleet:
     """Models resident together under one memory plan, with effort routing between them.
 
@@ -168,7 +192,10 @@ class Fleet:
             steps, are few; 1 for any size.
         prepare_moves: before a move, compile both models' steps for their new pool sizes on
             several threads (`prepare`) rather than one shape at a time as steps first need them.
-        **common: `LLM` keyword arguments for every model (a model's own win).
+        **common: `LLM` keyword arguments for every model (a model's own win). The host
+            and disk tier sizes (`kv_offloading_size`, `kv_disk_size`, default 4 GiB with a
+            `kv_cache_dir`) are the fleet's: the models that give none of their own share
+            them by `kv_share`, so the process holds what was asked.
 
     `fleet.plan` holds the zones (`fleet.plan.table()` prints them); `fleet.llms[name]` each
     model's `LLM`; `chat` and `generate` take `model="auto"` to route.
@@ -201,8 +228,9 @@ class Fleet:
         handles, needs = {}, []
         if "num_pages" in common:
             raise ValueError("num_pages is a model's own option: models={name: {'num_pages': ...}}")
+        tier_sizes = _shared_tier_sizes(options, common)
         for name, own in options.items():
-            options[name] = merged = {**common, **own}
+            options[name] = merged = {**common, **own, **tier_sizes[name]}
             dtype = resolve_dtype(merged.get("dtype", "auto"))
             handles[name] = load_model(
                 name, dtype, progress=merged.get("progress", True), num_layers=merged.get("_num_layers")

@@ -19,6 +19,7 @@ from aither_jax.compile.counter import CompileCounter
 from aither_jax.fleet.balloon import Move
 from aither_jax.fleet.fleet import Fleet
 from aither_jax.fleet.planner import PlanError
+from aither_jax.kv.tiers import GIB
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 SETTINGS = dict(
@@ -114,6 +115,22 @@ def test_auto_routes_by_effort(fleet):
     assert fleet.router.heavy == "gemma3-270m"  # the one with more parameters
     outs = fleet.generate(["hi there!", "hi there!"], GREEDY, model="auto", reasoning_effort="high")
     assert [o.model for o in outs] == ["gemma3-270m"] * 2
+
+
+def test_the_fleets_host_and_disk_tier_sizes_are_shared_by_kv_share(tmp_path):
+    """Tier sizes given for the fleet are the process's: the models without a size of their own
+    share them by `kv_share` (the disk tier's default 4 GiB too); a model's own size stands."""
+    models = {MODELS[0]: {"kv_share": 3.0}, MODELS[1]: {"kv_disk_size": 0.5}}
+    fl = Fleet(
+        models, memory_budget_gib=3.0, kv_offloading_size=0.04, kv_cache_dir=str(tmp_path),
+        enable_prefix_caching=True, **SETTINGS,
+    )  # fmt: skip
+    host = {m: fl.plan.zone(m, "host_tier").bytes for m in MODELS}
+    assert host == {MODELS[0]: int(0.03 * GIB), MODELS[1]: int(0.01 * GIB)}
+    for m, disk_gib in zip(MODELS, (4.0, 0.5), strict=True):
+        tiers = fl.llms[m].engine.tiers
+        assert tiers.host.capacity == host[m] // tiers.page_bytes
+        assert tiers.disk.capacity == int(disk_gib * GIB) // tiers.page_bytes, m
 
 
 def test_budgets_that_do_not_fit_are_refused(monkeypatch):
