@@ -48,7 +48,10 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_LEN = 128
 MAX_TENANT_LEN = 128
 RETRY_AFTER_SECONDS = 1
-MAX_CONTEXTS = 1024  # context pipelines kept (per tenant and prompt_cache_key), least recently used dropped
+# Context pipelines kept per model (one per tenant and prompt_cache_key). Past it the tenant
+# holding the most gives up its least recently used, so one tenant cycling keys cannot push
+# out the others' (with one tenant: plain LRU).
+MAX_CONTEXTS = 1024
 DEFAULT_ANSWER_TOKENS = 256  # room a sectioned prompt leaves for the answer without max_tokens
 DISCONNECT_POLL_SECONDS = 0.25
 
@@ -451,8 +454,8 @@ def build_app(
         else:  # the stable prefixes seen still count under this request's budgets
             ctx.context_budget, ctx.prefill_budget = budget, options.prefill_budget
         contexts.move_to_end(key)
-        while len(contexts) > MAX_CONTEXTS:
-            contexts.popitem(last=False)
+        if len(contexts) > MAX_CONTEXTS:
+            _drop_context(contexts)
         prompt = ctx.assemble(sections, pinned=breakpoint)
         return prompt if options.report else dataclasses.replace(prompt, report=None)
 
@@ -593,6 +596,15 @@ def _given(value, defaults: dict, name: str, api_default):
     """A sampling field as the request gave it, else the model's recommended value, else the
     API's default."""
     return value if value is not None else defaults.get(name, api_default)
+
+
+def _drop_context(contexts: collections.OrderedDict) -> None:
+    """Drops the least recently used context of the tenant holding the most (`contexts` is
+    keyed by (tenant salt, prompt_cache_key), least recently used first)."""
+    held = collections.Counter(salt for salt, _ in contexts)
+    most = max(held.values())
+    key = next(k for k in contexts if held[k[0]] == most)
+    del contexts[key]
 
 
 def _as_http(error: BaseException) -> HTTPError:

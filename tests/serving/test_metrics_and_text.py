@@ -1,6 +1,9 @@
-"""Host-only pieces of the server: the Prometheus exposition, streamed text deltas, logprobs."""
+"""Host-only pieces of the server: the Prometheus exposition, streamed text deltas, logprobs, the
+contexts kept per tenant."""
 
 from __future__ import annotations
+
+import collections
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ from aither_jax.core.output import top_logprobs
 from models.gguf_file import GGUFFile
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
-from serving.api import TextStream
+from serving.api import TextStream, _drop_context
 from serving.metrics import Metrics
 
 
@@ -79,3 +82,18 @@ def test_top_logprobs_match_a_log_softmax():
     assert [t for t, _ in top] == list(np.argsort(-ref)[:5])
     assert [v for _, v in top] == pytest.approx(list(np.sort(ref)[::-1][:5]))
     assert top_logprobs(logits, 7, 0)[1] == []
+
+
+def test_a_full_context_store_drops_from_the_tenant_holding_the_most():
+    contexts = collections.OrderedDict()
+    for i in range(3):
+        contexts[(b"quiet", f"q{i}")] = i
+    for i in range(6):  # one tenant cycling keys
+        contexts[(b"busy", f"b{i}")] = i
+    contexts.move_to_end((b"quiet", "q0"))
+    _drop_context(contexts)
+    assert (b"busy", "b0") not in contexts and len(contexts) == 8  # not the quiet tenant's older q1
+    while sum(salt == b"busy" for salt, _ in contexts) > 3:
+        _drop_context(contexts)
+    _drop_context(contexts)  # three each: the least recently used of either
+    assert list(contexts) == [(b"quiet", "q2"), (b"busy", "b3"), (b"busy", "b4"), (b"busy", "b5"), (b"quiet", "q0")]
