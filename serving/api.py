@@ -386,7 +386,7 @@ def build_app(
     def _pick(name: str | None, route) -> tuple[ServedModel, Route | None]:
         """The model that serves a request: the one it names, the routed one for `auto`,
         else the server's default; and the route when the router chose (`_serve` records it
-        once the request is accepted)."""
+        once the engine has admitted the request)."""
         name = config.default_model if name is None else name
         if name == "auto" and router is not None:
             chosen = route()
@@ -485,12 +485,18 @@ def build_app(
             reservation = served.engine.reserve(len(jobs))
         except (QueueFullError, EngineDeadError) as e:
             raise _as_http(e) from None
-        if routed is not None:  # accepted: the turn counts, and its conversation remembers it
-            router.remember(routed)
-            served.engine.metrics.inc("aither:routed_requests_total", effort=str(routed.effort), reason=routed.reason)
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + request.scope["state"]["request_id"]
         updates = _merge(served.engine, jobs, salt, num_logprobs, reservation)
+        if routed is not None:
+
+            def accepted() -> None:  # the engine took the request: the turn counts, its conversation remembers it
+                router.remember(routed)
+                served.engine.metrics.inc(
+                    "aither:routed_requests_total", effort=str(routed.effort), reason=routed.reason
+                )
+
+            updates = _on_first(updates, accepted)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunk_kind = kind + (".chunk" if chat else "")
@@ -625,6 +631,18 @@ def _event(body: dict) -> str:
 async def _wait_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+
+
+async def _on_first(updates: AsyncIterator, accepted) -> AsyncIterator:
+    """`updates` as they come, calling `accepted()` before the first (an update comes only once
+    the engine has admitted its request; a refusal raises first)."""
+    first = True
+    async with contextlib.aclosing(updates) as it:
+        async for item in it:
+            if first:
+                accepted()
+                first = False
+            yield item
 
 
 async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprobs: int | None, reservation):

@@ -17,6 +17,8 @@ What a release also drops: shapes precompiled (`Engine.precompile`) but never ru
 scope, since only JAX's Python-level caches hold those; they compile again on first use, or
 load from the persistent cache.
 
+A scope counts the compilations made while it is active (`num_compiles`; JAX reports each on
+the compiling thread), so the code budget knows whose code took the process over its limit.
 Engines of one model configuration share a scope (`CompileServices.scope`): their programs
 are the same ones. Steps dispatch through the scope active on the calling thread
 (`CompileScope.active`, which the engine sets around each of its calls, `in_scope`); outside
@@ -29,8 +31,11 @@ import contextlib
 import contextvars
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from jax import monitoring
 
 try:  # JAX's internals: where they moved, a release falls back to clearing everything
     from jax._src import util as jax_util
@@ -38,12 +43,31 @@ except ImportError:
     jax_util = None
 
 
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
 _active: contextvars.ContextVar[CompileScope | None] = contextvars.ContextVar("compile_scope", default=None)
+_scopes: weakref.WeakSet[CompileScope] = weakref.WeakSet()  # every live scope (`live`)
+_listening = False
+_lock = threading.Lock()
 
 
 def current() -> CompileScope | None:
     """The scope active on this thread (in this context), or None."""
     return _active.get()
+
+
+def live() -> list[CompileScope]:
+    """Every scope still in use."""
+    with _lock:
+        return list(_scopes)
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    # JAX reports a compilation (or a load from the persistent cache) on the thread that
+    # compiles, so the scope active there is the one whose code it adds.
+    if event == COMPILE_EVENT and (scope := _active.get()) is not None:
+        with scope._count_lock:  # not `_lock`: `jit` holds it while making a jit object, which may compile
+            scope.num_compiles += 1
 
 
 def _clear_shared_caches() -> Callable[[], None] | None:
@@ -60,10 +84,18 @@ class CompileScope:
     """
 
     def __init__(self, name: str):
+        global _listening
         self.name = name
         self._jits: dict[Any, Any] = {}  # StepFunction -> its jit object in this scope
         self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self.num_releases = 0
+        self.num_compiles = 0  # compilations while it was active (`run_in`: on other threads too)
+        with _lock:
+            _scopes.add(self)
+            if not _listening:
+                monitoring.register_event_duration_secs_listener(_count_compile)
+                _listening = True
 
     def jit(self, step) -> Any:
         """This scope's jit object of a step function (`StepFunction.new_jit`), made on first use."""
@@ -83,6 +115,15 @@ class CompileScope:
             yield self
         finally:
             _active.reset(token)
+
+    def run_in(self, fun: Callable[[], Any]) -> Callable[[], Any]:
+        """`fun` made to run inside this scope on whichever thread calls it (a thread pool's)."""
+
+        def scoped():
+            with self.active():
+                return fun()
+
+        return scoped
 
     def release(self) -> bool:
         """Drops the executables of every step this scope has run, and JAX's Python-level

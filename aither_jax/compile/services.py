@@ -7,7 +7,8 @@ persistent cache is turned on once, and one `CodeMapBudget` watches the mappings
 engine's code. Two engines in one process (two models) therefore count their code against
 one limit instead of each judging the process by itself. Each model's steps compile in its
 own compile scope (`scope`, compile/scope.py), so when the budget must drop compiled code it
-drops the model's that is compiling, and another model's warm steps stay compiled.
+drops that of the models that compiled since it last looked, and another model's warm steps
+stay compiled.
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ class Compiler:
             def submit(lowered) -> None:
                 bar.total += 1
                 bar.refresh()
-                futures.append(pool.submit(lowered.compile))
+                futures.append(pool.submit(self.scope.run_in(lowered.compile)))  # counted as its code
                 futures[-1].add_done_callback(lambda _: bar.update())
 
             for record in usable:

@@ -106,7 +106,10 @@ class DiskStore:
     # -- index --------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        """Indexes the intact files of this configuration, oldest first; clears stray temp files."""
+        """Indexes the intact files of this configuration, oldest first; clears stray temp files
+        and the files of the flat layout before per-configuration directories, which no store
+        reads."""
+        self._remove_flat_layout()
         found = []
         for path in self.dir.iterdir():
             if path.name.startswith(".tmp"):
@@ -130,6 +133,19 @@ class DiskStore:
                 "KV disk tier %s: skipped %d unreadable or foreign page files", self.dir, self.counters.num_skipped
             )
         self._fit(self.capacity)
+
+    def _remove_flat_layout(self) -> None:
+        removed = 0
+        for path in self.dir.parent.iterdir():
+            if path.suffix == SUFFIX or path.name.startswith(".tmp"):
+                try:
+                    path.unlink()
+                    removed += 1
+                except OSError as e:  # gone already (another store), or a read-only disk
+                    if not isinstance(e, FileNotFoundError):
+                        log.warning("KV disk tier: cannot remove %s (%s)", path, e)
+        if removed:
+            log.info("KV disk tier %s: removed %d page files of the flat layout", self.dir.parent, removed)
 
     def _read_header(self, path: pathlib.Path) -> dict | None:
         """The header of an intact file of this configuration, its name and parent as bytes;

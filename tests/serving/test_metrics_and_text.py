@@ -3,6 +3,7 @@ contexts kept per tenant."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import numpy as np
@@ -12,7 +13,7 @@ from aither_jax.core.output import top_logprobs
 from models.gguf_file import GGUFFile
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
-from serving.api import TextStream, _drop_context
+from serving.api import TextStream, _drop_context, _on_first
 from serving.metrics import Metrics
 
 
@@ -97,3 +98,25 @@ def test_a_full_context_store_drops_from_the_tenant_holding_the_most():
         _drop_context(contexts)
     _drop_context(contexts)  # three each: the least recently used of either
     assert list(contexts) == [(b"quiet", "q2"), (b"busy", "b3"), (b"busy", "b4"), (b"busy", "b5"), (b"quiet", "q0")]
+
+
+def test_a_routed_request_counts_once_its_first_update_arrives():
+    """The router records a turn only once the engine admitted the request (`_on_first`): a
+    request refused after routing (no update, an error) is not counted."""
+    calls = []
+
+    async def refused():
+        raise ValueError("the request needs 99 KV pages but the cache has 40")
+        yield  # an async generator
+
+    async def served():
+        yield "a"
+        yield "b"
+
+    async def consume(gen):
+        return [item async for item in _on_first(gen, lambda: calls.append(1))]
+
+    with pytest.raises(ValueError, match="KV pages"):
+        asyncio.run(consume(refused()))
+    assert calls == []
+    assert asyncio.run(consume(served())) == ["a", "b"] and calls == [1]

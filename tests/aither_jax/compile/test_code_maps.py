@@ -92,7 +92,7 @@ def test_steps_past_the_budget_drop_compiled_code_and_decode_the_same():
     # Over the limit (by more than the model's code holds), the first step dropped the model's
     # compiled steps, then every other one; they compiled again.
     assert out["releases"] == 1 and out["recompiles_after_release"] > 0
-    assert "dropping smollm2-135m's compiled steps left" in proc.stderr and "dropped them all" in proc.stderr
+    assert "dropping the compiled steps of smollm2-135m left" in proc.stderr and "dropped them all" in proc.stderr
     # A warm-up that starts over the budget drops the code compiled before it and compiles its
     # shapes; one whose own shapes fill the budget stops short of them, with a warning.
     assert out["warm_releases"] == 1 and out["warmed_after_release"] > 1
@@ -126,3 +126,9 @@ def test_without_a_known_limit_nothing_is_dropped(monkeypatch):
 def test_bad_high_water(high_water):
     with pytest.raises(ValueError, match="high_water"):
         CodeMapBudget(limit=1000, high_water=high_water)
+
+
+@pytest.mark.parametrize("low_water", [0.0, 0.8, -1])
+def test_bad_low_water(low_water):
+    with pytest.raises(ValueError, match="low_water"):
+        CodeMapBudget(limit=1000, high_water=0.7, low_water=low_water)

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 
+from aither_jax.compile import code_maps
 from aither_jax.compile import scope as scope_module
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.compile.scope import CompileScope, current
@@ -72,3 +73,20 @@ def test_without_jaxs_cache_internals_a_scope_release_drops_nothing(monkeypatch)
     with a.active():
         np.testing.assert_array_equal(scale(x, k=3), 4)
     assert CompileCounter.count() == before
+
+
+def test_the_budget_drops_the_steps_of_the_scope_that_compiled(monkeypatch):
+    """Whichever engine looks first after a compilation, the scope whose compilations took the
+    count over is the one released; with none since the last look, the caller's."""
+    a, b = CompileScope("a"), CompileScope("b")
+    x = np.ones(3, np.float32)
+    maps = iter([1000, 100, 1000, 100])  # over (before a release), then far under
+    monkeypatch.setattr(code_maps, "map_count", lambda: next(maps))
+    budget = code_maps.CodeMapBudget(limit=1200, high_water=0.5)
+    with b.active():
+        scale(x, k=7)  # b compiles a new shape
+    assert b.num_compiles >= 1
+    assert budget.release_if_over(a)  # a looks first
+    assert (a.num_releases, b.num_releases) == (0, 1)
+    assert budget.release_if_over(a)  # nothing compiled since: the caller's own
+    assert (a.num_releases, b.num_releases) == (1, 1)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import aither_jax.kv.disk as disk_module
-from aither_jax.kv.disk import DiskStore, DiskStoreError
+from aither_jax.kv.disk import SUFFIX, DiskStore, DiskStoreError
 
 PAGE_BYTES = 1 << 16
 
@@ -70,6 +70,22 @@ def test_two_configurations_sharing_a_directory_keep_their_own_pages(tmp_path):
     a.write(name(0), None, payload(name(0)))
     b.write(name(0), None, payload(name(1)))  # one chain name (one salt, one prompt), two models
     assert a.read(name(0)) == payload(name(0)) and b.read(name(0)) == payload(name(1))
+
+
+def test_files_of_the_flat_layout_are_removed_at_open(tmp_path):
+    """Page files directly under pages/ (the layout before a directory per configuration) are
+    read by no store: opening one removes them, and leaves every configuration's directory."""
+    other = DiskStore(tmp_path, fingerprint="model b", page_bytes=PAGE_BYTES, capacity=4)
+    other.write(name(1), None, payload(name(1)))
+    flat = [tmp_path / "pages" / ("00" * 32 + SUFFIX), tmp_path / "pages" / ".tmp-write"]
+    for path in flat:
+        path.write_bytes(b"x" * 100)
+    store = DiskStore(tmp_path, fingerprint="model a", page_bytes=PAGE_BYTES, capacity=4)
+    assert not any(path.exists() for path in flat)
+    assert len(store) == 0 and other.read(name(1)) == payload(name(1))
+    assert DiskStore(tmp_path, fingerprint="model b", page_bytes=PAGE_BYTES, capacity=4).read(name(1)) == payload(
+        name(1)
+    )
 
 
 @pytest.mark.parametrize(
