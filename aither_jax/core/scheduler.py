@@ -423,7 +423,8 @@ class Scheduler:
                 return False
         else:
             need = self.pages_needed(num_tokens) - len(seq.pages)
-        while need > self.num_free_pages:
+        # Free pages first: `num_free_pages` also counts the idle cached ones, a pass over the cache.
+        while need > self.allocator.num_free and need > self.num_free_pages:
             victim = self.preemption_victim()
             self._preempt(victim)
             if victim is seq:

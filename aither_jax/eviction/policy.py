@@ -16,9 +16,9 @@ pins, and the metadata the context pipeline fills in) and returns the victims in
   not when it is wanted next. Protected pages (tags `system`,
   `identity`, `axioms`, or importance 1.0) are never candidates, up to `max_protected_pages`
   idle ones (the most recently used; beyond that cap the least recently used of them lose
-  protection and go first: the cap is
-  what protection may hold, so idle system prompts nobody has used for longest, such as a
-  retired persona's, cannot crowd out the pages of live conversations).
+  protection and are ranked with the other pages: the cap is what protection may hold, so idle
+  system prompts nobody has used for longest, such as a retired persona's, cannot crowd out the
+  pages of live conversations, and still never go before the pages that continue them).
   Rankings are computed off the engine's loop by a background thread about every 0.5 s and
   published with one atomic swap; eviction reads the latest, scoring pages newer than it
   inline, and falls back to LRU order (protection kept) when it is older than about 2 s.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import math
 import statistics
 import threading
@@ -38,6 +39,8 @@ from collections.abc import Callable, Sequence
 
 from aither_jax.eviction.graph import BlockGraph, EdgeType
 from aither_jax.kv.blocks import Block
+
+log = logging.getLogger(__name__)
 
 
 class LRUPolicy:
@@ -106,9 +109,16 @@ class AdvisorWeights:
         for key, value in spec.items():
             if key not in fields:
                 raise ValueError(f"unknown advisor weight {key!r}; the weights are {', '.join(fields)}")
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
                 raise ValueError(f"advisor weight {key!r} must be a finite number, got {value!r}")
         return cls(**{k: float(v) for k, v in spec.items()})
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _key(block: Block) -> tuple:
@@ -147,18 +157,19 @@ def reuse_distance(block: Block, now: float, typical: float, trust: float = 1.0)
 CHAIN_MARGIN = 1e-6  # how much lower a page scores than its lowest-scoring continuation
 
 
-def _deepest_first(blocks: Sequence[Block]) -> list[tuple[Block, Block]]:
-    """(page, its parent page) for each page whose parent is among `blocks`, children before
-    their parents (by depth in the chain)."""
-    by_name = {b.name: b for b in blocks if b.name is not None}
+def _deepest_first(records: Sequence[tuple]) -> list[tuple[tuple, tuple]]:
+    """(page, its parent page) for each page whose parent is among `records`, children before
+    their parents (by depth in the chain). A record is (block, key, name, parent name), read
+    once: the engine's thread renames and forgets pages while a ranking is computed."""
+    by_name = {r[2]: r for r in records if r[2] is not None}
     depth: dict[bytes, int] = {}
 
     def depth_of(name: bytes) -> int:
-        """1 + the number of ancestors of `name` among `blocks`."""
+        """1 + the number of ancestors of `name` among `records`."""
         path, cur = [], name
         while cur is not None and cur in by_name and cur not in depth:
             path.append(cur)
-            cur = by_name[cur].parent
+            cur = by_name[cur][3]
         d = depth.get(cur, 0)
         for n in reversed(path):
             d += 1
@@ -166,12 +177,12 @@ def _deepest_first(blocks: Sequence[Block]) -> list[tuple[Block, Block]]:
         return depth[name]
 
     pairs = []
-    for b in blocks:
-        parent = by_name.get(b.parent) if b.parent is not None else None
-        if parent is not None and parent is not b:
-            pairs.append((depth_of(b.name) if b.name is not None else depth_of(parent.name) + 1, b, parent))
+    for r in records:
+        parent = by_name.get(r[3]) if r[3] is not None else None
+        if parent is not None and parent is not r:
+            pairs.append((depth_of(r[2]) if r[2] is not None else depth_of(parent[2]) + 1, r, parent))
     pairs.sort(key=lambda t: -t[0])
-    return [(b, parent) for _, b, parent in pairs]
+    return [(r, parent) for _, r, parent in pairs]
 
 
 class AdvisorPolicy:
@@ -256,15 +267,17 @@ class AdvisorPolicy:
         gaps = self.gaps.copy()  # the engine's thread appends (deque.copy holds the GIL)
         typical = max(statistics.median(gaps), MIN_TYPICAL_S) if gaps else 0.0
         trust = self.trust
-        ranking = {_key(b): self.score(b, stats, now, typical, trust) for b in blocks}
-        pairs = _deepest_first(blocks)
-        for b, parent in pairs:
-            ranking[_key(parent)] = min(ranking[_key(parent)], ranking[_key(b)] - CHAIN_MARGIN)
-        children = collections.Counter(_key(parent) for _, parent in pairs)
-        for b, parent in reversed(pairs):  # parents first: a run's head is settled before its pages
-            if children[_key(parent)] == 1 and b.name is not None and not self.protected(parent):
-                ranking[_key(b)] = ranking[_key(parent)] + CHAIN_MARGIN
-        by_name = {b.name: ranking[_key(b)] for b in blocks if b.name is not None}
+        # Each page's key, name and parent read once (`_deepest_first`).
+        records = [(b, _key(b), b.name, b.parent) for b in blocks]
+        ranking = {key: self.score(b, stats, now, typical, trust) for b, key, _, _ in records}
+        pairs = _deepest_first(records)
+        for (_, key, _, _), (_, parent, _, _) in pairs:
+            ranking[parent] = min(ranking[parent], ranking[key] - CHAIN_MARGIN)
+        children = collections.Counter(parent[1] for _, parent in pairs)
+        for (_, key, name, _), (parent, parent_key, _, _) in reversed(pairs):  # a run's head is settled first
+            if children[parent_key] == 1 and name is not None and not self.protected(parent):
+                ranking[key] = ranking[parent_key] + CHAIN_MARGIN
+        by_name = {name: ranking[key] for _, key, name, _ in records if name is not None}
         self._ranking = (now, ranking, by_name, typical, trust)
         self.num_refreshes += 1
         self.refresh_seconds += time.perf_counter() - start
@@ -299,6 +312,8 @@ class AdvisorPolicy:
                     policy.refresh(fetch())
                 except RuntimeError:  # a container changed while it was copied: next time
                     pass
+                except Exception:  # never the thread's end: eviction would fall back to LRU for good
+                    log.exception("the eviction advisor's ranking failed; it ranks again in %.1f s", interval)
                 del policy, fetch
 
         self._thread = threading.Thread(target=loop, name="kv-advisor", daemon=True)
@@ -309,14 +324,16 @@ class AdvisorPolicy:
 
     # -- decisions ----------------------------------------------------------------------------
 
-    def _split(self, candidates: Sequence[Block], order) -> tuple[list[Block], list[Block]]:
-        """(the open candidates, the protected ones beyond the cap), each in eviction order."""
+    def _evictable(self, candidates: Sequence[Block], order) -> list[Block]:
+        """The open candidates and the protected ones beyond the cap, in eviction order."""
         open_, protected = [], []
         for b in candidates:
             (protected if self.protected(b) else open_).append(b)
         protected.sort(key=lambda b: b.last_access, reverse=True)  # the most recently used keep protection
-        excess = protected[self.max_protected_pages :]
-        return sorted(open_, key=order), excess[::-1]  # past the cap: least recently used first
+        # Past the cap a page loses its protection, not its rank: ranked with the others, a
+        # retired persona's system page (long idle) goes early, and none goes before the
+        # conversation pages that continue it (no lookup could reach those after it).
+        return sorted(open_ + protected[self.max_protected_pages :], key=order)
 
     def _order(self):
         """Eviction order: by the published ranking while fresh (scoring newer pages inline),
@@ -343,8 +360,7 @@ class AdvisorPolicy:
         return key
 
     def victims(self, candidates: Sequence[Block], n: int) -> list[Block]:
-        open_, excess = self._split(candidates, self._order())
-        chosen = (excess + open_)[: max(n, 0)]
+        chosen = self._evictable(candidates, self._order())[: max(n, 0)]
         for b in chosen:
             self.evicted_by_tag[b.source_tag or "untagged"] += 1
         return chosen

@@ -355,6 +355,40 @@ def test_a_page_never_ranks_before_the_pages_that_continue_its_chain():
     assert order == [4, 3, 2, 1]
 
 
+def test_a_protected_page_past_the_cap_never_goes_before_the_pages_that_continue_it():
+    """Past the cap (0 in a pool of two full-length requests) a system page loses protection
+    but keeps its place in the chain: its conversation's pages go first."""
+    policy = AdvisorPolicy(max_protected_pages=0, clock=Clock())
+    system = block(1, tag="system", last_access=10)  # a lookup touches a chain from its end to its start
+    turns = [block(2 + i, tag="user", last_access=9 - i) for i in range(4)]
+    parent = system
+    for b in turns:
+        b.parent, parent = parent.name, b
+    for fresh in (False, True):  # LRU order (no ranking yet), then by score
+        if fresh:
+            policy.refresh([system, *turns])
+        assert [b.page for b in policy.victims([system, *turns], 2)] == [5, 4], fresh
+
+
+def test_a_page_forgotten_or_renamed_while_the_ranking_is_computed_does_not_stop_it():
+    """The engine's thread evicts (forgets) and renames pages while the ranking thread scores
+    them: each page's key, name and parent are read once."""
+    policy = AdvisorPolicy(max_protected_pages=0, clock=Clock())
+    root, a, b = block(1), block(2), block(3)
+    a.parent, b.parent = root.name, a.name
+    score = policy.score
+
+    def forgetting(block, *args):
+        if block is b:  # the last page scored: every key is taken
+            root.forget()  # evicted mid-ranking
+            b.name = bytes([9]) * 32  # and a page renamed
+        return score(block, *args)
+
+    policy.score = forgetting
+    policy.refresh([root, a, b])
+    assert policy.num_refreshes == 1
+
+
 def test_a_conversation_is_evicted_whole_before_another_loses_its_newest_turn():
     clock = Clock()
     policy = AdvisorPolicy(max_protected_pages=0, clock=clock)
