@@ -87,6 +87,7 @@ def test_weights_are_configurable_and_checked():
         ({"speed": 1}, "unknown advisor weight 'speed'"),
         ({"age": "1"}, "must be a finite number"),
         ({"age": float("inf")}, "must be a finite number"),
+        ({"age": 10**400}, "must be a finite number"),  # too large for a float
         ("[1]", "must be an object"),
         ("{", "must be a JSON object"),
     ]:
