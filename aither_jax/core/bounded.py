@@ -172,6 +172,12 @@ class BoundedResidency:
         resident.next_select = self._next_select(seq.num_cached)
         seq.resident = resident
 
+    @property
+    def max_cached_pages(self) -> int:
+        """Prefix-cache pages a sequence may start with: a hit that leaves a prefill chunk's
+        room in the bound (the rest of the prompt is recomputed, paged out as it goes)."""
+        return max(self.max_pages - self.chunk_pages, 0)
+
     def pages_to_admit(self, num_pages: int) -> int:
         """Device pages a sequence of `num_pages` pages needs at most."""
         return min(num_pages, self.max_pages)
@@ -324,8 +330,8 @@ class BoundedResidency:
         index = [resident.logical.index(i) for i in pages]
         device = [seq.pages[j] for j in index]
         rows = self.store.read(device)
-        for k, i in enumerate(pages):
-            resident.held[i] = [leaf[k] for leaf in rows]
+        for k, i in enumerate(pages):  # copies: a view would keep the whole padded read alive
+            resident.held[i] = [leaf[k].copy() for leaf in rows]
         for j in sorted(index, reverse=True):
             del resident.logical[j]
             del seq.pages[j]

@@ -412,9 +412,10 @@ class Engine:
         elif plan.decode:
             self._decode(plan.decode)
         if plan.prefill:
-            start = time.perf_counter()
+            start, compiles = time.perf_counter(), CompileCounter.count()
             self._decode(plan.prefill)
-            if self.tiers is not None:  # the recompute side of the reload-or-recompute choice
+            # The recompute side of the reload-or-recompute choice; a call that compiled is no speed.
+            if self.tiers is not None and CompileCounter.count() == compiles:
                 self.tiers.cost.observe_prefill(sum(len(t) for _, t in plan.prefill), time.perf_counter() - start)
         self.num_steps += 1
         finished = self.scheduler.finish()

@@ -54,6 +54,20 @@ class CachedRun:
     pages: list[int] | None
 
 
+def _first_pages(runs: list[CachedRun], partial, limit: int) -> tuple[list[CachedRun], object]:
+    """The cached `runs` cut to their first `limit` pages, and the partial page after them
+    (None once cut)."""
+    out, left = [], limit
+    for run in runs:
+        if len(run.names) > left:
+            if left:
+                out.append(CachedRun(run.names[:left], None if run.pages is None else run.pages[:left]))
+            return out, None
+        out.append(run)
+        left -= len(run.names)
+    return out, partial
+
+
 class Scheduler:
     """Owns the queues, the slots, the block tables and the pages of every sequence."""
 
@@ -299,6 +313,8 @@ class Scheduler:
         while self.waiting and self._free_slots:
             seq = self.waiting.popleft()
             runs, names, partial = self._lookup(seq)
+            if self.bounded is not None:  # a longer hit would start over the bound: the rest is recomputed
+                runs, partial = _first_pages(runs, partial, self.bounded.max_cached_pages)
             found = [n for run in runs if run.pages is None for n in run.names]  # held below the device
             # Reloading them also brings back the device pages after them: every token past the
             # first device run (`lead`) is saved.
@@ -316,7 +332,7 @@ class Scheduler:
             need = self.pages_needed(seq.num_tokens)
             if self.bounded is not None:
                 need = self.bounded.pages_to_admit(need)
-            need -= len(device)
+            need = max(need - len(device), 0)
             if self.prefix_cache is not None:  # idle pages it will hold (shared, or a copy source)
                 need += self.prefix_cache.num_evictable_taken(device + ([partial[0]] if partial else []))
             if need > budget:

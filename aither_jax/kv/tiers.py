@@ -58,6 +58,9 @@ class ReloadCost:
     reloads (on the CPU and on PCIe a reload is normally far faster than recompute)."""
 
     SMOOTHING = 0.3
+    # Only a reload measures reloading: after this many recompute decisions in a row one
+    # reloads anyway (`recheck`, and its promotion is timed), so a stale estimate can flip back.
+    RECHECK_EVERY = 32
 
     def __init__(self):
         self.host_bytes_per_s: float | None = None
@@ -65,6 +68,8 @@ class ReloadCost:
         self.prefill_tokens_per_s: float | None = None
         self.num_reload = 0  # decisions
         self.num_recompute = 0
+        self.recheck = False  # a reload decided to measure: the next promotion is timed
+        self._recomputes_in_a_row = 0
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.SMOOTHING) * old + self.SMOOTHING * new
@@ -74,15 +79,28 @@ class ReloadCost:
             self.prefill_tokens_per_s = self._ema(self.prefill_tokens_per_s, num_tokens / seconds)
 
     def observe_reload(self, host_bytes: int, disk_bytes: int, seconds: float) -> None:
-        """One promotion's bytes by source; its time is split between them by byte count."""
+        """One promotion's bytes by source and its time. From one tier alone it measures that
+        tier; from both, the tier with a known speed is charged its share at that speed and the
+        rest of the time measures the other (with neither known, both take the blended rate)."""
         total = host_bytes + disk_bytes
         if total <= 0 or seconds <= 0:
             return
+        host, disk = self.host_bytes_per_s, self.disk_bytes_per_s
+        if host_bytes and disk_bytes and (host is not None or disk is not None):
+            if host is not None:
+                left = seconds - host_bytes / host
+                if left > 0:
+                    self.disk_bytes_per_s = self._ema(disk, disk_bytes / left)
+            else:
+                left = seconds - disk_bytes / disk
+                if left > 0:
+                    self.host_bytes_per_s = self._ema(host, host_bytes / left)
+            return
         rate = total / seconds
         if host_bytes:
-            self.host_bytes_per_s = self._ema(self.host_bytes_per_s, rate)
+            self.host_bytes_per_s = self._ema(host, rate)
         if disk_bytes:
-            self.disk_bytes_per_s = self._ema(self.disk_bytes_per_s, rate)
+            self.disk_bytes_per_s = self._ema(disk, rate)
 
     def estimate(self, host_bytes: int, disk_bytes: int, num_tokens: int) -> tuple[float | None, float | None]:
         """(seconds to reload, seconds to recompute), None where nothing is measured yet."""
@@ -103,10 +121,14 @@ class ReloadCost:
         choice = reload_s is None or recompute_s is None or reload_s <= recompute_s
         if not count:
             return choice
+        if not choice and self._recomputes_in_a_row + 1 >= self.RECHECK_EVERY:
+            choice = self.recheck = True
         if choice:
             self.num_reload += 1
+            self._recomputes_in_a_row = 0
         else:
             self.num_recompute += 1
+            self._recomputes_in_a_row += 1
         log.debug(
             "KV tiers: %s %d tokens (reload ~%s s, recompute ~%s s)",
             "reloading" if choice else "recomputing", num_tokens, _secs(reload_s), _secs(recompute_s),
@@ -354,9 +376,11 @@ class KVTiers:
         # end of the device write, while nothing is measured and then one in TIME_EVERY.
         timed = size in self._sizes and (
             self._num_promotions % self.TIME_EVERY == 0
+            or self.cost.recheck
             or (num_host and self.cost.host_bytes_per_s is None)
             or (num_host < n and self.cost.disk_bytes_per_s is None)
         )
+        self.cost.recheck = self.cost.recheck and not timed
         self._sizes.add(size)
         self._num_promotions += 1
         if timed:

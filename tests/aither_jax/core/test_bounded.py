@@ -177,6 +177,7 @@ def test_page_out_and_in_is_byte_exact():
     assert seq.kv_offset == 3 * engine.page_size and sorted(seq.resident.held) == out
     for leaf, held in zip(before, zip(*(seq.resident.held[i] for i in out), strict=True), strict=True):
         np.testing.assert_array_equal(leaf, np.stack(held))
+        assert all(page.base is None for page in held)  # its own bytes, not a view of the padded read
     assert bounded.page_in(seq, out) == 3
     after = engine.store.read([seq.pages[i] for i in out])
     for a, b in zip(before, after, strict=True):
@@ -247,3 +248,21 @@ def test_a_page_that_cannot_be_placed_fails_its_request_and_the_engine_goes_on(m
     assert doomed.finish_reason == "abort" and doomed.slot < 0
     assert other.finish_reason == "length" and len(other.output_ids) == 8
     assert engine.scheduler.allocator.num_used == 0  # every page came back
+
+
+def test_a_cached_prompt_longer_than_the_bound_is_admitted_within_it(monkeypatch):
+    """A prompt seen before whose cached pages (on the device and in the host tier) outnumber
+    the bound starts on its first pages only, leaving a prefill chunk's room; the rest is
+    recomputed, paged out as it goes (it started over the bound, and failed the engine with
+    OutOfPagesError where the pool could not hold every promoted page)."""
+    llm = _bounded(384, num_pages=41, enable_prefix_caching=True, kv_offloading_size=0.02)
+    bounded = llm.engine.bounded
+    admitted = []
+    admit = bounded.admit
+    monkeypatch.setattr(bounded, "admit", lambda seq: (admitted.append(len(seq.pages)), admit(seq)))
+    ids, params = _ids(600, seed=6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([ids], params)
+    again = llm.generate([ids], params)[0]
+    assert len(llm.engine.tiers._host) > 0  # some of its pages came from the host tier's reach
+    assert again.num_cached_tokens == bounded.max_cached_pages * bounded.page_size > 0
+    assert max(admitted) <= bounded.max_pages

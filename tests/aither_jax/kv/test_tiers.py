@@ -200,6 +200,32 @@ def test_the_cost_model_reloads_unless_recomputing_is_measured_faster():
     assert (cost.num_reload, cost.num_recompute) == (3, 1)
 
 
+def test_a_mixed_promotion_measures_the_tier_whose_speed_is_unknown():
+    from aither_jax.kv.tiers import ReloadCost
+
+    cost = ReloadCost()
+    cost.observe_reload(1 << 20, 1 << 20, 0.02)  # nothing known: both take the blended rate
+    assert cost.host_bytes_per_s == cost.disk_bytes_per_s == pytest.approx(100 << 20)
+    cost = ReloadCost()
+    cost.observe_reload(1 << 20, 0, 0.01)  # 100 MiB/s from host
+    cost.observe_reload(1 << 20, 1 << 20, 0.11)  # the host's 0.01 s, then 0.1 s for the disk's MiB
+    assert cost.host_bytes_per_s == pytest.approx(100 << 20)
+    assert cost.disk_bytes_per_s == pytest.approx(10 << 20)
+
+
+def test_a_run_of_recompute_decisions_ends_in_a_timed_reload():
+    """Only reloading measures reloads: a stale estimate that says recompute would never be
+    corrected, so every RECHECK_EVERY-th decision in a row reloads, and is timed."""
+    from aither_jax.kv.tiers import ReloadCost
+
+    cost = ReloadCost()
+    cost.observe_prefill(1000, 1.0)
+    cost.observe_reload(1 << 20, 0, 1.0)  # a slow first measurement: 1 MiB/s
+    decisions = [cost.reload(1 << 20, 0, 64) for _ in range(2 * cost.RECHECK_EVERY)]
+    assert decisions.count(True) == 2 and decisions[cost.RECHECK_EVERY - 1] and cost.recheck
+    assert not cost.reload(1 << 20, 0, 64, count=False)  # a look ahead (prefetch) decides nothing
+
+
 def test_the_low_watermark_defaults_to_half_or_the_high_one():
     assert TierConfig().low_watermark == 0.5 and TierConfig(high_watermark=0.3).low_watermark == 0.3
     assert TierConfig(low_watermark=0).low_watermark == 0
