@@ -206,7 +206,8 @@ class BlockGraph:
                 self._mean, self._num_summaries = np.zeros_like(v), 0
             self._num_summaries += 1
             self._mean += (v - self._mean) / min(self._num_summaries, 1000)
-            others = [(n, s) for n, s in list(self._summaries.items())[-SEMANTIC_WINDOW:] if n != name]
+            recent = itertools.islice(reversed(self._summaries.items()), SEMANTIC_WINDOW)  # not a copy of all
+            others = [(n, s) for n, s in reversed(list(recent)) if n != name]
             self._summaries[name] = v
             self._summaries.move_to_end(name)
             while len(self._summaries) > self.max_nodes:

@@ -120,7 +120,6 @@ class PrefixCache:
             pages.append(page)
         for page in reversed(pages):  # parents end up more recent than children: evicted later
             self.blocks.touch(page)
-            self.blocks[page].hits += 1
         return pages
 
     def match_partial(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
@@ -133,7 +132,6 @@ class PrefixCache:
                 best = (page, n)
         if best is not None:
             self.blocks.touch(best[0])
-            self.blocks[best[0]].hits += 1
         return best
 
     REUSE_SMOOTHING = 0.5  # weight of the newest idle gap in a page's `reuse_interval`
@@ -145,11 +143,13 @@ class PrefixCache:
         the advisor's estimate of when the page will be wanted again. The request's own gap,
         at the deepest page of its chain used before (on the device, or remembered by name
         after it left), goes to the policy (`reused`): the gap after which a conversation
-        comes back, or a prompt's prefix is asked for again. Called once per admission (a
-        lookup can repeat while a request waits, so `match` does not measure gaps)."""
+        comes back, or a prompt's prefix is asked for again. Each page counts a hit. Called
+        once per admission (a lookup can repeat while a request waits, so `match` neither
+        measures gaps nor counts hits)."""
         now, a, last = self.clock(), self.REUSE_SMOOTHING, {}
         for page in pages:
             block = self.blocks[page]
+            block.hits += 1
             if block.used_at > 0.0:
                 gap = max(now - block.used_at, 0.0)
                 block.reuse_interval = gap if block.reuse_interval <= 0.0 else (1 - a) * block.reuse_interval + a * gap

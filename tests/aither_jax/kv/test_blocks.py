@@ -35,6 +35,9 @@ def test_a_pages_record_holds_what_the_cache_and_allocator_know_of_it():
     assert [b.parent for b in blocks] == [None, *names[:-1]]
     assert [b.refs for b in blocks] == [1, 1, 1] and all(b.tier is Tier.DEVICE for b in blocks)
     assert cache.match(names[:2]) == pages[:2]
+    assert cache.match(names[:2]) == pages[:2]  # a request waiting for room looks up again
+    assert [b.hits for b in blocks] == [0, 0, 0]  # hits count admissions, not lookups
+    cache.used(pages[:2], names[:2])
     assert [b.hits for b in blocks] == [1, 1, 0]
     # A lookup touches a chain from its end to its start: parents end up most recent.
     assert blocks[0].last_access > blocks[1].last_access > blocks[2].last_access
