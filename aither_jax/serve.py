@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help="the advisor's score weights that differ from the defaults, e.g. '{\"age\": 1.0}' (fields: age, "
-        "degree, edge_weight, importance, hits, attention)",
+        "degree, edge_weight, importance, hits, attention, reuse)",
     )
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024), default=4 << 20)
     p.add_argument("--drain-timeout", type=float_in("--drain-timeout", 0.0, 3600.0), default=30.0)

@@ -107,6 +107,13 @@ class CompileScope:
                     jitted = self._jits[step] = step.new_jit()
         return jitted
 
+    def forget(self, step) -> None:
+        """Drops this scope's jit object of `step`, its traces and executables with it."""
+        with self._lock:
+            jitted = self._jits.pop(step, None)
+        if jitted is not None and hasattr(jitted, "clear_cache"):
+            jitted.clear_cache()
+
     @contextlib.contextmanager
     def active(self) -> Iterator[CompileScope]:
         """Step functions called on this thread inside the block dispatch through this scope."""

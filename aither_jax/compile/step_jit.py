@@ -80,6 +80,14 @@ class StepFunction:
         fun = self._fun
         return self._jit(functools.wraps(fun)(lambda *args, **kwargs: fun(*args, **kwargs)))
 
+    def clear_cache(self) -> None:
+        """Drops this function's traces and executables everywhere: the process-wide jit
+        object's and every compile scope's (a test that patches what it calls retraces it)."""
+        if self._jitted is not None:
+            self._jitted.clear_cache()
+        for s in scope.live():
+            s.forget(self)
+
     def _jit(self, fun: Callable):
         options = compiler_options()
         return jax.jit(fun, compiler_options=options or None, **self._jit_kwargs)

@@ -90,3 +90,17 @@ def test_the_budget_drops_the_steps_of_the_scope_that_compiled(monkeypatch):
     assert (a.num_releases, b.num_releases) == (0, 1)
     assert budget.release_if_over(a)  # nothing compiled since: the caller's own
     assert (a.num_releases, b.num_releases) == (1, 1)
+
+
+def test_clearing_a_step_function_drops_its_code_in_every_scope():
+    a = CompileScope("a")
+    x = np.ones(5, np.float32)
+    with a.active():
+        scale(x, k=2)
+    scale(x, k=2)
+    before = CompileCounter.count()
+    scale.clear_cache()
+    with a.active():
+        scale(x, k=2)
+    scale(x, k=2)
+    assert CompileCounter.count() == before + 2
