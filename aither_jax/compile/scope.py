@@ -47,7 +47,6 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 _active: contextvars.ContextVar[CompileScope | None] = contextvars.ContextVar("compile_scope", default=None)
 _scopes: weakref.WeakSet[CompileScope] = weakref.WeakSet()  # every live scope (`live`)
-_listening = False
 _lock = threading.Lock()
 
 
@@ -70,6 +69,9 @@ def _count_compile(event: str, duration: float, **kwargs) -> None:
             scope.num_compiles += 1
 
 
+monitoring.register_event_duration_secs_listener(_count_compile)
+
+
 def _clear_shared_caches() -> Callable[[], None] | None:
     """JAX's function clearing its Python-level caches (all but the C++ dispatch caches), or
     None in a JAX that has none by that name."""
@@ -84,7 +86,6 @@ class CompileScope:
     """
 
     def __init__(self, name: str):
-        global _listening
         self.name = name
         self._jits: dict[Any, Any] = {}  # StepFunction -> its jit object in this scope
         self._lock = threading.Lock()
@@ -93,9 +94,6 @@ class CompileScope:
         self.num_compiles = 0  # compilations while it was active (`run_in`: on other threads too)
         with _lock:
             _scopes.add(self)
-            if not _listening:
-                monitoring.register_event_duration_secs_listener(_count_compile)
-                _listening = True
 
     def jit(self, step) -> Any:
         """This scope's jit object of a step function (`StepFunction.new_jit`), made on first use."""

@@ -113,7 +113,7 @@ class DiskStore:
         found = []
         for path in self.dir.iterdir():
             if path.name.startswith(".tmp"):
-                path.unlink(missing_ok=True)  # a write that never reached its rename
+                _remove(path)  # a write that never reached its rename
                 self.counters.num_torn += 1
                 continue
             if path.suffix != SUFFIX:
@@ -135,15 +135,8 @@ class DiskStore:
         self._fit(self.capacity)
 
     def _remove_flat_layout(self) -> None:
-        removed = 0
-        for path in self.dir.parent.iterdir():
-            if path.suffix == SUFFIX or path.name.startswith(".tmp"):
-                try:
-                    path.unlink()
-                    removed += 1
-                except OSError as e:  # gone already (another store), or a read-only disk
-                    if not isinstance(e, FileNotFoundError):
-                        log.warning("KV disk tier: cannot remove %s (%s)", path, e)
+        flat = [p for p in self.dir.parent.iterdir() if p.suffix == SUFFIX or p.name.startswith(".tmp")]
+        removed = sum(_remove(path) for path in flat)
         if removed:
             log.info("KV disk tier %s: removed %d page files of the flat layout", self.dir.parent, removed)
 
@@ -367,11 +360,8 @@ class DiskStore:
             self._meta.pop(name, None)
             self._pending.pop(name, None)
             self._staged.pop(name, None)
-            try:
-                self._path(name).unlink(missing_ok=True)
-            except OSError as e:  # a read-only or failing disk: the page is gone from the index all the same
+            if not _remove(self._path(name)):  # a read-only or failing disk: gone from the index all the same
                 self.counters.num_failed += 1
-                log.warning("KV disk tier: removing %s failed (%s)", name.hex(), e)
 
     def _fit(self, limit: int) -> None:
         """Drops the least recently used pages until at most `limit` remain."""
@@ -379,6 +369,17 @@ class DiskStore:
             name = next(iter(self._index))
             self.drop(name)
             self.counters.num_dropped += 1
+
+
+def _remove(path: pathlib.Path) -> bool:
+    """Deletes a file (one already gone counts as deleted); False, logged, where the disk
+    refuses (read-only, failing)."""
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    except OSError as e:
+        log.warning("KV disk tier: cannot remove %s (%s)", path, e)
+        return False
 
 
 def _hex(value, num_bytes: int | None = None) -> bool:
