@@ -17,10 +17,15 @@ real event:
 - MEMORY_REF: pages filled by a retrieved-memory section and the page of the request that
   read them.
 
-Weights decay exponentially with a half-life (`half_life_s`): an edge's weight is stored with
-the time it was last set and decayed when read. The graph is bounded: past `max_edges` the
-weakest edges go, and `max_nodes` bounds the co-attendance and summary records. All methods
-may be called from any thread (one lock); the advisor's ranking thread reads `stats()`.
+Weights decay exponentially with a half-life (`half_life_s`). Every weight decays by the same
+factor, so each is stored as its value at one reference time (a weight added at t counts
+2^((t - t0) / half_life) times its amount) and read back by one shared factor; the reference
+moves forward every `REBASE_HALF_LIVES` half-lives to keep the numbers finite. Each page's
+summed weight is kept the same way as edges change, so a page's degree and strength cost one
+lookup (`stats`) and the weakest edges are the smallest stored values, whatever the time.
+The graph is bounded: past `max_edges` the weakest tenth of the edges goes, and `max_nodes`
+bounds the co-attendance and summary records. All methods may be called from any thread (one
+lock); the advisor's ranking thread reads `stats()`.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ CO_ATTEND_MIN = 3  # co-occurrences before a CO_ATTEND edge exists
 SEMANTIC_MIN_COSINE = 0.8
 SEMANTIC_WINDOW = 2048  # the most recent summaries a new one is compared with
 SEMANTIC_TOP = 3  # a new page links to at most this many of its closest summaries
+REBASE_HALF_LIVES = 64.0  # stored weights grow by 2 per half-life past the reference: 2^64 at most
 
 
 def _pair(a: bytes, b: bytes) -> tuple[bytes, bytes]:
@@ -75,9 +81,12 @@ class BlockGraph:
         self.co_attend_top = co_attend_top
         self.clock = clock
         self._lock = threading.Lock()
-        # (a, b) with a <= b, type -> [weight when last set, time it was set]
-        self._edges: dict[tuple[tuple[bytes, bytes], EdgeType], list[float]] = {}
+        # (a, b) with a <= b, type -> weight at the reference time `_t0`
+        self._edges: dict[tuple[tuple[bytes, bytes], EdgeType], float] = {}
         self._adj: dict[bytes, set[tuple[bytes, EdgeType]]] = collections.defaultdict(set)
+        self._strength: dict[bytes, float] = {}  # per page, the sum of its edges' stored weights
+        self._t0 = -math.inf  # set by the first edge
+        self._latest = -math.inf  # the latest time seen: reads never run the clock backwards
         self._co_counts: collections.OrderedDict[tuple[bytes, bytes], int] = collections.OrderedDict()
         self._summaries: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self._mean: np.ndarray | None = None  # running mean of the summaries
@@ -86,59 +95,83 @@ class BlockGraph:
 
     # -- edges --------------------------------------------------------------------------------
 
-    def _decayed(self, weight: float, at: float, now: float) -> float:
-        return weight * math.exp(-math.log(2) * max(now - at, 0.0) / self.half_life_s)
+    def _now(self) -> float:
+        self._latest = max(self._latest, self.clock())
+        return self._latest
+
+    def _decay(self, now: float) -> float:
+        """The factor from stored weights to weights at `now`."""
+        return 0.0 if self._t0 == -math.inf else 2.0 ** (-(now - self._t0) / self.half_life_s)
+
+    def _rebase(self, now: float) -> None:
+        """Moves the reference time to `now` (every stored weight and strength rescaled, the
+        strengths summed afresh)."""
+        decay = self._decay(now)
+        self._t0 = now
+        for key in self._edges:
+            self._edges[key] *= decay
+        self._strength = dict.fromkeys(self._adj, 0.0)
+        for ((a, b), _), w in self._edges.items():
+            self._strength[a] += w
+            self._strength[b] += w
 
     def add(self, a: bytes, b: bytes, kind: EdgeType, amount: float = 1.0) -> None:
         """Adds `amount` to the (decayed) weight of the `kind` edge between `a` and `b`."""
         if a == b:
             return
         with self._lock:
-            self._add(a, b, kind, amount, self.clock())
+            self._add(a, b, kind, amount, self._now())
 
     def _add(self, a: bytes, b: bytes, kind: EdgeType, amount: float, now: float) -> None:
+        if self._t0 == -math.inf or now - self._t0 > REBASE_HALF_LIVES * self.half_life_s:
+            self._rebase(now)
+        stored = amount / self._decay(now)
         key = (_pair(a, b), kind)
-        edge = self._edges.get(key)
-        if edge is None:
-            self._edges[key] = [amount, now]
-            self._adj[a].add((b, kind))
-            self._adj[b].add((a, kind))
-            if len(self._edges) > self.max_edges:
-                self._prune(now)
-        else:
-            edge[0] = self._decayed(edge[0], edge[1], now) + amount
-            edge[1] = now
+        new = key not in self._edges
+        self._edges[key] = self._edges.get(key, 0.0) + stored
+        for x, y in ((a, b), (b, a)):
+            self._strength[x] = self._strength.get(x, 0.0) + stored
+            if new:
+                self._adj[x].add((y, kind))
+        if new and len(self._edges) > self.max_edges:
+            self._prune()
 
-    def _prune(self, now: float) -> None:
-        """Drops the weakest tenth of the edges (decayed weights)."""
-        ranked = sorted(self._edges, key=lambda k: self._decayed(*self._edges[k], now))
-        for key in ranked[: max(len(ranked) // 10, 1)]:
-            self._remove_edge(key)
-            self.num_pruned += 1
+    def _prune(self) -> None:
+        """Drops the weakest tenth of the edges (the smallest stored weights: every weight
+        decays alike)."""
+        keys = list(self._edges)
+        n = max(len(keys) // 10, 1)
+        weights = np.fromiter(self._edges.values(), np.float64, count=len(keys))
+        weakest = np.argpartition(weights, n - 1)[:n].tolist() if n < len(keys) else range(len(keys))
+        for i in weakest:
+            self._remove_edge(keys[i])
+        self.num_pruned += n
 
     def _remove_edge(self, key: tuple[tuple[bytes, bytes], EdgeType]) -> None:
         (a, b), kind = key
-        del self._edges[key]
+        stored = self._edges.pop(key)
         for x, y in ((a, b), (b, a)):
             links = self._adj.get(x)
             if links is not None:
                 links.discard((y, kind))
-                if not links:
+                if links:
+                    self._strength[x] -= stored
+                else:
                     del self._adj[x]
+                    self._strength.pop(x, None)
 
     def weight(self, a: bytes, b: bytes, kind: EdgeType) -> float:
         """The decayed weight of an edge (0 when there is none)."""
         with self._lock:
-            edge = self._edges.get((_pair(a, b), kind))
-            return 0.0 if edge is None else self._decayed(*edge, self.clock())
+            return self._edges.get((_pair(a, b), kind), 0.0) * self._decay(self._now())
 
     def neighbours(self, name: bytes, kinds: Iterable[EdgeType] | None = None) -> list[tuple[bytes, EdgeType, float]]:
         """(other page, edge type, decayed weight) of each edge at `name`."""
         kinds = None if kinds is None else set(kinds)
         with self._lock:
-            now = self.clock()
+            decay = self._decay(self._now())
             return [
-                (other, kind, self._decayed(*self._edges[(_pair(name, other), kind)], now))
+                (other, kind, self._edges[(_pair(name, other), kind)] * decay)
                 for other, kind in self._adj.get(name, ())
                 if kinds is None or kind in kinds
             ]
@@ -150,19 +183,15 @@ class BlockGraph:
                 self._remove_edge((_pair(name, other), kind))
             self._summaries.pop(name, None)
 
-    def stats(self) -> dict[bytes, tuple[int, float]]:
-        """Per page with edges: (degree, sum of decayed edge weights), read at one instant."""
+    def stats(self, names: Iterable[bytes] | None = None) -> dict[bytes, tuple[int, float]]:
+        """Per page with edges (of `names`, or every one): (degree, sum of decayed edge
+        weights), read at one instant."""
         with self._lock:
-            now = self.clock()
-            edges = list(self._edges.items())
-        out: dict[bytes, list] = {}
-        for ((a, b), _), (weight, at) in edges:
-            w = self._decayed(weight, at, now)
-            for x in (a, b):
-                entry = out.setdefault(x, [0, 0.0])
-                entry[0] += 1
-                entry[1] += w
-        return {name: (d, s) for name, (d, s) in out.items()}
+            decay = self._decay(self._now())
+            strength, adj = self._strength, self._adj
+            if names is None:
+                return {x: (len(links), max(strength[x] * decay, 0.0)) for x, links in adj.items()}
+            return {x: (len(adj[x]), max(strength[x] * decay, 0.0)) for x in names if x in strength}
 
     def num_edges(self, kind: EdgeType | None = None) -> int:
         with self._lock:
@@ -179,7 +208,7 @@ class BlockGraph:
         top = sorted(n for _, n in heavy[-self.co_attend_top :])
         done = 0
         with self._lock:
-            now = self.clock()
+            now = self._now()
             for a, b in itertools.combinations(top, 2):
                 count = self._co_counts.pop((a, b), 0) + 1
                 self._co_counts[(a, b)] = count  # the most recently counted last
@@ -201,7 +230,7 @@ class BlockGraph:
         if not np.isfinite(v).all() or not v.any():
             return 0
         with self._lock:
-            now = self.clock()
+            now = self._now()
             if self._mean is None or self._mean.shape != v.shape:
                 self._mean, self._num_summaries = np.zeros_like(v), 0
             self._num_summaries += 1
@@ -234,12 +263,12 @@ class BlockGraph:
         """Nodes and edges (by type), names in hex, for a debug dump; `describe` adds what is
         known of a node (its block record)."""
         with self._lock:
-            now = self.clock()
-            edges = list(self._edges.items())[:limit]
+            decay = self._decay(self._now())
+            edges = list(itertools.islice(self._edges.items(), limit))
         by_type: dict[str, list] = {k.value: [] for k in EdgeType}
         nodes: set[bytes] = set()
-        for ((a, b), kind), (weight, at) in edges:
-            by_type[kind.value].append([a.hex(), b.hex(), round(self._decayed(weight, at, now), 4)])
+        for ((a, b), kind), stored in edges:
+            by_type[kind.value].append([a.hex(), b.hex(), round(stored * decay, 4)])
             nodes.update((a, b))
         return {
             "num_edges": {k: len(v) for k, v in by_type.items()},

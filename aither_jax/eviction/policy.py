@@ -59,7 +59,7 @@ class LRUPolicy:
     def demoted(self, blocks: Sequence[Block], resident: Callable[[bytes], bool]) -> None:
         pass
 
-    def forgotten(self, blocks: Sequence[Block]) -> None:
+    def forgotten(self, names: Sequence[bytes]) -> None:
         pass
 
     def reused(self, gap: float | None, returning: bool = True) -> None:
@@ -343,17 +343,14 @@ class AdvisorPolicy:
         if now - at > self.stale_s:
             self.num_stale += 1
             return lambda b: b.last_access
-        stats = None
 
         def key(b: Block) -> float:
-            nonlocal stats
             score = ranking.get(_key(b))
             if score is None:
                 parent = by_name.get(b.parent) if b.parent is not None else None
                 if parent is not None:  # a page newer than the ranking continues its parent's run
                     return -(parent + CHAIN_MARGIN)
-                if stats is None:
-                    stats = self.graph.stats()
+                stats = self.graph.stats(() if b.name is None else (b.name,))  # its own entry: one lookup
                 score = self.score(b, stats, now, typical, trust)
             return -score
 
@@ -378,10 +375,10 @@ class AdvisorPolicy:
                 if other is not None and resident(other):
                     self.graph.add(b.name, other, EdgeType.SPILL_LINK)
 
-    def forgotten(self, blocks: Sequence[Block]) -> None:
-        for b in blocks:
-            if b.name is not None:
-                self.graph.remove(b.name)
+    def forgotten(self, names: Sequence[bytes]) -> None:
+        """Pages gone from every tier leave the graph (their edges, counts and summary)."""
+        for name in names:
+            self.graph.remove(name)
 
     MAX_GAPS = 1024
     RETURN_SMOOTHING = 0.5  # weight of the newest admission in `trust`

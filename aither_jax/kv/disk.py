@@ -101,6 +101,9 @@ class DiskStore:
         self._pending: dict[bytes, bytes] = {}  # name -> payload whose write has not landed yet
         self._staged: collections.OrderedDict[bytes, concurrent.futures.Future] = collections.OrderedDict()
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if background else None
+        # Names of pages it dropped (to stay within its size, corrupt, a failed write), for the
+        # tiers to tell the eviction advisor (`KVTiers.take_lost`); appended from any thread.
+        self.lost: collections.deque[bytes] = collections.deque()
         self._open()
 
     # -- index --------------------------------------------------------------------------------
@@ -273,6 +276,7 @@ class DiskStore:
                     self._pending.pop(name)
                     self._index.pop(name, None)
                     self._meta.pop(name, None)
+                    self.lost.append(name)
                 self.counters.num_failed += 1
         finally:
             if tmp is not None:
@@ -356,6 +360,8 @@ class DiskStore:
 
     def drop(self, name: bytes) -> None:
         with self._lock:
+            if name in self._index:
+                self.lost.append(name)
             self._index.pop(name, None)
             self._meta.pop(name, None)
             self._pending.pop(name, None)

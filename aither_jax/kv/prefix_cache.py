@@ -66,8 +66,9 @@ class EvictionPolicy(Protocol):
         stays on the device)."""
         ...
 
-    def forgotten(self, blocks: Sequence[Block]) -> None:
-        """`blocks` are leaving the device with no lower tier to go to."""
+    def forgotten(self, names: Sequence[bytes]) -> None:
+        """The pages of `names` are gone: dropped from the device with no lower tier to go
+        to, or from the lowest tier holding them."""
         ...
 
     def attended(self, rows: Sequence[Sequence[tuple[Block, float]]]) -> None:
@@ -333,8 +334,9 @@ class PrefixCache:
             leaving = {b.page for b in victims}
             self.policy.demoted(demoted, lambda name: name in self._full and self._full[name] not in leaving)
             self.tiers.demote([(b.name, b.parent, b.page, b.metadata()) for b in demoted])
+            self.policy.forgotten([n for n in self.tiers.take_lost() if n not in self._full])
         else:
-            self.policy.forgotten(victims)
+            self.policy.forgotten([b.name for b in victims if b.name is not None])
         for block in victims:
             if block.name is not None and block.used_at > 0.0:
                 self._ghosts[block.name] = block.used_at

@@ -223,6 +223,7 @@ class KVTiers:
         self.cost = ReloadCost()
         self._sizes: set[int] = set()  # padded promotion sizes already compiled
         self._num_promotions = 0
+        self._lost: list[bytes] = []  # names that left the host with nowhere to go (`take_lost`)
 
     def should_reload(self, names: Sequence[bytes], num_tokens: int, *, count=True) -> bool:
         """The cost model's choice for a run of lower-tier pages holding `num_tokens` tokens."""
@@ -258,6 +259,16 @@ class KVTiers:
 
     def holds(self, name: bytes) -> bool:
         return name in self._host or (self.disk is not None and name in self.disk)
+
+    def take_lost(self) -> list[bytes]:
+        """The names of the pages dropped from the tiers since the last call (host pages with no
+        disk, disk pages dropped), none of them held below the device any more: their bytes
+        are gone, to be recomputed if ever needed."""
+        lost, self._lost = self._lost, []
+        if self.disk is not None:
+            while self.disk.lost:
+                lost.append(self.disk.lost.popleft())
+        return [n for n in lost if not self.holds(n)]
 
     def touch(self, names: Sequence[bytes]) -> None:
         """Makes `names` the most recently used host pages (last first), so that demotions
@@ -299,6 +310,7 @@ class KVTiers:
                 self.counters.num_spilled += 1
             else:
                 self.counters.num_host_dropped += 1
+                self._lost.append(name)
         todo, rows = todo[over:], [r[over:] for r in rows]
         slots = []
         for name, parent, _, meta in todo:
@@ -325,6 +337,7 @@ class KVTiers:
             self.counters.num_spilled += 1
         else:
             self.counters.num_host_dropped += 1
+            self._lost.append(name)
         self.host.free(slot)
 
     def flush(self, device: Sequence[tuple[bytes, bytes | None, int]] = ()) -> int:

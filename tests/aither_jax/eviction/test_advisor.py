@@ -253,13 +253,16 @@ def test_the_scheduler_makes_temporal_prefix_share_and_memory_ref_edges_from_the
 
 
 class FakeTiers:
-    """Takes demoted pages (the cache only needs `demote`, `holds` and `touch` here)."""
+    """Takes demoted pages (the cache only needs `demote`, `holds`, `touch` and `take_lost` here)."""
 
     def __init__(self):
         self.demoted = []
 
     def demote(self, pages):
         self.demoted += [name for name, _, _, _ in pages]
+
+    def take_lost(self):
+        return []
 
     def holds(self, name):
         return False
@@ -418,6 +421,9 @@ class RowTiers:
         self.device, self.rows = device, {}
         self.counters = types.SimpleNamespace(num_prefetched=0)
         self.cost = types.SimpleNamespace(reload=lambda *a, **k: True)
+
+    def take_lost(self):
+        return []
 
     def demote(self, pages):
         for name, parent, page, meta in pages:

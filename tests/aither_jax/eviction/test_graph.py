@@ -99,3 +99,30 @@ def test_the_dump_lists_nodes_and_edges_by_type():
     assert dump["num_edges"]["spill_link"] == 0
     assert [n["name"] for n in dump["nodes"]] == sorted(name(i).hex() for i in (1, 2, 3, 9))
     assert dump["nodes"][0]["tag"] == "x"
+
+
+def test_weights_and_page_strengths_stay_exact_over_thousands_of_half_lives():
+    # Stored weights are kept at a reference time that moves forward; a page's strength is
+    # kept as edges change. Both must equal the decayed weights of the edges at every read
+    # (to rounding: a removed strong edge leaves a residue of its weight times 1e-16).
+    clock = Clock()
+    graph = BlockGraph(half_life_s=1.0, max_edges=40, clock=clock)
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        clock.now += float(rng.choice([0.0, 0.5, 30.0]))  # 30 half-lives at a time, now and then
+        a, b = (int(x) for x in rng.integers(0, 12, 2))
+        if rng.random() < 0.1:
+            graph.remove(name(a))
+        else:
+            graph.add(name(a), name(b), EdgeType.TEMPORAL if rng.random() < 0.5 else EdgeType.SEMANTIC, 1.0)
+        stats = graph.stats()
+        for i in range(12):
+            links = graph.neighbours(name(i))
+            want = (len(links), sum(w for _, _, w in links))
+            assert stats.get(name(i), (0, 0.0)) == (want[0], pytest.approx(want[1], rel=1e-9, abs=1e-12))
+            assert graph.stats([name(i)]).get(name(i), (0, 0.0)) == stats.get(name(i), (0, 0.0))
+    assert clock.now > 2000 and graph.num_pruned > 0  # past 2^1024 without moving the reference
+    clock.now += 3.0
+    graph.add(name(100), name(101), EdgeType.TEMPORAL, 8.0)
+    clock.now += 3.0
+    assert graph.weight(name(100), name(101), EdgeType.TEMPORAL) == pytest.approx(1.0)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from aither_jax.compile.shapes import ShapeRegistry
-from aither_jax.eviction.policy import LRUPolicy
+from aither_jax.eviction.graph import EdgeType
+from aither_jax.eviction.policy import AdvisorPolicy, LRUPolicy
 from aither_jax.kv.allocator import PageAllocator
 from aither_jax.kv.disk import DiskStore, DiskStoreError
 from aither_jax.kv.prefix_cache import PrefixCache, hash_chain
@@ -104,9 +105,9 @@ def test_pages_roundtrip_device_host_disk_device_byte_exact(model, kv, draft, tm
     assert disk.counters.num_corrupt == 0
 
 
-def chain_cache(tiers_store=None, *, host_pages=2, disk=None, num_pages=6):
+def chain_cache(tiers_store=None, *, host_pages=2, disk=None, num_pages=6, policy=None):
     allocator = PageAllocator(num_pages)
-    cache = PrefixCache(allocator, PAGE, max_pinned_pages=2, policy=LRUPolicy())
+    cache = PrefixCache(allocator, PAGE, max_pinned_pages=2, policy=policy or LRUPolicy())
     if tiers_store is not None:
         cache.tiers = KVTiers(tiers_store, host_pages=host_pages, disk=disk)
     return cache
@@ -242,6 +243,7 @@ def test_a_demotion_larger_than_the_host_pool_sends_its_oldest_pages_on_down(dis
     c = tiers.counters
     assert tiers.num_host_pages == 2 and all(tiers.holds(n) == disk for n in names[:3])
     assert (c.num_spilled, c.num_host_dropped) == ((3, 0) if disk else (0, 3))
+    assert tiers.take_lost() == ([] if disk else names[:3]) and tiers.take_lost() == []
     if disk:
         assert tiers.promote(names, [6, 7, 8, 9, 10]) == 5
         assert page_bytes(store, [6, 7, 8, 9, 10]) == before
@@ -336,3 +338,39 @@ def test_a_resize_through_host_memory_that_fails_puts_the_old_pools_back(fail_at
     assert all((a == b).all() for a, b in zip(draft_after, draft_before, strict=True))
     store.resize(num_pages)  # and it can still resize
     assert page_bytes(store, kept) == before and store.num_usable_pages == num_pages - 1
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_pages_dropped_from_the_lowest_tier_leave_the_advisors_graph(disk, tmp_path):
+    # Host pool of 2 (and a disk of 2): of six pages evicted one by one, the first two leave
+    # every tier, and with them their graph edges; the ones still held below keep theirs, and
+    # so does a page back on the device whose host copy went.
+    store = store_for("smollm2-135m", "bf16", np.random.default_rng(7))
+    below = DiskStore(tmp_path, fingerprint="f", page_bytes=store.page_bytes, capacity=2) if disk else None
+    policy = AdvisorPolicy(max_protected_pages=0)
+    cache = chain_cache(store, host_pages=2, disk=below, num_pages=8, policy=policy)
+    names = hash_chain(b"salt", list(range(4 * 7)), PAGE)
+    pages = cache.allocator.allocate(7)
+    for i, (name, page) in enumerate(zip(names, pages, strict=True)):
+        cache.insert(name, page, names[i - 1] if i else None)
+        if i:
+            policy.graph.add(names[i - 1], name, EdgeType.TEMPORAL)
+    cache.allocator.free(pages)
+    held = 4 if disk else 2
+    for i in range(6):
+        assert cache.evict_pages([pages[i]]) == 1
+        if below is not None:
+            below.sync()
+    gone, kept = names[: 6 - held], names[6 - held : 6]
+    assert [cache.tiers.holds(n) for n in names[:6]] == [False] * len(gone) + [True] * held
+    assert all(policy.graph.neighbours(n) == [] for n in gone)
+    assert all(policy.graph.neighbours(n) for n in kept)
+    # Promoted back, a page stays on the host too; when that copy is pushed out it is not gone.
+    back = cache.allocator.allocate(1)
+    assert cache.promote([kept[-1]], back, kept[-2]) == 1
+    cache.allocator.free(back)
+    cache.tiers.spill()
+    if below is not None:
+        below.sync()
+    cache.evict_pages([pages[6]])
+    assert policy.graph.weight(kept[-1], names[6], EdgeType.TEMPORAL) > 0
