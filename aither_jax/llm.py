@@ -112,7 +112,8 @@ class LLM:
             them back instead of recomputing them. 0 (the default) drops evicted pages.
         kv_cache_dir: a directory for the disk tier: pages leaving the host tier (or the device
             pool, without one) are written there, checksummed, and found again after a restart.
-        kv_disk_size: GiB the disk tier may hold (default 4 with kv_cache_dir). The tiers need
+        kv_disk_size: GiB the disk tier may hold (default 4 with kv_cache_dir), pages of other
+            configurations no open store holds included (they go first). The tiers need
             prefix caching (enable_prefix_caching True or None).
         kv_high_watermark: with the tiers, idle cached pages beyond this share of the device
             pool are demoted between steps, ahead of need.

@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float_in("--kv-disk-size", 0.0, 1 << 30, low_open=True),
         default=None,
         metavar="GIB",
-        help="GiB the disk tier may hold (default 4; needs --kv-cache-dir); several models share it",
+        help="GiB the disk tier may hold (default 4; needs --kv-cache-dir); several models share it, and pages of "
+        "configurations no running server has open count against it and go first",
     )
     p.add_argument(
         "--kv-high-watermark",

@@ -12,8 +12,14 @@ file, tokenizer, KV format and codec, page size, code version; see `PageStore.fi
 the page's name and parent, what its block record knew (tag, importance, token range, hits),
 the payload's length and its SHA-256. Each configuration keeps its files in a directory of
 its own (`pages/<fingerprint>/`), so stores of two models sharing a root never write the same
-file. Opening a directory indexes the files whose header matches; one torn (short), unreadable
-or with a malformed header is skipped and counted, never loaded. A payload whose checksum (or
+file. An open store holds a shared lock on its directory (`.lock`, flock); the files of the
+other configurations' directories that no store holds open are stale, and count against the
+store's size limit before its own pages: the oldest go first, each directory's under an
+exclusive lock taken without waiting (one a process opens meanwhile is live again and kept),
+so a root used by several configurations over time stays within the size it is given
+(stale files go only as writes need room). Opening a directory indexes the files whose header
+matches; one torn (short), unreadable or with a malformed header is skipped and counted, never
+loaded. A payload whose checksum (or
 header) fails when read is deleted and counted as corrupt, and the lookup is a miss: the page
 is recomputed. A file that cannot be deleted (a read-only disk) is logged and left; the store
 goes on.
@@ -34,6 +40,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +54,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"AJKVPG1\n"
 SUFFIX = ".kvpage"
+LOCK = ".lock"  # held shared by each open store of a directory's configuration
 _LEN = struct.Struct("<I")
 MAX_HEADER = 1 << 16
 
@@ -66,6 +74,7 @@ class DiskCounters:
     num_skipped: int = 0  # files at open that were unreadable, short or of another configuration
     num_corrupt: int = 0  # payloads whose checksum failed when read
     num_failed: int = 0  # background writes that failed (a full disk): the page was dropped
+    num_stale_removed: int = 0  # files of configurations no store held open, removed to stay within the size
     bytes_written: int = 0
     bytes_read: int = 0
 
@@ -90,6 +99,11 @@ class DiskStore:
             raise DiskStoreError(f"KV cache directory {str(self.root)!r} cannot be created: {e.strerror}") from None
         if not os.access(self.dir, os.W_OK | os.X_OK):
             raise DiskStoreError(f"KV cache directory {str(self.root)!r} is not writable")
+        try:
+            self._lock_fd = os.open(self.dir / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # waits while another store clears it as stale
+        except OSError as e:
+            raise DiskStoreError(f"KV cache directory {str(self.root)!r} cannot be locked: {e.strerror}") from None
         self.fingerprint = fingerprint
         self.page_bytes = page_bytes
         self.capacity = capacity
@@ -101,6 +115,9 @@ class DiskStore:
         self._pending: dict[bytes, bytes] = {}  # name -> payload whose write has not landed yet
         self._staged: collections.OrderedDict[bytes, concurrent.futures.Future] = collections.OrderedDict()
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if background else None
+        # Files of other configurations' directories, oldest first: (directory, path, bytes).
+        self._stale: collections.deque[tuple[pathlib.Path, pathlib.Path, int]] = collections.deque()
+        self._stale_bytes = 0
         # Names of pages it dropped (to stay within its size, corrupt, a failed write), for the
         # tiers to tell the eviction advisor (`KVTiers.take_lost`); appended from any thread.
         self.lost: collections.deque[bytes] = collections.deque()
@@ -135,7 +152,54 @@ class DiskStore:
             log.warning(
                 "KV disk tier %s: skipped %d unreadable or foreign page files", self.dir, self.counters.num_skipped
             )
-        self._fit(self.capacity)
+        self._find_stale()
+        # Stale files go only as writes need room: the other stores of this process (the
+        # other models of a fleet) open their directories after this one, before any write.
+        self._fit(self.capacity, stale=False)
+
+    def _find_stale(self) -> None:
+        """Lists the files of the other configurations' directories that no store holds open,
+        oldest first (asked again when its files are to go: one may be opened meanwhile)."""
+        found = []
+        for directory in self.dir.parent.iterdir():
+            if directory == self.dir or not directory.is_dir():
+                continue
+            with _exclusive(directory) as free:
+                if not free:
+                    continue
+            with contextlib.suppress(OSError), os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.name != LOCK and entry.is_file(follow_symlinks=False):
+                        st = entry.stat(follow_symlinks=False)
+                        found.append((st.st_mtime_ns, directory, pathlib.Path(entry.path), st.st_size))
+        found.sort(key=lambda f: f[0])
+        self._stale = collections.deque((d, p, n) for _, d, p, n in found)
+        self._stale_bytes = sum(n for _, _, n in self._stale)
+
+    def _drop_stale(self, num_bytes: int) -> None:
+        """Removes the oldest stale files until `num_bytes` are freed or none is left; a
+        directory a store holds open is live, and its files leave the list instead."""
+        live: set[pathlib.Path] = set()
+        while num_bytes > 0 and self._stale:
+            directory, path, size = self._stale.popleft()
+            self._stale_bytes -= size
+            if directory in live:
+                continue
+            with _exclusive(directory) as free:
+                if not free:
+                    live.add(directory)
+                    continue
+                if _remove(path):
+                    if not self.counters.num_stale_removed:
+                        log.info(
+                            "KV disk tier %s: removing page files of configurations no store has open (oldest first)"
+                            " to stay within %d pages", self.dir.parent, self.capacity,
+                        )  # fmt: skip
+                    self.counters.num_stale_removed += 1
+                    num_bytes -= size
+        if live:
+            kept = [f for f in self._stale if f[0] not in live]
+            self._stale, self._stale_bytes = collections.deque(kept), sum(n for _, _, n in kept)
 
     def _remove_flat_layout(self) -> None:
         flat = [p for p in self.dir.parent.iterdir() if p.suffix == SUFFIX or p.name.startswith(".tmp")]
@@ -227,13 +291,18 @@ class DiskStore:
 
     def touch(self, name: bytes, meta: dict | None = None) -> bool:
         """Makes a held page the most recently used, with its newer block metadata `meta` (its
-        file keeps what it was written with); returns whether the page is held."""
+        file keeps what it was written with, and takes the time, so the order survives a
+        restart); returns whether the page is held."""
         with self._lock:
             if name not in self._index:
                 return False
             self._index.move_to_end(name)
             if meta:
                 self._meta[name] = meta
+            if self._io is not None:
+                self._io.submit(_touch_file, self._path(name))
+            else:
+                _touch_file(self._path(name))
             return True
 
     def _write_file(self, name: bytes, parent: bytes | None, payload: bytes, meta: dict | None = None) -> None:
@@ -302,10 +371,22 @@ class DiskStore:
             os.close(fd)
 
     def close(self) -> None:
-        """Finishes the pending writes and stops the I/O thread."""
+        """Finishes the pending writes, stops the I/O thread and lets go of the directory."""
         if self._io is not None:
             self._io.shutdown(wait=True)
             self._io = None
+        self._unlock()
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+    def __del__(self):
+        try:
+            self._unlock()
+        except Exception:  # noqa: BLE001 - at interpreter exit the module's globals may be gone
+            pass
 
     def stage(self, names) -> int:
         """Starts reading these indexed pages on the I/O thread (background stores only), so a
@@ -329,8 +410,7 @@ class DiskStore:
         read = self._read(path, payload=True)
         if read is None:
             return None
-        with contextlib.suppress(OSError):  # read: the most recently used at the next open too
-            os.utime(path)
+        _touch_file(path)  # read: the most recently used at the next open too
         return read[1]
 
     def read(self, name: bytes) -> bytes | None:
@@ -369,12 +449,44 @@ class DiskStore:
             if not _remove(self._path(name)):  # a read-only or failing disk: gone from the index all the same
                 self.counters.num_failed += 1
 
-    def _fit(self, limit: int) -> None:
-        """Drops the least recently used pages until at most `limit` remain."""
-        while len(self._index) > max(limit, 0):
+    def _fit(self, limit: int, *, stale: bool = True) -> None:
+        """Drops stale files (with `stale`), oldest first, then the least recently used
+        pages, until the stale files and the pages take at most `limit` pages' bytes."""
+        limit = max(limit, 0)
+        over = len(self._index) * self.page_bytes + self._stale_bytes - limit * self.page_bytes
+        if stale and over > 0 and self._stale:
+            self._drop_stale(over)
+        while len(self._index) > limit:
             name = next(iter(self._index))
             self.drop(name)
             self.counters.num_dropped += 1
+
+
+def _touch_file(path: pathlib.Path) -> None:
+    """Sets a file's time to now (its place in the least recently used order at the next
+    open); a file not written yet, or a disk that refuses, is left as it is."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+@contextlib.contextmanager
+def _exclusive(directory: pathlib.Path):
+    """Yields whether an exclusive lock on `directory` was had without waiting (no store
+    holds it open); held until the block ends."""
+    try:
+        fd = os.open(directory / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        yield False  # cannot be locked (read-only): left alone
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def _remove(path: pathlib.Path) -> bool:

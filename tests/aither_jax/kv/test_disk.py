@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import aither_jax.kv.disk as disk_module
-from aither_jax.kv.disk import SUFFIX, DiskStore, DiskStoreError
+from aither_jax.kv.disk import LOCK, SUFFIX, DiskStore, DiskStoreError
 
 PAGE_BYTES = 1 << 16
 
@@ -146,7 +146,7 @@ def test_background_writes_are_readable_at_once_and_land_before_sync_returns(tmp
         assert store.read(name(i)) == payload(name(i))  # from memory or from its file
     store.drop(name(5))  # dropped before (or after) its write landed: no file either way
     store.sync()
-    files = sorted(p.name for p in store.dir.iterdir())
+    files = sorted(p.name for p in store.dir.iterdir() if p.name != LOCK)
     assert files == sorted(name(i).hex() + ".kvpage" for i in (2, 3, 4))
     assert store.counters.num_dropped == 2 and store.counters.num_failed == 0
     assert store.stage([name(2), name(3), name(9)]) == 2  # the unknown name is not read
@@ -208,3 +208,66 @@ def test_a_writer_killed_at_random_points_leaves_only_intact_pages(tmp_path):
             wrong += data is not None and data != payload(page)
         assert store.counters.num_corrupt == 0 and store.counters.num_skipped == 0
     assert wrong == 0 and restored > 200 and torn > 0
+
+
+def stored_bytes(root: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in (root / "pages").rglob("*" + SUFFIX))
+
+
+def test_configurations_no_store_holds_open_give_way_first_within_the_size(tmp_path):
+    old = DiskStore(tmp_path, fingerprint="old", page_bytes=PAGE_BYTES, capacity=4)
+    for i in range(4):
+        old.write(name(i), None, payload(name(i)))
+        os.utime(old._path(name(i)), ns=(i * 10**9, i * 10**9))  # page 0 the oldest
+    live = DiskStore(tmp_path, fingerprint="live", page_bytes=PAGE_BYTES, capacity=4)
+    for i in range(10, 14):
+        live.write(name(i), None, payload(name(i)))
+    old.close()  # no store holds "old" open any more; "live" still does
+    size = 4 * (PAGE_BYTES + 400)  # four pages and their headers
+    new = DiskStore(tmp_path, fingerprint="new", page_bytes=PAGE_BYTES, capacity=4)
+    assert len(new) == 0 and stored_bytes(tmp_path) >= 8 * PAGE_BYTES  # nothing goes before it is needed
+    for i in range(20, 22):
+        new.write(name(i), None, payload(name(i)))
+    # The stale pages filled its size: two pages written, the two oldest of them went (three,
+    # where the files' headers add up past a page), none of the live store's, none of its own.
+    gone = [not old._path(name(i)).exists() for i in range(4)]
+    assert gone in ([True, True, False, False], [True, True, True, False])
+    assert new.counters.num_stale_removed == sum(gone) and new.counters.num_dropped == 0
+    assert all(live._path(name(i)).exists() for i in range(10, 14)) and len(new) == 2
+    for i in range(22, 26):  # then its own least recently used
+        new.write(name(i), None, payload(name(i)))
+    assert not old._path(name(3)).exists() and len(new) == 4 and new.counters.num_dropped == 2
+    assert all(live._path(name(i)).exists() for i in range(10, 14))
+    assert stored_bytes(tmp_path) - 4 * live._path(name(10)).stat().st_size <= size
+
+
+def test_a_configuration_opened_again_is_live_and_kept(tmp_path):
+    # A fleet opens its models' stores one after another: the second's directory looks stale to
+    # the first until it opens, and it opens before the first writes.
+    first = DiskStore(tmp_path, fingerprint="a", page_bytes=PAGE_BYTES, capacity=2)
+    second = DiskStore(tmp_path, fingerprint="b", page_bytes=PAGE_BYTES, capacity=2)
+    for i in range(2):
+        second.write(name(i), None, payload(name(i)))
+    second.close()
+    first = DiskStore(tmp_path, fingerprint="a", page_bytes=PAGE_BYTES, capacity=2)  # "b" is stale now
+    second = DiskStore(tmp_path, fingerprint="b", page_bytes=PAGE_BYTES, capacity=2)  # and live again
+    assert len(second) == 2
+    for i in range(10, 14):
+        first.write(name(i), None, payload(name(i)))
+    assert all(second.read(name(i)) == payload(name(i)) for i in range(2))
+    assert first.counters.num_stale_removed == 0 and first.counters.num_dropped == 2
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_touched_page_keeps_its_place_across_a_restart(tmp_path, background):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=3, background=background)
+    for i in range(3):
+        store.write(name(i), None, payload(name(i)))
+    store.sync()
+    for i in range(3):
+        os.utime(store._path(name(i)), ns=(i * 10**9, i * 10**9))  # page 0 the oldest file
+    assert store.touch(name(0))  # a demotion of a page on disk already: now the most recent
+    store.close()
+    again = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=3)
+    again.write(name(9), None, payload(name(9)))
+    assert name(0) in again and name(1) not in again
