@@ -76,7 +76,7 @@ class Residency:
         """Promotes a lower-tier run of one chain into fresh pages the cache alone holds."""
         sched = self.scheduler
         pages = sched.allocator.allocate(len(run))
-        n = sched.prefix_cache.promote(run, pages, parent)
+        n = sched.prefix_cache.promote(run, pages, parent, hit=False)  # a hit once admitted on them (`used`)
         sched.allocator.free(pages)  # the cache's own reference keeps the filled pages
         self.tiers.counters.num_prefetched += n
         return n

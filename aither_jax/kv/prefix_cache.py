@@ -208,15 +208,17 @@ class PrefixCache:
         self.tiers.touch(run)  # the most recently used below the device: kept while promoted
         return run
 
-    def promote(self, names: Sequence[bytes], pages: Sequence[int], parent: bytes | None) -> int:
+    def promote(self, names: Sequence[bytes], pages: Sequence[int], parent: bytes | None, *, hit: bool = True) -> int:
         """Fills fresh device `pages` (allocated by the caller) with the lower-tier pages
-        `names` (`match_lower`'s run, following `parent`), and names them here. Returns how
-        many were filled; the caller frees the rest (a disk file that failed its checksum)."""
+        `names` (`match_lower`'s run, following `parent`), and names them here; with `hit`
+        (a request admitted on them) each counts a hit, which a prefetch leaves to the
+        admission (`used`). Returns how many were filled; the caller frees the rest (a disk
+        file that failed its checksum)."""
         n = self.tiers.promote(names, pages)
         for name, page in zip(names[:n], pages[:n], strict=True):
             self.insert(name, page, parent)
             self.blocks[page].restore(self.tiers.meta(name))  # its tag, importance, hits
-            self.blocks[page].hits += 1
+            self.blocks[page].hits += int(hit)
             parent = name
         return n
 

@@ -500,8 +500,11 @@ def test_prefetch_promotes_every_lower_run_of_a_chain_in_order():
     sched.add(b)
     assert Residency(sched).prefetch() == 3
     assert all(cache.contains(n) for n in names) and cache.tiers.counters.num_prefetched == 3
+    hits = [cache.blocks[cache.match([n])[0]].hits for n in names]
+    assert hits == [0, 1, 0, 0]  # a1's promotion above was an admission's; a prefetch is none
     device.step()
     assert b.num_cached_prompt == 4 * PAGE
+    assert [cache.blocks[cache.match([n])[0]].hits for n in names] == [h + 1 for h in hits]  # b's admission
     device.run_until_done()
     check_drained(sched, [a, b])
 
