@@ -10,7 +10,7 @@ environment that sees only an allowlisted set of variables.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, cached_property
 
 import jinja2
 import jinja2.ext
@@ -54,6 +54,12 @@ def byte_alphabet() -> dict[int, str]:
     return mapping
 
 
+@cache
+def _byte_values() -> dict[str, int]:
+    """`byte_alphabet`'s inverse: the byte each printable character spells."""
+    return {c: b for b, c in byte_alphabet().items()}
+
+
 class ChatTemplateError(ValueError):
     """Messages do not fit the chat template, or the template failed to render."""
 
@@ -78,8 +84,10 @@ class Tokenizer:
         chat_template: str | None,
         add_bos: bool = False,
         extra_stop_ids: tuple[int, ...] = (),
+        byte_level: bool = True,
     ):
         self.hf = hf
+        self.byte_level = byte_level  # tokens spelled in GPT-2's byte alphabet, else SentencePiece's
         self.add_bos = bool(add_bos) and special.get("bos") is not None
         self.vocab_size = vocab_size
         self.bos_token_id = special.get("bos")
@@ -125,11 +133,13 @@ class Tokenizer:
         template = gguf.get("tokenizer.chat_template")
         add_bos = gguf.get("tokenizer.ggml.add_bos_token") is True
         family = FAMILY_TEMPLATES.get(gguf.get("general.architecture"))
+        byte_level = not sentencepiece
         if isinstance(template, str) or family is None:
-            return cls(hf, len(tokens), special, template if isinstance(template, str) else None, add_bos)
+            template = template if isinstance(template, str) else None
+            return cls(hf, len(tokens), special, template, add_bos, byte_level=byte_level)
         # No template in the file: its family's turn format, whose end-of-turn token stops generation.
         turn_ends = tuple(i for t in family.stop_tokens if (i := hf.token_to_id(t)) is not None)
-        return cls(hf, len(tokens), special, family.source, add_bos, extra_stop_ids=turn_ends)
+        return cls(hf, len(tokens), special, family.source, add_bos, extra_stop_ids=turn_ends, byte_level=byte_level)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in the text map to their ids; no BOS added."""
@@ -229,6 +239,28 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry for one id (byte-level spelling)."""
         return self.hf.id_to_token(int(token_id))
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens, which `decode` leaves out by default."""
+        return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for: part of a character where a character takes
+        several tokens (which `decode([token_id])` shows as U+FFFD). A special token's bytes
+        are its text."""
+        spelled = self.hf.id_to_token(int(token_id)) or ""
+        if self.byte_level:
+            inverse = _byte_values()
+            if all(c in inverse for c in spelled):
+                return bytes(inverse[c] for c in spelled)
+            return spelled.encode()
+        if len(spelled) == 6 and spelled.startswith("<0x") and spelled.endswith(">"):  # SentencePiece's byte fallback
+            try:
+                return bytes([int(spelled[3:5], 16)])
+            except ValueError:
+                pass
+        return spelled.replace(SPACE_MARK, " ").encode()
 
     def set_chat_template(self, source: str) -> None:
         """Replaces the GGUF's chat template (jinja2 source, rendered in the same sandbox).

@@ -14,6 +14,7 @@ its requests.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import contextlib
 import dataclasses
@@ -157,8 +158,8 @@ class RequestGate:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         rid = headers.get("x-request-id")
-        if rid is not None and (not 0 < len(rid) <= MAX_REQUEST_ID_LEN or not rid.isprintable()):
-            message = f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable characters"
+        if rid is not None and (not 0 < len(rid) <= MAX_REQUEST_ID_LEN or not (rid.isascii() and rid.isprintable())):
+            message = f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters"
             return await _error(400, message)(scope, receive, send)
         rid = rid or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
@@ -210,10 +211,10 @@ class TextStream:
 
     def delta(self, token_ids: list[int]) -> str:
         text = self.tokenizer.decode(token_ids)
-        safe = len(text) - self.holdback
-        while safe > 0 and text[safe - 1] == "\ufffd":
-            safe -= 1
-        return self._advance(text[: max(safe, 0)])
+        end = len(text)
+        while end > 0 and text[end - 1] == "\ufffd":  # an incomplete character (one U+FFFD per byte)
+            end -= 1
+        return self._advance(text[: max(end - self.holdback, 0)])
 
     def finish(self, final_text: str) -> str:
         return self._advance(final_text)
@@ -223,6 +224,53 @@ class TextStream:
             return ""
         out, self.sent = text[len(self.sent) :], text
         return out
+
+
+class TokenOffsets:
+    """Where each generated token's text starts and ends in the completion's text, in
+    characters: the tokens' UTF-8 bytes decoded one after another, so a character that takes
+    several tokens starts where its first token does and ends with its last. Special tokens,
+    which the text leaves out, take no characters."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def add(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        spans = []
+        for t in token_ids:
+            start = self.chars
+            if t not in self.tokenizer.special_ids:
+                self.chars += len(self._decoder.decode(self.tokenizer.token_bytes(t)))
+            spans.append((start, self.chars))
+        return spans
+
+
+class LogprobStream:
+    """Holds a streamed choice's token logprobs until the text they make is sent, so each
+    chunk's logprobs are those of the tokens of its text (text that could still become a stop
+    string is held back, `TextStream`); what is left goes with the last chunk."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.offsets = TokenOffsets(tokenizer)
+        # (token, start, end, logprob) of each token not sent yet
+        self._pending: collections.deque[tuple[int, int, int, object]] = collections.deque()
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence) -> None:
+        for t, (start, end), lp in zip(token_ids, self.offsets.add(token_ids), logprobs, strict=True):
+            self._pending.append((t, start, end, lp))
+
+    def take(self, sent_chars: int | None) -> tuple[list[int], list, list[int]]:
+        """(tokens, logprobs, text offsets) of the held tokens whose text ends within the first
+        `sent_chars` characters sent (None: all of them)."""
+        tokens, logprobs, starts = [], [], []
+        while self._pending and (sent_chars is None or self._pending[0][2] <= sent_chars):
+            t, start, _, lp = self._pending.popleft()
+            tokens.append(t)
+            logprobs.append(lp)
+            starts.append(start)
+        return tokens, logprobs, starts
 
 
 @dataclasses.dataclass
@@ -265,10 +313,8 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = str(first.get("msg", "invalid request"))
-        return _error(400, f"{where}: {message}" if where else message, where or None)
+        message, param = validation_message(exc.errors())
+        return _error(400, message, param)
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError):
@@ -312,13 +358,17 @@ def build_app(
             )
         return graph.to_json(cache.describe)
 
+    def _card(m: ServedModel) -> dict:
+        card = {"id": m.name, "object": "model", "created": 0, "owned_by": "aither-jax"}
+        return card | {"max_model_len": m.max_model_len}
+
     @app.get("/v1/models")
     async def list_models():
-        cards = []
-        for m in models:
-            cards.append({"id": m.name, "object": "model", "created": 0, "owned_by": "aither-jax"})
-            cards[-1]["max_model_len"] = m.max_model_len
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [_card(m) for m in models]}
+
+    @app.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str):
+        return _card(_named(name))
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
@@ -413,6 +463,9 @@ def build_app(
             remaining = served.max_model_len - len(prompt_ids)
             try:
                 served.engine.engine.check_prompt(len(prompt_ids), max_tokens)
+            except ValueError as e:  # past the context length
+                raise HTTPError(400, str(e), "messages" if hasattr(body, "messages") else "prompt") from None
+            try:
                 for j in range(body.n):
                     seed = None if body.seed is None else (body.seed + j) % 2**32
                     params = SamplingParams(
@@ -537,7 +590,10 @@ def build_app(
             completion_tokens += len(token_ids)
             cached += seq.num_cached_prompt if job.index % body.n == 0 else 0
             choice = {"index": job.index, "finish_reason": ups[-1].finish_reason}
-            lp = _logprobs(tokenizer, token_ids, logprobs, chat) if num_logprobs is not None else None
+            lp = None
+            if num_logprobs is not None:
+                offsets = [start for start, _ in TokenOffsets(tokenizer).add(token_ids)]
+                lp = _logprobs(tokenizer, token_ids, logprobs, chat, offsets)
             if chat:
                 choice |= {"message": {"role": "assistant", "content": seq.text}, "logprobs": lp}
             else:
@@ -551,6 +607,7 @@ def build_app(
     async def _sse(served, rid, kind, jobs, updates, body, num_logprobs, chat, include_usage) -> AsyncIterator[str]:
         tokenizer, name = served.tokenizer, served.name
         texts = {j.index: TextStream(tokenizer, j.params.stop_strings) for j in jobs}
+        held = {j.index: LogprobStream(tokenizer) for j in jobs} if num_logprobs is not None else None
         tokens: dict[int, list[int]] = {j.index: [] for j in jobs}
         cached = 0
         seqs = []
@@ -564,14 +621,14 @@ def build_app(
                     tokens[index].extend(update.token_ids)
                     text = texts[index]
                     delta = text.finish(update.seq.text) if update.finished else text.delta(tokens[index])
-                    if not delta and not update.finished and num_logprobs is None:
+                    lp = None
+                    if held is not None:
+                        held[index].add(update.token_ids, update.logprobs)
+                        ids, logprobs, starts = held[index].take(None if update.finished else len(text.sent))
+                        lp = _logprobs(tokenizer, ids, logprobs, chat, starts) if ids else None
+                    if not delta and not update.finished and lp is None:
                         continue
                     choice = {"index": index, "finish_reason": update.finish_reason if update.finished else None}
-                    lp = (
-                        _logprobs(tokenizer, update.token_ids, update.logprobs, chat)
-                        if num_logprobs is not None
-                        else None
-                    )
                     if chat:
                         choice |= {"delta": {"content": delta} if delta else {}, "logprobs": lp}
                     else:
@@ -596,6 +653,60 @@ def build_app(
         yield "data: [DONE]\n\n"
 
     return app
+
+
+# The fields of every request body: a model-level check's message that starts with one names it.
+_FIELDS = frozenset(
+    name
+    for body in (protocol.ChatCompletionRequest, protocol.CompletionRequest, protocol.Message, protocol.UnpinRequest)
+    for name in body.model_fields
+)
+
+
+def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
+    """(message, param) of a body that failed validation: the parameter's path without
+    pydantic's names for the members of a union (`temperature.int`), each member's complaint
+    once, and plain words for a body that is not JSON or not an object."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "")
+        at = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        return f"the request body is not valid JSON{at}{': ' + reason if reason else ''}", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    path = _param_path(loc)
+    complaints = []
+    for e in errors:
+        if _param_path([p for p in e.get("loc", ()) if p != "body"]) == path:
+            msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+            if msg not in complaints:
+                complaints.append(msg)
+    param = ".".join(str(p) for p in path) or None
+    text = "; ".join(complaints)
+    if param is None:  # a check over several fields: its message names the parameter first
+        word = text.split(" ", 1)[0].rstrip(":,")
+        param = word if word in _FIELDS else None
+        return text, param
+    return f"{param}: {text}", param
+
+
+def _param_path(loc: Sequence) -> list:
+    """A validation error's location as the client wrote it: field names and list indices,
+    up to the first of pydantic's names for a union member or a validator (`int`,
+    `constrained-str`, `list[...]`, `function-after[...]`)."""
+    out = []
+    for part in loc:
+        if isinstance(part, int) or (isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS):
+            out.append(part)
+        else:
+            break
+    return out
+
+
+_TYPE_TAGS = frozenset({"int", "float", "str", "bool", "dict", "list", "none", "bytes", "tuple", "set"})
 
 
 def _given(value, defaults: dict, name: str, api_default):
@@ -686,24 +797,24 @@ async def _merge(engine: AsyncEngine, jobs: list[_Job], salt: bytes, num_logprob
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list, chat: bool) -> dict:
+def _logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list, chat: bool, offsets: list[int]) -> dict:
+    """The logprobs object of some generated tokens: chat's `content` (each token's text and
+    its UTF-8 `bytes`, raw, so a character split over tokens can be put back together), or
+    the Completions API's lists, with each token's `text_offset` in the choice's text."""
+
     def text(t: int) -> str:
         return tokenizer.decode([t], skip_special_tokens=False)
 
     if chat:
         content = []
         for t, (lp, top) in zip(token_ids, logprobs, strict=True):
-            alts = [{"token": text(a), "logprob": v, "bytes": list(text(a).encode())} for a, v in top]
-            content.append({"token": text(t), "logprob": lp, "bytes": list(text(t).encode()), "top_logprobs": alts})
+            alts = [{"token": text(a), "logprob": v, "bytes": list(tokenizer.token_bytes(a))} for a, v in top]
+            token = {"token": text(t), "logprob": lp, "bytes": list(tokenizer.token_bytes(t)), "top_logprobs": alts}
+            content.append(token)
         return {"content": content}
-    tokens = [text(t) for t in token_ids]
-    offsets, pos = [], 0
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
     return {
-        "tokens": tokens,
+        "tokens": [text(t) for t in token_ids],
         "token_logprobs": [lp for lp, _ in logprobs],
         "top_logprobs": [{text(a): v for a, v in top} for _, top in logprobs],
-        "text_offset": offsets,
+        "text_offset": list(offsets),
     }

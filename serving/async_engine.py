@@ -406,12 +406,16 @@ class AsyncEngine:
             self._advisor_metrics(eng.scheduler)
         m.counter("vllm:prompt_tokens_total", "Prompt tokens of finished requests.")
         m.counter("vllm:generation_tokens_total", "Generated tokens.")
-        m.counter("vllm:request_success_total", "Finished requests by finish reason.")
+        m.counter(
+            "vllm:request_success_total", "Finished requests by finish reason.",
+            labels=[{"finished_reason": r} for r in ("stop", "length", "abort")],
+        )  # fmt: skip
         m.counter("aither:requests_rejected_total", "Requests refused because the queue was full.")
         m.counter(
             "aither:routed_requests_total",
             "Requests for model 'auto' routed to this model, by effort (1-5) and reason (scored, carried, follow-up, "
             "reasoning_effort).",
+            labels=[],
         )
         m.histogram("vllm:time_to_first_token_seconds", "Time to the first token.", TTFT_BUCKETS)
         m.histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)

@@ -40,6 +40,7 @@ class BalloonLoop:
                 "aither:kv_balloon_moves_total",
                 "Pages moved between models' KV pools by the balloon, by direction (lent or borrowed) and reason "
                 "(demand or return).",
+                labels=[],
             )
 
     def start(self) -> None:

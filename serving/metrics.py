@@ -73,14 +73,19 @@ class Metrics:
         self._help[name] = ("gauge", help_text)
         self._series[name] = read
 
-    def counter(self, name: str, help_text: str, read: Callable[[], float] | None = None) -> None:
-        """Declares a counter, updated with `inc` or, with `read`, read from its owner."""
+    def counter(
+        self, name: str, help_text: str, read: Callable[[], float] | None = None, *, labels: list[dict] | None = None
+    ) -> None:
+        """Declares a counter, updated with `inc` or, with `read`, read from its owner. A
+        counter with labels starts with the series of `labels` (label sets) at 0, and none
+        without labels."""
         _check_counter_name(name)
         self._help[name] = ("counter", help_text)
-        if read is None:
-            self._counters.setdefault((name, ()), 0.0)
-        else:
+        if read is not None:
             self._gauges[name] = read
+            return
+        for extra in [{}] if labels is None else labels:
+            self._counters.setdefault((name, tuple(sorted(extra.items()))), 0.0)
 
     def histogram(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
         self._help[name] = ("histogram", help_text)

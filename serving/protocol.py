@@ -54,12 +54,25 @@ class _Text(BaseModel):
         return _no_lone_surrogates(data)
 
 
-class StreamOptions(BaseModel):
+class _Nullable(BaseModel):
+    """A body whose explicit nulls take the fields' defaults, as OpenAI's nullable fields do
+    (clients send every field, the unset ones as null)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+
+
+class StreamOptions(_Nullable):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
 
 
-class _Sampling(_Text):
+class _Sampling(_Text, _Nullable):
     """Fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="ignore")
@@ -101,7 +114,11 @@ class _Sampling(_Text):
         return self
 
 
+COMPLETION_MAX_TOKENS = 16  # the Completions API's default (OpenAI's, vLLM's)
+
+
 class CompletionRequest(_Sampling):
+    max_tokens: Annotated[StrictInt, Field(ge=1, lt=2**31)] = COMPLETION_MAX_TOKENS
     prompt: (
         StrictStr
         | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_LIST)]
@@ -144,7 +161,8 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | Annotated[list[TextPart], Field(max_length=64)]
+    # Null only for an assistant turn (one that made tool calls, in OpenAI's API): no text.
+    content: StrictStr | Annotated[list[TextPart], Field(max_length=64)] | None
     name: Annotated[StrictStr, Field(max_length=64)] | None = None
     # Extensions (context pipeline, aither_jax/context/sections.py): the section this message
     # belongs to ({"tag", "importance", "stable", "truncate", "min_tokens", "max_tokens",
@@ -152,16 +170,24 @@ class Message(BaseModel):
     section: dict | None = None
     cache_control: CacheControl | None = None
 
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: only an assistant message may have null content, not a {self.role} message")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     @property
     def breakpoint(self) -> bool:
-        parts = [] if isinstance(self.content, str) else self.content
+        parts = self.content if isinstance(self.content, list) else []
         return self.cache_control is not None or any(p.cache_control is not None for p in parts)
 
 
-class ContextOptions(BaseModel):
+class ContextOptions(_Nullable):
     """Extension: budgets for a sectioned prompt, and whether to report what was kept."""
 
     model_config = ConfigDict(extra="forbid")
@@ -176,6 +202,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
     response_format: dict | None = None
     # Extension: pin the cached pages of the leading system messages.
     pin_prefix: StrictBool = False
@@ -193,6 +220,8 @@ class ChatCompletionRequest(_Sampling):
     def _chat_only(self):
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported (only none: tools are not)")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format other than text is not supported")
         if self.top_logprobs and not self.logprobs:
@@ -228,7 +257,8 @@ class UnpinRequest(_Text):
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError"}
-    kinds |= {429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    kinds |= {405: "MethodNotAllowedError", 429: "RateLimitError", 500: "InternalServerError"}
+    kinds |= {503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": kinds.get(status, "Error"), "param": param, "code": status}}
 
 

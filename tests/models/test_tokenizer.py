@@ -175,3 +175,25 @@ def test_any_failure_inside_tokenizers_is_a_gguf_error(tmp_path, monkeypatch):
         monkeypatch.setattr(tokenizers.models, "BPE", failing_bpe)
         with pytest.raises(GGUFError, match=rf"ok.gguf: cannot build the tokenizer \({type(error).__name__}"):
             Tokenizer.from_gguf(g)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_token_bytes_put_back_together_are_the_decoded_text(model):
+    # A character spread over several tokens decodes as U+FFFD token by token; the tokens' raw
+    # bytes, joined, are the text (what OpenAI's logprobs `bytes` lets a client rebuild).
+    import numpy as np
+
+    from models.registry import resolve_model
+
+    tok = Tokenizer.from_gguf(GGUFFile(resolve_model(model)))
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids).decode() == tok.decode(ids, skip_special_tokens=False)
+    split = [i for i in tok.encode("𐍈 🤖🎉 日本語") if "\ufffd" in tok.decode([i])]
+    assert split and all(max(tok.token_bytes(i)) >= 0x80 for i in split)  # pieces of characters
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # any ids, control tokens included
+        ids = rng.integers(0, tok.vocab_size, 6).tolist()
+        joined = b"".join(tok.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+        assert joined == tok.decode(ids, skip_special_tokens=False)
+    assert tok.special_ids and all(tok.decode([i]) == "" for i in tok.special_ids)

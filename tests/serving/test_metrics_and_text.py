@@ -13,7 +13,7 @@ from aither_jax.core.output import top_logprobs
 from models.gguf_file import GGUFFile
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
-from serving.api import TextStream, _drop_context, _on_first
+from serving.api import LogprobStream, TextStream, TokenOffsets, _drop_context, _on_first, validation_message
 from serving.metrics import Metrics
 
 
@@ -53,6 +53,13 @@ def test_metrics_render_counters_gauges_and_cumulative_histograms():
         m.counter("vllm:prefix_cache_hits", "hits")
     with pytest.raises(ValueError, match="_total"):
         m.counter_series("vllm:spec_decode_num_accepted_tokens_per_pos", "accepted", list)
+    # A counter with labels has only labelled series, those it is declared with at 0.
+    m.counter("aither:routed_requests_total", "routed", labels=[])
+    m.counter("vllm:request_aborts_total", "aborted", labels=[{"why": "client"}])
+    lines = m.render().splitlines()
+    assert not [line for line in lines if line.startswith("aither:routed_requests_total")]
+    assert 'vllm:request_aborts_total{model_name="demo",why="client"} 0.0' in lines
+    assert 'vllm:request_aborts_total{model_name="demo"} 0.0' not in lines
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +127,65 @@ def test_a_routed_request_counts_once_its_first_update_arrives():
         asyncio.run(consume(refused()))
     assert calls == []
     assert asyncio.run(consume(served())) == ["a", "b"] and calls == [1]
+
+
+def test_token_offsets_count_characters_not_the_pieces_of_split_ones(tokenizer):
+    text = "a 🥳 b 🥴 日本"
+    ids = tokenizer.encode(text)
+    spans = TokenOffsets(tokenizer).add(ids)
+    assert len(tokenizer.decode(ids)) == len(text) == spans[-1][1]
+    for (start, end), i in zip(spans, ids, strict=True):
+        assert 0 <= start <= end <= len(text)
+        whole = tokenizer.decode([i])
+        if "\ufffd" not in whole:  # a token of whole characters spans exactly them
+            assert text[start:end] == whole
+    assert [s for s, _ in spans] == sorted(s for s, _ in spans)
+    eos = tokenizer.eos_token_id
+    assert TokenOffsets(tokenizer).add([*ids, eos])[-1] == (len(text), len(text))  # no characters
+
+
+@pytest.mark.parametrize("stops", [(), ("Blue",), ("b 🥴",)])
+def test_streamed_logprobs_follow_the_text_they_make(tokenizer, stops):
+    # Tokens go one per update, as the engine sends them, until one completes a stop string.
+    ids = tokenizer.encode("Red, Green. Blue and b 🥴 日本 end")
+    last = next((k for k in range(len(ids)) if any(x in tokenizer.decode(ids[: k + 1]) for x in stops)), len(ids) - 1)
+    final = tokenizer.decode(ids[: last + 1])
+    final = final[: min([final.find(x) for x in stops if x in final], default=len(final))]
+    stream, held = TextStream(tokenizer, stops), LogprobStream(tokenizer)
+    sent, released = "", []
+    for k in range(last + 1):
+        delta = stream.finish(final) if k == last else stream.delta(ids[: k + 1])
+        held.add([ids[k]], [(-0.5, [])])
+        tokens, _, starts = held.take(None if k == last else len(stream.sent))
+        sent += delta
+        released += tokens
+        if k < last:  # the logprobs sent never run ahead of the text sent
+            made = b"".join(tokenizer.token_bytes(t) for t in released).decode("utf-8", errors="ignore")
+            assert sent.startswith(made)
+            assert all(start <= len(sent) for start in starts)
+    assert sent == final and released == ids[: last + 1]  # every token once, in order, by the end
+    if stops:  # the held-back text held its tokens' logprobs back too
+        assert tokenizer.decode(ids[: last + 1]) != final
+
+
+def test_validation_errors_name_the_parameter_as_the_client_wrote_it():
+    union = [
+        {"type": "int_type", "loc": ("body", "temperature", "int"), "msg": "Input should be a valid integer"},
+        {"type": "float_type", "loc": ("body", "temperature", "float"), "msg": "Input should be a valid number"},
+    ]
+    assert validation_message(union) == (
+        "temperature: Input should be a valid integer; Input should be a valid number",
+        "temperature",
+    )
+    nested = [{"type": "string_type", "loc": ("body", "messages", 0, "content", "str"), "msg": "Input should be"}]
+    assert validation_message(nested)[1] == "messages.0.content"
+    too_many = "List should have at most 16"
+    stop = [{"type": "too_long", "loc": ("body", "stop", "list[constrained-str]"), "msg": too_many}]
+    assert validation_message(stop) == (f"stop: {too_many}", "stop")
+    model_level = [{"type": "value_error", "loc": ("body",), "msg": "Value error, echo is not supported"}]
+    assert validation_message(model_level) == ("echo is not supported", "echo")
+    ctx = {"error": "Expecting value"}
+    broken = [{"type": "json_invalid", "loc": ("body", 66), "msg": "JSON decode error", "ctx": ctx}]
+    assert validation_message(broken) == ("the request body is not valid JSON at character 66: Expecting value", None)
+    not_json = [{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary"}]
+    assert "Content-Type: application/json" in validation_message(not_json)[0]

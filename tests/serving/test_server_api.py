@@ -241,6 +241,62 @@ def test_bad_chat_requests_get_openai_errors(server, body, status, fragment):
     assert fragment in error["message"] + str(error["param"]) and error["code"] == status
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 17}, "stop"),
+        ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]}, "messages"),
+    ],
+)
+def test_errors_name_the_parameter_as_the_client_wrote_it(server, path, body, param):
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert ".int" not in r.text and "constrained-str" not in r.text and "Value error" not in r.text
+
+
+def test_nulls_take_defaults_and_bodies_that_are_not_json_objects_are_told_so(server):
+    nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "tool_choice": None, "seed": None}
+    history = [{"role": "assistant", "content": None}, {"role": "user", "content": "Hi"}]  # a tool-calling turn
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": history, "max_tokens": 2, **nulls}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    body = {"prompt": "Hi", "max_tokens": 2, "n": None, "echo": None}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    url = server.url + "/v1/completions"
+    bad = httpx.post(url, content=b'{"prompt": "x",', headers={"content-type": "application/json"}, timeout=60)
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    plain = httpx.post(url, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"}, timeout=60)
+    assert plain.status_code == 400 and "application/json" in plain.json()["error"]["message"]
+
+
+def test_completions_default_to_16_tokens_and_models_can_be_retrieved(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_logprobs_carry_each_tokens_raw_bytes(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Repeat exactly: 😀😃😄😁 日本語"}], max_tokens=12,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    made = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert made.startswith(r.choices[0].message.content)  # and then the end-of-turn token, if it came
+    assert all(bytes(e.bytes).decode("utf-8", errors="replace") == e.token or "\ufffd" in e.token for e in content)
+
+
 # -- batching -------------------------------------------------------------------------------
 
 
