@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -12,7 +13,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
-from aither_jax.context.sections import Context
+from aither_jax.context.sections import Context, ContextError
 from aither_jax.core.bounded import ResidencyConfig
 from aither_jax.core.engine import Engine
 from aither_jax.device.sampling import SamplingParams
@@ -23,6 +24,29 @@ from models.registry import DEFAULT_MODEL, default_sampling, load_model, resolve
 from models.weights import DTYPES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+# The configs' field names in their messages, as `LLM`'s arguments are called.
+TIER_ARGUMENTS = {
+    "host_gib": "kv_offloading_size", "disk_gib": "kv_disk_size", "high_watermark": "kv_high_watermark",
+    "low_watermark": "kv_low_watermark",
+}  # fmt: skip
+RESIDENCY_ARGUMENTS = {
+    "residency max_tokens": "max_resident_tokens", "residency tau": "residency_tau",
+    "residency scorer": "residency_scorer",
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _arguments_named(names: dict[str, str]):
+    """Re-raises a config's ValueError with its field names as the arguments that set them."""
+    try:
+        yield
+    except ValueError as e:
+        message = str(e)
+        for field, argument in names.items():
+            message = message.replace(field, argument)
+        raise ValueError(message) from None
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -197,6 +221,15 @@ class LLM:
     ):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        for name, flag in (
+            ("batch_invariant", batch_invariant), ("shared_prefix_attention", shared_prefix_attention),
+            ("progress", progress), ("enable_prefix_caching", enable_prefix_caching),
+        ):  # fmt: skip
+            if not isinstance(flag, bool) and not (flag is None and name == "enable_prefix_caching"):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        for name, value, low, high in (("page_size", page_size, 1, 1 << 16), ("seed", seed, 0, 1 << 63)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}), got {value!r}")
         dtype = resolve_dtype(dtype)
         if batch_invariant:
             if attention not in ("auto", "invariant"):
@@ -219,7 +252,8 @@ class LLM:
         residency = None
         if max_resident_tokens is not None:
             residency = ResidencyConfig(max_resident_tokens, tau=residency_tau, scorer=residency_scorer)
-            residency.check()
+            with _arguments_named(RESIDENCY_ARGUMENTS):
+                residency.check()
         if num_pages is None:
             per_seq = max_model_len if residency is None else min(max_model_len, max_resident_tokens)
             num_pages = default_num_pages(
@@ -228,13 +262,14 @@ class LLM:
         self.progress = progress
         # Called once a batch's requests are queued, before its steps run (a fleet's balloon).
         self.before_steps: Callable[[], object] | None = None
-        tiers = TierConfig(
-            host_gib=kv_offloading_size,
-            disk_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
-            disk_gib=kv_disk_size,
-            high_watermark=kv_high_watermark,
-            low_watermark=kv_low_watermark,
-        )
+        with _arguments_named(TIER_ARGUMENTS):
+            tiers = TierConfig(
+                host_gib=kv_offloading_size,
+                disk_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
+                disk_gib=kv_disk_size,
+                high_watermark=kv_high_watermark,
+                low_watermark=kv_low_watermark,
+            )
         if tiers.enabled and enable_prefix_caching is False:
             raise ValueError("kv_offloading_size and kv_cache_dir need prefix caching: enable_prefix_caching=True")
         if eviction_policy not in (None, "lru") and enable_prefix_caching is False:
@@ -272,8 +307,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Completes each prompt (text, a list of token ids, or a `Prompt`, such as a `Context`
         assembles); outputs keep the input order."""
-        if isinstance(prompts, str | Prompt):
-            prompts = [prompts]
+        if isinstance(prompts, str | Prompt) or (
+            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int | np.integer) for t in prompts)
+        ):
+            prompts = [prompts]  # one prompt: text, an assembled Prompt, or token ids
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
         assembled = []
@@ -303,9 +340,16 @@ class LLM:
         """A context pipeline for this model (aither_jax/context/sections.py): assembles tagged
         sections within `context_budget` prompt tokens (default: max_model_len less 256 for the
         answer) and `prefill_budget` new tokens per request; `generate` takes what it assembles.
-        Its stable prefix is pinned once seen when prefix caching is on."""
-        budget = max(1, self.engine.max_model_len - 256) if context_budget is None else context_budget
-        ctx = Context(self.tokenizer, context_budget=budget, prefill_budget=prefill_budget)
+        Its stable prefix is pinned once seen when prefix caching is on, and what of it the
+        engine holds cached costs no prefill (its budget cascades downstream)."""
+        max_len = self.engine.max_model_len
+        if isinstance(context_budget, int) and not isinstance(context_budget, bool) and context_budget > max_len:
+            raise ContextError(f"context_budget {context_budget} exceeds the model's max_model_len {max_len}")
+        budget = max(1, max_len - 256) if context_budget is None else context_budget
+        ctx = Context(
+            self.tokenizer, context_budget=budget, prefill_budget=prefill_budget,
+            cached_tokens=self.engine.cached_prefix_tokens,
+        )  # fmt: skip
         # A context dropped by its caller (and its prompts) gives its pin back.
         weakref.finalize(ctx.pin_owner, self.engine.release_pin, ctx.pin_owner.key)
         return ctx

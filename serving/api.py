@@ -18,6 +18,7 @@ import codecs
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -495,12 +496,21 @@ def build_app(
             for m in body.messages
         ]  # fmt: skip
         sections, breakpoint = sections_from_messages(messages)
+        if options.budget is not None and options.budget > served.max_model_len:
+            raise HTTPError(
+                400, f"context.budget {options.budget} exceeds the model's context length {served.max_model_len}",
+                "context.budget",
+            )  # fmt: skip
         budget = options.budget or max(1, served.max_model_len - (max_tokens or DEFAULT_ANSWER_TOKENS))
         key = (salt, body.prompt_cache_key or "")
         contexts = served.contexts
         ctx = contexts.get(key)
         if ctx is None:
-            ctx = Context(served.tokenizer, context_budget=budget, prefill_budget=options.prefill_budget)
+            engine = served.engine.engine
+            ctx = Context(
+                served.tokenizer, context_budget=budget, prefill_budget=options.prefill_budget,
+                cached_tokens=functools.partial(engine.cached_prefix_tokens, salt=salt),
+            )  # fmt: skip
             # Its pin goes once the context is dropped and its last request is done with it.
             weakref.finalize(ctx.pin_owner, served.engine.engine.release_pin, ctx.pin_owner.key)
             contexts[key] = ctx

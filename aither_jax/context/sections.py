@@ -10,8 +10,9 @@ ids, and reports per section what it kept and cut.
 Budgets. The rendered prompt stays within `context_budget` tokens. The prefill budget is the
 new tokens one request may cost (the latency that matters). The leading run of stable
 sections is the stable prefix, named by the SHA-256 of its token ids; once it has been seen
-(or the caller says it is pinned) its pages are pinned in the prefix cache and cost no
-prefill, so the budget they used flows to the downstream sections, most important first (the
+(or the caller says to pin it at once) its pages are pinned in the prefix cache. The part of
+it the engine holds cached (whole pages; `cached_tokens`, asked at each assembly) costs no
+prefill, so the budget it used flows to the downstream sections, most important first (the
 cascade). Sections are cut least important first (later sections first among equals), down
 to their minimum: `tail` keeps the start of a text, `head` keeps its end, `messages` drops
 the oldest messages in steps of `step` messages, so the kept history changes only every
@@ -31,7 +32,7 @@ import collections
 import dataclasses
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from aither_jax.context.prompt import ROLE_IMPORTANCE, PinOwner, Prompt, SectionSpan
 from models.tokenizer import CHAT_ROLES, Tokenizer
@@ -150,10 +151,11 @@ class ContextReport:
     num_tokens: int
     stable_tokens: int
     stable_hash: str | None
-    stable_cached: bool  # the stable prefix is pinned: it costs no prefill
+    stable_cached: bool  # part of the stable prefix is cached: it costs no prefill
     downstream_budget: int  # tokens the sections after the stable prefix could have
     downstream_budget_uncached: int  # what they could have had if it were not cached
     prefill_tokens: int  # tokens this prompt costs beyond the cached stable prefix
+    stable_cached_tokens: int = 0  # the stable prefix's tokens cached (in whole pages)
 
     @property
     def cascade(self) -> int:
@@ -165,7 +167,7 @@ class ContextReport:
             f"{self.num_tokens} tokens of {self.context_budget}"
             + (f", prefill budget {self.prefill_budget}" if self.prefill_budget is not None else "")
             + f"; stable prefix {self.stable_tokens} tokens"
-            + (f" ({self.stable_hash[:12]}, pinned: costs no prefill)" if self.stable_cached else "")
+            + (f" ({self.stable_hash[:12]}, {self.stable_cached_tokens} cached)" if self.stable_cached else "")
             + f"; downstream budget {self.downstream_budget} ({self.cascade:+d} from the cascade); "
             + f"prefill {self.prefill_tokens} tokens"
         )
@@ -185,7 +187,18 @@ class Context:
     """Assembles sections for one model (its tokenizer and chat template) within budgets, and
     remembers which stable prefixes it has seen and which one is pinned."""
 
-    def __init__(self, tokenizer: Tokenizer, *, context_budget: int, prefill_budget: int | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        context_budget: int,
+        prefill_budget: int | None = None,
+        cached_tokens: Callable[[list[int]], int] | None = None,
+    ):
+        """`cached_tokens(ids)`: how many leading tokens of `ids` the engine holds cached now
+        (`Engine.cached_prefix_tokens`, under the requests' tenant); what the stable prefix gets
+        as cached. Without it (a context with no engine) a stable prefix counts as cached in
+        full once it is pinned (seen before, or `assemble(pinned=True)`)."""
         for name, value in (("context_budget", context_budget), ("prefill_budget", prefill_budget)):
             if value is None and name == "prefill_budget":
                 continue
@@ -194,6 +207,8 @@ class Context:
         self.tokenizer = tokenizer
         self.context_budget = context_budget
         self.prefill_budget = prefill_budget
+        self.cached_tokens = cached_tokens
+        self._placeholder: bool | None = None  # whether a lone empty system message beats the template's default
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         # The owner of this context's pin: the engine keeps one pin per owner, on the latest
         # stable prefix computed, taken once however many prompts ask (`Scheduler.pin`).
@@ -230,36 +245,63 @@ class Context:
 
     # -- cutting ------------------------------------------------------------------------------
 
-    def _cut(self, section: Section, budget: int, before: list[dict], size: int) -> tuple[list[dict], str | None]:
+    def _cut(
+        self, section: Section, budget: int, before: list[dict], size: int, lead: list[dict] = ()
+    ) -> tuple[list[dict], str | None]:
         """The section's messages (`size` tokens in full) cut to at most `budget` tokens as
-        rendered after `before`, and how it was cut."""
+        rendered after `before`, and how it was cut. `lead`: messages a cut must start with
+        where it does not start with a system message (`_lead`)."""
         messages = section.messages()
         if size <= budget:
             return messages, None
+
+        def led(cut: list[dict]) -> list[dict]:
+            return cut if not lead or (cut and cut[0]["role"] == "system") else [*lead, *cut]
+
         if section.truncate == "drop" or budget <= 0:
-            return [], "dropped"
+            return led([]), "dropped" + ("; an empty system message holds its place" if lead else "")
         if section.truncate == "messages":
             # The fewest whole steps of oldest messages to drop (binary search: fits is monotone).
             lo, hi = 1, -(-len(messages) // section.step)
             while lo < hi:
                 mid = (lo + hi) // 2
-                if self._size(messages[mid * section.step :], before) <= budget:
+                if self._size(led(messages[mid * section.step :]), before) <= budget:
                     hi = mid
                 else:
                     lo = mid + 1
             drop = min(len(messages), lo * section.step)
-            return messages[drop:], f"dropped {drop} oldest messages"
+            return led(messages[drop:]), f"dropped {drop} oldest messages"
         # Text: cut its content's tokens (as a message's content is encoded: control-token text
-        # is plain characters), keeping the template's tokens around it.
+        # is plain characters), keeping the template's tokens around it. A character split by
+        # the cut is left out, never written as U+FFFD.
         content = self.tokenizer.encode_text(section.content)
+        split = "\ufffd" not in section.content
         keep = max(0, budget - (size - len(content)))
         while True:
             kept = content[:keep] if section.truncate == "tail" else content[len(content) - keep :]
             text = self.tokenizer.decode(kept, skip_special_tokens=False) if keep else ""
-            cut = [{"role": section.role, "content": text}] if text else []
-            if not cut or self._size(cut, before) <= budget:  # a decoded cut may re-encode longer
+            if split:
+                text = text.rstrip("\ufffd") if section.truncate == "tail" else text.lstrip("\ufffd")
+            cut = led([{"role": section.role, "content": text}] if text else [])
+            if not text:
+                return cut, "dropped" + ("; an empty system message holds its place" if lead else "")
+            if self._size(cut, before) <= budget:  # a decoded cut may re-encode longer
                 return cut, f"kept {'first' if section.truncate == 'tail' else 'last'} {keep} of {len(content)} tokens"
             keep -= 1
+
+    def _lead(self, first: Section) -> list[dict]:
+        """What the first section's cut must start with: an empty system message where the
+        section starts with one and the chat template writes a default system prompt of its
+        own (a model's name, someone else's identity) before a conversation without one, and
+        the empty message is shorter; else nothing."""
+        messages = first.messages()
+        if not messages or messages[0]["role"] != "system":
+            return []
+        if self._placeholder is None:
+            user = [{"role": "user", "content": "x"}]
+            with_empty = self._ids([{"role": "system", "content": ""}, *user], generation=False)
+            self._placeholder = len(with_empty) < len(self._ids(user, generation=False))
+        return [{"role": "system", "content": ""}] if self._placeholder else []
 
     # -- assembly -----------------------------------------------------------------------------
 
@@ -275,6 +317,9 @@ class Context:
         sections = list(sections)
         if not sections:
             raise ContextError("a context needs at least one section")
+        bad = next((i for i, s in enumerate(sections) if not isinstance(s, Section)), None)
+        if bad is not None:
+            raise ContextError(f"section {bad} must be a Section, got {type(sections[bad]).__name__}")
         tags = [s.tag for s in sections]
         if len(set(tags)) != len(tags):
             raise ContextError(f"section tags must be unique, got {tags}")
@@ -284,16 +329,25 @@ class Context:
         tail = len(full) - ends[-1]  # the generation prompt
         stable_tokens = ends[num_stable - 1] if num_stable else 0
         stable_hash = prefix_hash(full[:stable_tokens]) if stable_tokens else None
-        cached = stable_hash is not None and (pinned or stable_hash in self._seen)
+        pin = stable_hash is not None and (pinned or stable_hash in self._seen)
+        if self.cached_tokens is None:
+            credit = stable_tokens if pin else 0
+        else:
+            credit = min(self.cached_tokens(full[:stable_tokens]), stable_tokens) if stable_tokens else 0
         # What the sections after the stable prefix may take: the context left after it, and
-        # the prefill budget, which a cached stable prefix no longer uses.
+        # the prefill budget, less what the stable prefix costs of it (its tokens not cached).
         room = self.context_budget - stable_tokens - tail
-        uncached = room if self.prefill_budget is None else min(room, self.prefill_budget - stable_tokens - tail)
-        if uncached < 0 <= room and stable_tokens and not cached:
-            uncached = room  # a stable prefix over the prefill budget alone is paid once, when first seen
-        downstream = (
-            uncached if not cached else (room if self.prefill_budget is None else min(room, self.prefill_budget - tail))
-        )
+
+        def downstream_with(cached: int) -> int:
+            if self.prefill_budget is None:
+                return room
+            return min(room, self.prefill_budget - (stable_tokens - cached) - tail)
+
+        uncached, downstream = downstream_with(0), downstream_with(credit)
+        if downstream < 0 <= room and stable_tokens and credit < stable_tokens:
+            downstream = room  # a stable prefix over the prefill budget alone is paid (once, if it gets cached)
+        if not credit:
+            uncached = downstream
         if room < 0 or downstream < 0:
             raise ContextError(
                 f"the stable prefix ({', '.join(tags[:num_stable])}) takes {stable_tokens} tokens: more than the "
@@ -303,20 +357,34 @@ class Context:
             if (i < num_stable or s.truncate == "never") and s.max_tokens is not None and size > s.max_tokens:
                 kind = "stable sections are" if i < num_stable else "a 'never' section is"
                 raise ContextError(f"section {s.tag!r}: {kind} never cut; {size} tokens > max_tokens {s.max_tokens}")
-        budgets = self._allocate(sections[num_stable:], sizes[num_stable:], downstream)
+        # A first section that may be cut keeps an empty system message in place of its own
+        # where the template would write its default system prompt instead (`_lead`).
+        lead = self._lead(sections[0]) if num_stable == 0 else []
+        reserve = self._size(lead, []) if lead else 0
+        budgets = self._allocate(sections[num_stable:], sizes[num_stable:], downstream, reserve)
         parts = [s.messages() for s in sections[:num_stable]]
         how: list[str | None] = [None] * num_stable
-        for s, b, size in zip(sections[num_stable:], budgets, sizes[num_stable:], strict=True):
-            messages, cut = self._cut(s, b, [m for part in parts for m in part], size)
+        for k, (s, b, size) in enumerate(zip(sections[num_stable:], budgets, sizes[num_stable:], strict=True)):
+            before = [m for part in parts for m in part]
+            if before != [m for t in sections[: num_stable + k] for m in t.messages()]:
+                size = self._size(s.messages(), before)  # after cut sections it may render otherwise
+            messages, cut = self._cut(s, b, before, size, lead if num_stable + k == 0 else [])
             parts.append(messages)
             how.append(cut)
         ids, ends = self._render(parts)
-        if len(ids) > self.context_budget:  # a template may write a cut conversation longer (a default system prompt)
+        starts = [0, *ends[:-1]]
+        laid_out = zip(sections[num_stable:], budgets, starts[num_stable:], ends[num_stable:], strict=True)
+        for s, b, start, stop in laid_out:
+            if stop - start > b:  # the template wrote a section longer than it measured
+                raise ContextError(
+                    f"section {s.tag!r}: the chat template writes it in {stop - start} tokens after the cuts before "
+                    f"it, over its budget of {b}: give the sections before it room, or it a larger budget"
+                )
+        if len(ids) > self.context_budget:
             raise ContextError(
                 f"the assembled prompt is {len(ids)} tokens, over the context budget of {self.context_budget}: "
                 "give the sections that may be cut smaller budgets, or the context a larger one"
             )
-        starts = [0, *ends[:-1]]
         wanted = [_wanted(s, size) for s, size in zip(sections, sizes, strict=True)]
         reports = tuple(
             SectionReport(s.tag, s.importance, s.stable, w, b, stop - start, start, stop, cut)
@@ -325,8 +393,8 @@ class Context:
             )
         )
         report = ContextReport(
-            reports, self.context_budget, self.prefill_budget, len(ids), stable_tokens, stable_hash, cached,
-            downstream, uncached, len(ids) - (stable_tokens if cached else 0),
+            reports, self.context_budget, self.prefill_budget, len(ids), stable_tokens, stable_hash, credit > 0,
+            downstream, uncached, len(ids) - credit, credit,
         )  # fmt: skip
         spans = tuple(
             SectionSpan(s.source or s.tag, s.importance, r.start, r.stop)
@@ -338,19 +406,22 @@ class Context:
             self._seen.move_to_end(stable_hash)
             while len(self._seen) > MAX_SEEN:
                 self._seen.popitem(last=False)
-        num_pinned = stable_tokens if cached else 0
-        owner = self.pin_owner if cached else None
+        num_pinned = stable_tokens if pin else 0
+        owner = self.pin_owner if pin else None
         return Prompt(ids, num_pinned, None, sections=spans, pin_owner=owner, report=report)
 
-    def _allocate(self, sections: list[Section], sizes: list[int], budget: int) -> list[int]:
+    def _allocate(self, sections: list[Section], sizes: list[int], budget: int, reserve: int = 0) -> list[int]:
         """Token budgets for the downstream sections within `budget`: each its full size (at most
         max_tokens), then cut least important first (later first among equals) down to its
-        minimum (nothing for "drop", its full size for "never") until they fit."""
+        minimum (nothing for "drop", its full size for "never"; at least `reserve` for the
+        first, the empty system message it keeps) until they fit."""
         want = [_wanted(s, size) for s, size in zip(sections, sizes, strict=True)]
         floor = [
             w if s.truncate == "never" else 0 if s.truncate == "drop" else min(w, s.min_tokens)
             for s, w in zip(sections, want, strict=True)
         ]
+        if sections and reserve:
+            floor[0] = max(floor[0], min(want[0], reserve))
         if sum(floor) > budget:
             fixed = [s.tag for s, f in zip(sections, floor, strict=True) if f]
             raise ContextError(
@@ -362,7 +433,10 @@ class Context:
         for i in sorted(range(len(sections)), key=lambda i: (sections[i].importance, -i)):
             if over <= 0:
                 break
-            cut = out[i] if sections[i].truncate == "drop" else min(over, out[i] - floor[i])  # all or nothing
+            if sections[i].truncate == "drop":  # all or nothing
+                cut = out[i] - floor[i] if i == 0 and reserve else out[i]
+            else:
+                cut = min(over, out[i] - floor[i])
             out[i] -= cut
             over -= cut
         return out
@@ -397,6 +471,10 @@ def sections_from_messages(messages: Sequence[dict]) -> tuple[list[Section], boo
     groups: list[tuple[str, dict, list[dict]]] = []
     last_break = -1
     for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise ContextError(f"message {i} must be a {{'role', 'content'}} object with a role of {CHAT_ROLES}")
+        if not isinstance(m.get("section") or {}, dict):
+            raise ContextError(f"message {i}: section must be an object of section fields, got {m['section']!r}")
         spec = dict(m.get("section") or {})
         unknown = set(spec) - set(SECTION_FIELDS)
         if unknown:

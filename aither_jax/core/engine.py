@@ -373,6 +373,20 @@ class Engine:
             raise ValueError("prefix caching is off: nothing is pinned")
         return cache.unpin(hash_chain(salt, prompt_ids, self.page_size))
 
+    def cached_prefix_tokens(self, ids: Iterable[int], salt: bytes = b"") -> int:
+        """How many leading tokens of `ids` under `salt` sit in full pages cached on the device
+        now (what a request starting with them would not compute; 0 without prefix caching).
+        Reads the cache without changing it, so any thread may ask."""
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            return 0
+        hit = 0
+        for name in hash_chain(salt, list(ids), self.page_size):
+            if not cache.contains(name):
+                break
+            hit += 1
+        return hit * self.page_size
+
     def release_pin(self, pin_key: bytes) -> None:
         """Gives back the pin an owner (`add_request`'s `pin_key`) holds, at the next request or
         step. It only queues the key, so any thread may call it, a `weakref.finalize` callback

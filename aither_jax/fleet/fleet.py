@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import jax
 
+from aither_jax.context.prompt import Prompt
 from aither_jax.fleet.balloon import Move, PoolState, next_move, pool_state, stamped
 from aither_jax.fleet.planner import (
     ACTIVATION_WIDTHS,
@@ -440,13 +441,15 @@ class Fleet:
     ):
         """`LLM.generate` on the named model, or routed by each prompt's effort (or the
         `reasoning_effort` given)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        if isinstance(prompts, str | Prompt) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # one prompt: text, an assembled Prompt, or token ids
+        if model == "auto" and any(not isinstance(p, str) for p in prompts):
+            raise ValueError(
+                "model='auto' routes text prompts; token ids and assembled Prompts are one model's tokens: "
+                "name the model"
+            )
         route = self.router.route_text
-        targets = [
-            self._target(model, lambda p=p: route(p if isinstance(p, str) else "", reasoning_effort=reasoning_effort))
-            for p in prompts
-        ]
+        targets = [self._target(model, lambda p=p: route(p, reasoning_effort=reasoning_effort)) for p in prompts]
         return self._fan_out(targets, prompts, sampling_params, use_tqdm, chat=False)
 
     def _target(self, model: str, route) -> str:

@@ -184,13 +184,41 @@ def test_a_stable_prefix_over_the_prefill_budget_is_paid_once_then_cached(tok):
     assert second.stable_cached and second.prefill_tokens <= 20
 
 
-def test_the_assembled_prompt_never_exceeds_the_context_budget(tok):
-    # SmolLM2's template writes its default system prompt when no system message leads: a
-    # dropped leading section lengthens what is left.
-    sections = [Section("lead", IDENTITY, truncate="drop", importance=0.1), Section("q", "Hi there", role="user")]
-    ctx = Context(tok, context_budget=15)
-    with pytest.raises(ContextError, match="over the context budget of 15"):
-        ctx.assemble(sections)
+@pytest.mark.parametrize("truncate", ["drop", "tail"])
+def test_a_dropped_leading_system_section_leaves_no_room_for_the_templates_default_identity(tok, truncate):
+    # SmolLM2's template writes its own system prompt ("You are a helpful AI assistant named
+    # SmolLM") before a conversation that does not start with one: a cut identity keeps an
+    # empty system message in its place, within the budgets, and never takes that name.
+    sections = [
+        Section("identity", IDENTITY, truncate=truncate, importance=0.1),
+        Section("q", "When is high water on the third day of the spring festival?", role="user", truncate="never"),
+    ]
+    prompt = Context(tok, context_budget=60, prefill_budget=30).assemble(sections)
+    text = tok.decode(prompt.ids, skip_special_tokens=False)
+    assert "SmolLM" not in text and text.startswith("<|im_start|>system\n")
+    report = prompt.report
+    assert report.num_tokens <= 30 and all(s.kept <= s.budget for s in report.sections)
+    if truncate == "drop":
+        assert text.startswith("<|im_start|>system\n<|im_end|>") and "empty system" in report.sections[0].truncated
+    history = [{"role": "system", "content": IDENTITY}] + [
+        {"role": r, "content": f"Turn {i}: the tide tables for the harbour."}
+        for i in range(6)
+        for r in ("user", "assistant")
+    ]
+    cut = Context(tok, context_budget=80).assemble([Section("history", history, step=2)])
+    assert "SmolLM" not in tok.decode(cut.ids, skip_special_tokens=False)
+    assert cut.report.sections[0].kept <= cut.report.sections[0].budget
+    with pytest.raises(ContextError, match="cannot fit"):  # not even the empty message fits
+        Context(tok, context_budget=8).assemble(sections[:1] + [Section("q", "Hi", role="user")])
+
+
+def test_a_text_cut_never_splits_a_character(tok):
+    text = "港口的潮汐表：每天早上六点涨潮，晚上六点退潮。" * 4
+    for truncate in ("tail", "head"):
+        for budget in range(40, 70, 3):
+            sections = [Section("k", text, truncate=truncate), Section("q", "Hi", role="user", truncate="never")]
+            prompt = Context(tok, context_budget=budget).assemble(sections)
+            assert "\ufffd" not in tok.decode(prompt.ids), (truncate, budget)
 
 
 def test_the_stable_prefixes_seen_are_bounded(tok, monkeypatch):
@@ -228,3 +256,33 @@ def test_text_that_spells_control_tokens_is_cut_by_the_tokens_it_renders_to(tok)
     ctx = Context(tok, context_budget=400)
     kept = ctx.assemble([Section("q", "Hi", role="user", truncate="never"), notes]).report.sections[1]
     assert kept.truncated.startswith("kept first") and kept.kept > 0.8 * kept.budget
+
+
+def test_with_an_engine_only_what_it_holds_cached_is_credited(tok):
+    # An engine without prefix caching holds nothing: the stable prefix, seen or pinned, is
+    # paid by every request. One holding whole pages gives those, not the partial last page.
+    sections = [*system_layers(), Section("q", "When is high tide?", role="user", truncate="never")]
+    held = {"tokens": 0}
+    ctx = Context(tok, context_budget=4096, prefill_budget=400, cached_tokens=lambda ids: held["tokens"])
+    first, second = ctx.assemble(sections).report, ctx.assemble(sections, pinned=True).report
+    assert not first.stable_cached and not second.stable_cached and second.cascade == 0
+    assert second.prefill_tokens == second.num_tokens
+    held["tokens"] = second.stable_tokens // 16 * 16
+    third = ctx.assemble(sections).report
+    assert third.stable_cached and third.stable_cached_tokens == held["tokens"] < third.stable_tokens
+    assert third.prefill_tokens == third.num_tokens - held["tokens"] and third.cascade == held["tokens"]
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([{"role": "user", "content": "x", "section": "a"}], "section must be an object"),
+        ([{"content": "x"}], "message 0 must be"),
+        (["just text"], "message 0 must be"),
+    ],
+)
+def test_malformed_messages_and_sections_are_context_errors(tok, messages, match):
+    with pytest.raises(ContextError, match=match):
+        sections_from_messages(messages)
+    with pytest.raises(ContextError, match="section 0 must be a Section"):
+        Context(tok, context_budget=100).assemble([{"tag": "a", "content": "x"}])

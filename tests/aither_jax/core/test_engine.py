@@ -194,6 +194,30 @@ def test_bad_constructor_arguments():
         aj.LLM("nope")
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(page_size=0), "page_size must be an integer"),
+        (dict(seed=-1), "seed must be an integer"),
+        (dict(shared_prefix_attention="no"), "shared_prefix_attention must be True or False"),
+        (dict(enable_prefix_caching="yes"), "enable_prefix_caching must be True or False"),
+        (dict(kv_offloading_size=-1, enable_prefix_caching=True), "^kv_offloading_size must be"),
+        (dict(kv_high_watermark=5, enable_prefix_caching=True), "^kv_high_watermark must be"),
+        (dict(max_resident_tokens=-5), "^max_resident_tokens must be"),
+    ],
+)
+def test_bad_arguments_are_named_as_the_caller_wrote_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        aj.LLM("smollm2-135m", progress=False, **kwargs)
+
+
+def test_a_flat_list_of_token_ids_is_one_prompt(tiny_f32):
+    ids = list(range(100, 112))
+    params = aj.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (one,) = tiny_f32.generate(ids, params)
+    assert one.prompt_token_ids == ids and one.token_ids == tiny_f32.generate([ids], params)[0].token_ids
+
+
 def test_default_dtype_is_float32_on_cpu_bfloat16_elsewhere():
     """The library default is the CLI's "auto": XLA's CPU bfloat16 matmuls are slow."""
     import jax

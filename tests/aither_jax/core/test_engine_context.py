@@ -42,8 +42,13 @@ def test_pages_carry_their_sections_tags_and_the_stable_prefix_is_pinned_once_se
     assert {b.importance for b in by_tag["identity"]} == {1.0}
     assert all(b.importance == 0.4 for b in by_tag.get("knowledge", []))
     assert cache.num_pinned == 0  # seen once: not pinned yet
+    assert first.report.stable_cached_tokens == 0 and first.report.prefill_tokens == len(first.ids)
 
     second = ctx.assemble(sections("And low tide?"))
+    # What the engine holds of the stable prefix is credited: its whole pages, not its last partial one.
+    whole = spans["identity"].stop // 16 * 16
+    assert second.report.stable_cached_tokens == whole == llm.engine.cached_prefix_tokens(second.ids[:whole])
+    assert second.report.prefill_tokens == len(second.ids) - whole
     llm.generate(second, GREEDY)
     assert second.num_pinned == spans["identity"].stop and cache.num_pinned == spans["identity"].stop // 16
     llm.generate(ctx.assemble(sections("And tomorrow?")), GREEDY)  # asks again: the pin is taken once

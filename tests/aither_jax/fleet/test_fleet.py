@@ -117,6 +117,11 @@ def test_auto_routes_by_effort(fleet):
     assert fleet.router.heavy == "gemma3-270m"  # the one with more parameters
     outs = fleet.generate(["hi there!", "hi there!"], GREEDY, model="auto", reasoning_effort="high")
     assert [o.model for o in outs] == ["gemma3-270m"] * 2
+    # Token ids (and assembled Prompts) are one model's: they are not routed, only sent.
+    with pytest.raises(ValueError, match="name the model"):
+        fleet.generate([[1, 2, 3]], GREEDY, model="auto")
+    one = fleet.generate(fleet.llms[MODELS[0]].tokenizer.encode("hi there!"), GREEDY, model=MODELS[0])
+    assert len(one) == 1 and one[0].model == MODELS[0]  # a flat list of ids is one prompt
 
 
 def test_the_fleets_host_and_disk_tier_sizes_are_shared_by_kv_share(tmp_path):
