@@ -307,6 +307,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Completes each prompt (text, a list of token ids, or a `Prompt`, such as a `Context`
         assembles); outputs keep the input order."""
+        if isinstance(prompts, np.ndarray) and prompts.ndim in (1, 2) and np.issubdtype(prompts.dtype, np.integer):
+            prompts = prompts.tolist()  # one prompt of ids, or a row per prompt
         if isinstance(prompts, str | Prompt) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int | np.integer) for t in prompts)
         ):
@@ -369,6 +371,10 @@ class LLM:
             sampling_params = SamplingParams(**self.sampling_defaults)
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         seqs = []

@@ -175,7 +175,8 @@ class BoundedResidency:
     @property
     def max_cached_pages(self) -> int:
         """Prefix-cache pages a sequence may start with: a hit that leaves a prefill chunk's
-        room in the bound (the rest of the prompt is recomputed, paged out as it goes)."""
+        room in the bound (the rest of its cached pages come back a chunk at a time as it
+        prefills, `Scheduler._load_cached`, paging out as they come)."""
         return max(self.max_pages - self.chunk_pages, 0)
 
     def pages_to_admit(self, num_pages: int) -> int:

@@ -313,7 +313,7 @@ class Scheduler:
         while self.waiting and self._free_slots:
             seq = self.waiting.popleft()
             runs, names, partial = self._lookup(seq)
-            if self.bounded is not None:  # a longer hit would start over the bound: the rest is recomputed
+            if self.bounded is not None:  # a longer hit would start over the bound: the rest comes later
                 runs, partial = _first_pages(runs, partial, self.bounded.max_cached_pages)
             found = [n for run in runs if run.pages is None for n in run.names]  # held below the device
             # Reloading them also brings back the device pages after them: every token past the
@@ -413,6 +413,58 @@ class Scheduler:
             parent = run.names[-1]
         return pages, num_cached, partial
 
+    LOAD_PAGES_PER_STEP = 64  # cached pages a bounded sequence takes back per step (in chunks)
+
+    def _load_cached(self, seq: Sequence) -> int:
+        """Under bounded residency, a prompt's cached pages past the ones it was admitted with
+        (`max_cached_pages`) come back a chunk at a time instead of being recomputed, its
+        lowest-scored pages paged out to make room as for a prefill chunk: device pages are
+        shared, lower-tier ones promoted (unless the cost model says recompute, or no page is
+        free without preempting). Returns the tokens taken."""
+        ps, cache, bounded, taken = self.page_size, self.prefix_cache, self.bounded, 0
+        chunk = max(bounded.chunk_tokens // ps, 1)
+        while taken < self.LOAD_PAGES_PER_STEP * ps and seq.num_cached % ps == 0:
+            i = seq.num_cached // ps
+            if len(seq.names) != i or seq.resident.num_pages != i:  # named and paged up to its end only
+                break
+            parent = seq.names[-1] if i else None
+            names = hash_chain(seq.salt, seq.token_slice(i * ps, min(seq.num_tokens - 1, (i + chunk) * ps)), ps, parent)
+            runs = cache.runs(names)
+            if not runs:
+                break
+            run, on_device = runs[0]
+            if not on_device and (
+                self.allocator.num_free + cache.num_evictable < len(run)
+                or not cache.tiers.should_reload(run, len(run) * ps)
+            ):
+                break  # no room without preempting, or recomputing them is faster (ReloadCost)
+            try:
+                bounded.grow(seq, (i + len(run)) * ps)  # pages its lowest-scored pages out first
+            except ResidencyError:
+                break  # no room: the rest is computed chunk by chunk
+            if on_device:
+                pages = cache.match(run)
+                self.allocator.share(pages)
+            else:
+                fresh = self.allocate(len(run))
+                filled = cache.promote(run, fresh, parent)
+                self.allocator.free(fresh[filled:])
+                pages = fresh[:filled]
+            if not pages:
+                break
+            seq.pages.extend(pages)
+            bounded.grew(seq, len(pages))
+            self.set_row(seq)
+            seq.names.extend(run[: len(pages)])
+            seq.num_cached += len(pages) * ps
+            taken += len(pages) * ps
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt += len(pages) * ps
+                self.num_prefix_hits += len(pages) * ps
+            if len(pages) < len(run):
+                break
+        return taken
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.release(seq)  # not finished: its partial page is not kept
@@ -474,6 +526,10 @@ class Scheduler:
                 decode.append((seq, seq.token_slice(seq.num_cached, seq.num_tokens)))
                 budget -= 1 + extra
         for seq in [s for s in self.running if s.prefilling]:
+            if seq.resident is not None and self.prefix_cache is not None:
+                self._load_cached(seq)  # cached pages past its start come back instead of being recomputed
+                if seq not in self.running or not seq.prefilling:
+                    continue
             n = min(seq.num_pending, self.max_prefill_chunk, budget)
             if seq.resident is not None:
                 n = min(n, self.bounded.chunk_tokens)

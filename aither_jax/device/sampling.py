@@ -13,6 +13,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 
 
+def _number(x) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, in the vocabulary vLLM users know.
@@ -44,9 +49,9 @@ class SamplingParams:
         """Raises ValueError naming the first bad field and what is allowed."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= 100.0:
+        if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}")
@@ -56,6 +61,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.stop is not None and not isinstance(self.stop, str | list | tuple):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")

@@ -250,19 +250,27 @@ def test_a_page_that_cannot_be_placed_fails_its_request_and_the_engine_goes_on(m
     assert engine.scheduler.allocator.num_used == 0  # every page came back
 
 
-def test_a_cached_prompt_longer_than_the_bound_is_admitted_within_it(monkeypatch):
+def test_a_cached_prompt_longer_than_the_bound_is_admitted_within_it_and_the_rest_comes_back(monkeypatch):
     """A prompt seen before whose cached pages (on the device and in the host tier) outnumber
-    the bound starts on its first pages only, leaving a prefill chunk's room; the rest is
-    recomputed, paged out as it goes (it started over the bound, and failed the engine with
-    OutOfPagesError where the pool could not hold every promoted page)."""
-    llm = _bounded(384, num_pages=41, enable_prefix_caching=True, kv_offloading_size=0.02)
-    bounded = llm.engine.bounded
-    admitted = []
-    admit = bounded.admit
+    the bound starts on its first pages only, leaving a prefill chunk's room (it started over
+    the bound, and failed the engine with OutOfPagesError where the pool could not hold every
+    promoted page); the rest of its cached pages come back chunk by chunk, paging the
+    lowest-scored out, instead of being recomputed. With the window scorer both runs end on
+    the same resident pages, so the tokens are the same."""
+    llm = _bounded(384, num_pages=41, enable_prefix_caching=True, kv_offloading_size=0.02, residency_scorer="window")
+    bounded, sched = llm.engine.bounded, llm.engine.scheduler
+    admitted, computed = [], []
+    admit, compute = bounded.admit, sched.computed
     monkeypatch.setattr(bounded, "admit", lambda seq: (admitted.append(len(seq.pages)), admit(seq)))
+    monkeypatch.setattr(sched, "computed", lambda seq, n: (computed.append(n), compute(seq, n)))
     ids, params = _ids(600, seed=6), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate([ids], params)
+    first = llm.generate([ids], params)[0]
+    assert sum(computed) == 600 + 7 and first.num_cached_tokens == 0
+    computed.clear()
+    host_hits = llm.engine.tiers.counters.num_host_hits
     again = llm.generate([ids], params)[0]
-    assert len(llm.engine.tiers._host) > 0  # some of its pages came from the host tier's reach
-    assert again.num_cached_tokens == bounded.max_cached_pages * bounded.page_size > 0
     assert max(admitted) <= bounded.max_pages
+    assert again.num_cached_tokens == 599 // 16 * 16 > bounded.max_cached_pages * bounded.page_size
+    assert sum(computed) == 600 - again.num_cached_tokens + 7  # the partial last page and the answer
+    assert llm.engine.tiers.counters.num_host_hits > host_hits  # some came back from the host tier
+    assert again.token_ids == first.token_ids

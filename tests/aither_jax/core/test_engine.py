@@ -170,6 +170,7 @@ def test_max_tokens_clipped_to_context(tiny_f32):
         ([[5, 10**9]], GREEDY, "out of range"),
         ([list(range(100, 740))], GREEDY, "maximum context length is 640"),
         ([[1.5]], GREEDY, "string or a list of token ids"),
+        (["a"], {"max_tokens": 3}, "sampling_params must be a SamplingParams"),
     ],
 )
 def test_bad_generate_inputs(tiny_f32, prompt, params, match):
@@ -216,6 +217,8 @@ def test_a_flat_list_of_token_ids_is_one_prompt(tiny_f32):
     params = aj.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     (one,) = tiny_f32.generate(ids, params)
     assert one.prompt_token_ids == ids and one.token_ids == tiny_f32.generate([ids], params)[0].token_ids
+    rows = tiny_f32.generate(np.array([ids, ids], np.int32), params)  # a NumPy array: a row per prompt
+    assert [r.token_ids for r in rows] == [one.token_ids] * 2
 
 
 def test_default_dtype_is_float32_on_cpu_bfloat16_elsewhere():

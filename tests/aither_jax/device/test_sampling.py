@@ -284,6 +284,10 @@ def test_draws_hold_under_last_bits_of_the_logits():
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "ab"}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": True}, "top_p"),
+        ({"stop": 5}, "stop must be a string"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
