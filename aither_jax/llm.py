@@ -49,6 +49,18 @@ def _arguments_named(names: dict[str, str]):
         raise ValueError(message) from None
 
 
+def as_prompt_list(prompts):
+    """`generate`'s prompts as a list: one prompt (text, a `Prompt`, token ids, a 1-D NumPy
+    array of ids) becomes a list of one; a 2-D NumPy array, a row per prompt."""
+    if isinstance(prompts, np.ndarray) and prompts.ndim in (1, 2) and np.issubdtype(prompts.dtype, np.integer):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str | Prompt) or (
+        isinstance(prompts, Sequence) and prompts and all(isinstance(t, int | np.integer) for t in prompts)
+    ):
+        return [prompts]
+    return prompts
+
+
 def resolve_dtype(dtype: str) -> str:
     """ "auto" -> float32 on CPU (bfloat16 is faster only on CPUs with bf16 instructions), bfloat16 elsewhere."""
     if dtype != "auto":
@@ -307,12 +319,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Completes each prompt (text, a list of token ids, or a `Prompt`, such as a `Context`
         assembles); outputs keep the input order."""
-        if isinstance(prompts, np.ndarray) and prompts.ndim in (1, 2) and np.issubdtype(prompts.dtype, np.integer):
-            prompts = prompts.tolist()  # one prompt of ids, or a row per prompt
-        if isinstance(prompts, str | Prompt) or (
-            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int | np.integer) for t in prompts)
-        ):
-            prompts = [prompts]  # one prompt: text, an assembled Prompt, or token ids
+        prompts = as_prompt_list(prompts)
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
         assembled = []

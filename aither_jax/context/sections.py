@@ -252,7 +252,7 @@ class Context:
         rendered after `before`, and how it was cut. `lead`: messages a cut must start with
         where it does not start with a system message (`_lead`)."""
         messages = section.messages()
-        if size <= budget:
+        if size <= budget or section.truncate == "never":  # never cut (the budgets' total is checked after)
             return messages, None
 
         def led(cut: list[dict]) -> list[dict]:
@@ -375,11 +375,18 @@ class Context:
         starts = [0, *ends[:-1]]
         laid_out = zip(sections[num_stable:], budgets, starts[num_stable:], ends[num_stable:], strict=True)
         for s, b, start, stop in laid_out:
-            if stop - start > b:  # the template wrote a section longer than it measured
+            if stop - start > b and s.truncate != "never":  # the template wrote a section longer than it measured
                 raise ContextError(
                     f"section {s.tag!r}: the chat template writes it in {stop - start} tokens after the cuts before "
                     f"it, over its budget of {b}: give the sections before it room, or it a larger budget"
                 )
+        if ends[-1] - stable_tokens > downstream:  # a 'never' section written longer after the cuts before it
+            raise ContextError(
+                f"after the cuts the chat template writes the sections after the stable prefix in "
+                f"{ends[-1] - stable_tokens} tokens, over the {downstream} the budgets leave (a template adds text of "
+                "its own where a leading section was dropped): give the sections that may be cut room, or the "
+                "context larger budgets"
+            )
         if len(ids) > self.context_budget:
             raise ContextError(
                 f"the assembled prompt is {len(ids)} tokens, over the context budget of {self.context_budget}: "
@@ -503,7 +510,7 @@ def sections_from_messages(messages: Sequence[dict]) -> tuple[list[Section], boo
         fields = {f: spec[f] for f in SECTION_FIELDS[1:] if f in spec}
         if k <= last_break:
             fields["stable"] = True
-        if len(group) == 1:
+        if len(group) == 1 and group[0]["content"]:  # an empty message is a turn too: kept as a list
             role = group[0]["role"]
             if "tag" not in spec:  # an untagged message: its pages are known by its role
                 fields = {"importance": ROLE_IMPORTANCE[role], **fields, "source": role}

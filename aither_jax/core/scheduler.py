@@ -435,7 +435,7 @@ class Scheduler:
             run, on_device = runs[0]
             if not on_device and (
                 self.allocator.num_free + cache.num_evictable < len(run)
-                or not cache.tiers.should_reload(run, len(run) * ps)
+                or not cache.tiers.should_reload(run, len(run) * ps, count=False)
             ):
                 break  # no room without preempting, or recomputing them is faster (ReloadCost)
             try:
@@ -445,17 +445,22 @@ class Scheduler:
             if on_device:
                 pages = cache.match(run)
                 self.allocator.share(pages)
+                cache.used(pages, admission=False)
             else:
+                cache.tiers.should_reload(run, len(run) * ps)  # the decision, counted
                 fresh = self.allocate(len(run))
                 filled = cache.promote(run, fresh, parent)
                 self.allocator.free(fresh[filled:])
                 pages = fresh[:filled]
+                if self.policy.graph is not None:
+                    self.promoted.extend(run[:filled])
             if not pages:
                 break
             seq.pages.extend(pages)
             bounded.grew(seq, len(pages))
             self.set_row(seq)
             seq.names.extend(run[: len(pages)])
+            seq.fork = seq.names[-1]  # the first page it computes follows the last it took back
             seq.num_cached += len(pages) * ps
             taken += len(pages) * ps
             if seq.num_preemptions == 0:

@@ -23,7 +23,6 @@ from typing import TypeVar
 
 import jax
 
-from aither_jax.context.prompt import Prompt
 from aither_jax.fleet.balloon import Move, PoolState, next_move, pool_state, stamped
 from aither_jax.fleet.planner import (
     ACTIVATION_WIDTHS,
@@ -35,7 +34,7 @@ from aither_jax.fleet.planner import (
 )
 from aither_jax.fleet.router import Route, Router
 from aither_jax.kv.tiers import DEFAULT_DISK_GIB, GIB
-from aither_jax.llm import LLM, RequestOutput, resolve_dtype
+from aither_jax.llm import LLM, RequestOutput, as_prompt_list, resolve_dtype
 from aither_jax.speculative.config import SpeculativeConfig
 from models.kv_cache import init_cache
 from models.kv_spec import parse_kv_spec
@@ -441,8 +440,7 @@ class Fleet:
     ):
         """`LLM.generate` on the named model, or routed by each prompt's effort (or the
         `reasoning_effort` given)."""
-        if isinstance(prompts, str | Prompt) or (prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]  # one prompt: text, an assembled Prompt, or token ids
+        prompts = as_prompt_list(prompts)
         if model == "auto" and any(not isinstance(p, str) for p in prompts):
             raise ValueError(
                 "model='auto' routes text prompts; token ids and assembled Prompts are one model's tokens: "

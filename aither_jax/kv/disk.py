@@ -101,9 +101,15 @@ class DiskStore:
             raise DiskStoreError(f"KV cache directory {str(self.root)!r} is not writable")
         try:
             self._lock_fd = os.open(self.dir / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # waits while another store clears it as stale
         except OSError as e:
             raise DiskStoreError(f"KV cache directory {str(self.root)!r} cannot be locked: {e.strerror}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # waits while another store clears it as stale
+        except OSError as e:  # a filesystem without locks: this process's stores still know it is open
+            log.warning("KV disk tier %s: cannot lock (%s); other processes may take its files for stale", self.dir, e)
+        with _OPEN_LOCK:
+            key = os.path.realpath(self.dir)
+            _OPEN[key] = _OPEN.get(key, 0) + 1
         self.fingerprint = fingerprint
         self.page_bytes = page_bytes
         self.capacity = capacity
@@ -177,29 +183,41 @@ class DiskStore:
         self._stale_bytes = sum(n for _, _, n in self._stale)
 
     def _drop_stale(self, num_bytes: int) -> None:
-        """Removes the oldest stale files until `num_bytes` are freed or none is left; a
-        directory a store holds open is live, and its files leave the list instead."""
-        live: set[pathlib.Path] = set()
+        """Takes the oldest stale files off the list until `num_bytes` are freed or none is
+        left, and removes them (on the I/O thread in the background), a directory at a time
+        under its exclusive lock; a directory a store holds open is live, and its files stay."""
+        batch: dict[pathlib.Path, list[pathlib.Path]] = {}
         while num_bytes > 0 and self._stale:
             directory, path, size = self._stale.popleft()
             self._stale_bytes -= size
-            if directory in live:
-                continue
+            batch.setdefault(directory, []).append(path)
+            num_bytes -= size
+        if not batch:
+            return
+        if not self.counters.num_stale_removed:
+            log.info(
+                "KV disk tier %s: removing page files of configurations no store has open (oldest first) to stay "
+                "within %d pages", self.dir.parent, self.capacity,
+            )  # fmt: skip
+        if self._io is not None:
+            self._io.submit(self._remove_stale, batch)
+        else:
+            self._remove_stale(batch)
+
+    def _remove_stale(self, batch: dict[pathlib.Path, list[pathlib.Path]]) -> None:
+        live = []
+        for directory, paths in batch.items():
             with _exclusive(directory) as free:
                 if not free:
-                    live.add(directory)
+                    live.append(directory)
                     continue
-                if _remove(path):
-                    if not self.counters.num_stale_removed:
-                        log.info(
-                            "KV disk tier %s: removing page files of configurations no store has open (oldest first)"
-                            " to stay within %d pages", self.dir.parent, self.capacity,
-                        )  # fmt: skip
-                    self.counters.num_stale_removed += 1
-                    num_bytes -= size
-        if live:
-            kept = [f for f in self._stale if f[0] not in live]
-            self._stale, self._stale_bytes = collections.deque(kept), sum(n for _, _, n in kept)
+                removed = sum(_remove(path) for path in paths)
+            with self._lock:
+                self.counters.num_stale_removed += removed
+        if live:  # opened meanwhile: none of its files is stale any more
+            with self._lock:
+                kept = [f for f in self._stale if f[0] not in live]
+                self._stale, self._stale_bytes = collections.deque(kept), sum(n for _, _, n in kept)
 
     def _remove_flat_layout(self) -> None:
         flat = [p for p in self.dir.parent.iterdir() if p.suffix == SUFFIX or p.name.startswith(".tmp")]
@@ -381,6 +399,11 @@ class DiskStore:
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             os.close(fd)  # releases the lock
+            with _OPEN_LOCK:
+                key = os.path.realpath(self.dir)
+                _OPEN[key] -= 1
+                if not _OPEN[key]:
+                    del _OPEN[key]
 
     def __del__(self):
         try:
@@ -469,10 +492,22 @@ def _touch_file(path: pathlib.Path) -> None:
         os.utime(path)
 
 
+# The directories this process's stores hold open, with how many hold each: where locks are
+# per process (flock emulated by POSIX locks, on NFS) a store could otherwise lock another's
+# directory of the same process, and closing that lock file would drop the other's lock.
+_OPEN: dict[str, int] = {}  # by real path
+_OPEN_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _exclusive(directory: pathlib.Path):
     """Yields whether an exclusive lock on `directory` was had without waiting (no store
     holds it open); held until the block ends."""
+    with _OPEN_LOCK:
+        mine = os.path.realpath(directory) in _OPEN
+    if mine:
+        yield False
+        return
     try:
         fd = os.open(directory / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
     except OSError:

@@ -138,7 +138,7 @@ class PrefixCache:
     REUSE_SMOOTHING = 0.5  # weight of the newest idle gap in a page's `reuse_interval`
     GHOSTS_PER_PAGE = 4  # names of pages gone from the device remembered, per page of the pool
 
-    def used(self, pages: Sequence[int], names: Sequence[bytes] = ()) -> None:
+    def used(self, pages: Sequence[int], names: Sequence[bytes] = (), *, admission: bool = True) -> None:
         """A request was admitted on the cached device `pages`, for the chain `names`: each
         page's idle gap since its last use (`Block.used_at`) joins its moving `reuse_interval`,
         the advisor's estimate of when the page will be wanted again. The request's own gap,
@@ -146,7 +146,8 @@ class PrefixCache:
         after it left), goes to the policy (`reused`): the gap after which a conversation
         comes back, or a prompt's prefix is asked for again. Each page counts a hit. Called
         once per admission (a lookup can repeat while a request waits, so `match` neither
-        measures gaps nor counts hits)."""
+        measures gaps nor counts hits); `admission=False` for pages a running request takes
+        later (bounded residency's `_load_cached`): their hits and gaps only."""
         now, a, last = self.clock(), self.REUSE_SMOOTHING, {}
         for page in pages:
             block = self.blocks[page]
@@ -157,6 +158,8 @@ class PrefixCache:
                 if block.name is not None:
                     last[block.name] = (gap, block)
             block.used_at = now
+        if not admission:
+            return
         # The deepest page reused tells a conversation coming back (its chain's end, or a page
         # it diverges at) from a new one under a shared prompt (a page two chains continued, a
         # protected page).
@@ -336,7 +339,8 @@ class PrefixCache:
             leaving = {b.page for b in victims}
             self.policy.demoted(demoted, lambda name: name in self._full and self._full[name] not in leaving)
             self.tiers.demote([(b.name, b.parent, b.page, b.metadata()) for b in demoted])
-            self.policy.forgotten([n for n in self.tiers.take_lost() if n not in self._full])
+            lost = self.tiers.take_lost()  # the victims themselves included (a batch over the host pool)
+            self.policy.forgotten([n for n in lost if n not in self._full or self._full[n] in leaving])
         else:
             self.policy.forgotten([b.name for b in victims if b.name is not None])
         for block in victims:

@@ -286,3 +286,32 @@ def test_malformed_messages_and_sections_are_context_errors(tok, messages, match
         sections_from_messages(messages)
     with pytest.raises(ContextError, match="section 0 must be a Section"):
         Context(tok, context_budget=100).assemble([{"tag": "a", "content": "x"}])
+
+
+def test_a_never_section_written_longer_after_a_dropped_one_is_refused_not_cut(tok):
+    # SmolLM2's template writes its default system prompt before a conversation that starts
+    # without one: dropping the history moves it onto the question, which may not be cut.
+    history = [{"role": r, "content": f"Turn {i} about the tides."} for i in range(4) for r in ("user", "assistant")]
+    question = "When is high water at the northern harbour tomorrow?"
+    sections = [
+        Section("history", history, truncate="drop", importance=0.1),
+        Section("q", question, role="user", truncate="never"),
+    ]
+    for budget in range(30, 120, 5):
+        try:
+            prompt = Context(tok, context_budget=budget).assemble(sections)
+        except ContextError as e:
+            assert "budget" in str(e)
+            continue
+        assert question in tok.decode(prompt.ids) and prompt.report.num_tokens <= budget
+
+
+def test_an_empty_assistant_turn_is_kept(tok):
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": ""},  # a turn of tool calls, replayed without text
+        {"role": "user", "content": "Thanks", "section": {"tag": "q"}},
+    ]
+    sections, _ = sections_from_messages(messages)
+    text = tok.decode(Context(tok, context_budget=200).assemble(sections).ids, skip_special_tokens=False)
+    assert "<|im_start|>assistant\n<|im_end|>" in text

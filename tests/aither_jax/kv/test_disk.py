@@ -271,3 +271,33 @@ def test_a_touched_page_keeps_its_place_across_a_restart(tmp_path, background):
     again = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=3)
     again.write(name(9), None, payload(name(9)))
     assert name(0) in again and name(1) not in again
+
+
+def test_stores_of_one_process_keep_each_others_pages_where_locks_are_per_process(tmp_path, monkeypatch):
+    # On NFS flock is emulated by POSIX locks, which a process holds once: another store of the
+    # same process would get its exclusive lock. A model's store must still see the other's
+    # directory as open.
+    monkeypatch.setattr(disk_module.fcntl, "flock", lambda fd, op: None)  # every lock granted
+    first = DiskStore(tmp_path, fingerprint="a", page_bytes=PAGE_BYTES, capacity=2)
+    second = DiskStore(tmp_path, fingerprint="b", page_bytes=PAGE_BYTES, capacity=2)
+    second.write(name(0), None, payload(name(0)))
+    first.close()
+    first = DiskStore(tmp_path, fingerprint="a", page_bytes=PAGE_BYTES, capacity=2)
+    for i in range(10, 14):
+        first.write(name(i), None, payload(name(i)))
+    assert second.read(name(0)) == payload(name(0)) and first.counters.num_stale_removed == 0
+    second.close()  # now stale to a store opened after
+    third = DiskStore(tmp_path, fingerprint="c", page_bytes=PAGE_BYTES, capacity=2)
+    for i in range(20, 24):
+        third.write(name(i), None, payload(name(i)))
+    assert not second._path(name(0)).exists()
+
+
+def test_a_filesystem_without_locks_still_opens(tmp_path, monkeypatch, caplog):
+    def refuse(fd, op):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(disk_module.fcntl, "flock", refuse)
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=2)
+    store.write(name(0), None, payload(name(0)))
+    assert store.read(name(0)) == payload(name(0)) and "cannot lock" in caplog.text

@@ -374,3 +374,19 @@ def test_pages_dropped_from_the_lowest_tier_leave_the_advisors_graph(disk, tmp_p
         below.sync()
     cache.evict_pages([pages[6]])
     assert policy.graph.weight(kept[-1], names[6], EdgeType.TEMPORAL) > 0
+
+
+def test_pages_one_eviction_sends_past_the_host_pool_leave_the_advisors_graph():
+    store = store_for("smollm2-135m", "bf16", np.random.default_rng(8))
+    policy = AdvisorPolicy(max_protected_pages=0)
+    cache = chain_cache(store, host_pages=2, num_pages=8, policy=policy)
+    names = hash_chain(b"salt", list(range(4 * 5)), PAGE)
+    pages = cache.allocator.allocate(5)
+    for i, (name, page) in enumerate(zip(names, pages, strict=True)):
+        cache.insert(name, page, names[i - 1] if i else None)
+        if i:
+            policy.graph.add(names[i - 1], name, EdgeType.TEMPORAL)
+    cache.allocator.free(pages)
+    assert cache.evict_pages(pages) == 5  # one batch: three go straight past the two host slots
+    gone = [n for n in names if not cache.tiers.holds(n)]
+    assert len(gone) == 3 and all(policy.graph.neighbours(n) == [] for n in gone)
