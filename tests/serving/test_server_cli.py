@@ -109,7 +109,7 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--kv-low-watermark", "1.5"], "--kv-low-watermark must be in [0, 1]"),
         (
             ["--kv-offloading-size", "1", "--kv-high-watermark", "0.3", "--kv-low-watermark", "0.5"],
-            "low_watermark (0.5) must not exceed high_watermark (0.3)",
+            "kv_low_watermark (0.5) must not exceed kv_high_watermark (0.3)",
         ),
         (["--eviction-policy", "graph"], "invalid choice: 'graph'"),
         (["--max-protected-fraction", "2"], "--max-protected-fraction must be in [0, 1]"),
