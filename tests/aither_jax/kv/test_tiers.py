@@ -340,6 +340,18 @@ def test_a_resize_through_host_memory_that_fails_puts_the_old_pools_back(fail_at
     assert page_bytes(store, kept) == before and store.num_usable_pages == num_pages - 1
 
 
+def linked_chain(cache, policy, n: int) -> tuple[list[bytes], list[int]]:
+    """A chain of `n` idle cached pages, each TEMPORAL-linked to the next in the advisor's graph."""
+    names = hash_chain(b"salt", list(range(PAGE * n)), PAGE)
+    pages = cache.allocator.allocate(n)
+    for i, (name, page) in enumerate(zip(names, pages, strict=True)):
+        cache.insert(name, page, names[i - 1] if i else None)
+        if i:
+            policy.graph.add(names[i - 1], name, EdgeType.TEMPORAL)
+    cache.allocator.free(pages)
+    return names, pages
+
+
 @pytest.mark.parametrize("disk", [False, True])
 def test_pages_dropped_from_the_lowest_tier_leave_the_advisors_graph(disk, tmp_path):
     # Host pool of 2 (and a disk of 2): of six pages evicted one by one, the first two leave
@@ -349,13 +361,7 @@ def test_pages_dropped_from_the_lowest_tier_leave_the_advisors_graph(disk, tmp_p
     below = DiskStore(tmp_path, fingerprint="f", page_bytes=store.page_bytes, capacity=2) if disk else None
     policy = AdvisorPolicy(max_protected_pages=0)
     cache = chain_cache(store, host_pages=2, disk=below, num_pages=8, policy=policy)
-    names = hash_chain(b"salt", list(range(4 * 7)), PAGE)
-    pages = cache.allocator.allocate(7)
-    for i, (name, page) in enumerate(zip(names, pages, strict=True)):
-        cache.insert(name, page, names[i - 1] if i else None)
-        if i:
-            policy.graph.add(names[i - 1], name, EdgeType.TEMPORAL)
-    cache.allocator.free(pages)
+    names, pages = linked_chain(cache, policy, 7)
     held = 4 if disk else 2
     for i in range(6):
         assert cache.evict_pages([pages[i]]) == 1
@@ -380,13 +386,7 @@ def test_pages_one_eviction_sends_past_the_host_pool_leave_the_advisors_graph():
     store = store_for("smollm2-135m", "bf16", np.random.default_rng(8))
     policy = AdvisorPolicy(max_protected_pages=0)
     cache = chain_cache(store, host_pages=2, num_pages=8, policy=policy)
-    names = hash_chain(b"salt", list(range(4 * 5)), PAGE)
-    pages = cache.allocator.allocate(5)
-    for i, (name, page) in enumerate(zip(names, pages, strict=True)):
-        cache.insert(name, page, names[i - 1] if i else None)
-        if i:
-            policy.graph.add(names[i - 1], name, EdgeType.TEMPORAL)
-    cache.allocator.free(pages)
+    names, pages = linked_chain(cache, policy, 5)
     assert cache.evict_pages(pages) == 5  # one batch: three go straight past the two host slots
     gone = [n for n in names if not cache.tiers.holds(n)]
     assert len(gone) == 3 and all(policy.graph.neighbours(n) == [] for n in gone)
