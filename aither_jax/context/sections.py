@@ -366,8 +366,8 @@ class Context:
         how: list[str | None] = [None] * num_stable
         for k, (s, b, size) in enumerate(zip(sections[num_stable:], budgets, sizes[num_stable:], strict=True)):
             before = [m for part in parts for m in part]
-            if before != [m for t in sections[: num_stable + k] for m in t.messages()]:
-                size = self._size(s.messages(), before)  # after cut sections it may render otherwise
+            if any(how):  # after a cut section it may render otherwise
+                size = self._size(s.messages(), before)
             messages, cut = self._cut(s, b, before, size, lead if num_stable + k == 0 else [])
             parts.append(messages)
             how.append(cut)

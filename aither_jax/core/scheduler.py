@@ -400,27 +400,36 @@ class Scheduler:
             if run.pages is not None:
                 pages += run.pages
             else:
-                fresh = self.allocate(len(run.names))
-                n = self.prefix_cache.promote(run.names, fresh, parent)
-                if self.policy.graph is not None:
-                    self.promoted.extend(run.names[:n])
-                pages += fresh[:n]
-                if n < len(run.names):
-                    self.allocator.free(fresh[n:] + [p for later in runs[i + 1 :] if later.pages for p in later.pages])
+                filled = self._promote_run(run.names, parent)
+                pages += filled
+                if len(filled) < len(run.names):
+                    self.allocator.free([p for later in runs[i + 1 :] if later.pages for p in later.pages])
                     if partial:
                         self.allocator.free([partial[0]])
                     return pages, len(pages) * self.page_size, None
             parent = run.names[-1]
         return pages, num_cached, partial
 
+    def _promote_run(self, names: list[bytes], parent: bytes | None) -> list[int]:
+        """Fresh device pages filled from the tiers with the lower-tier run `names` (following
+        `parent`), up to the first that cannot be read back (the rest are given back); the
+        advisor's prefetch later looks at their graph neighbours."""
+        fresh = self.allocate(len(names))
+        n = self.prefix_cache.promote(names, fresh, parent)
+        if n < len(names):
+            self.allocator.free(fresh[n:])
+        if self.policy.graph is not None:
+            self.promoted.extend(names[:n])
+        return fresh[:n]
+
     LOAD_PAGES_PER_STEP = 64  # cached pages a bounded sequence takes back per step (in chunks)
 
-    def _load_cached(self, seq: Sequence) -> int:
+    def _load_cached(self, seq: Sequence) -> None:
         """Under bounded residency, a prompt's cached pages past the ones it was admitted with
         (`max_cached_pages`) come back a chunk at a time instead of being recomputed, its
         lowest-scored pages paged out to make room as for a prefill chunk: device pages are
         shared, lower-tier ones promoted (unless the cost model says recompute, or no page is
-        free without preempting). Returns the tokens taken."""
+        free without preempting)."""
         ps, cache, bounded, taken = self.page_size, self.prefix_cache, self.bounded, 0
         chunk = max(bounded.chunk_tokens // ps, 1)
         while taken < self.LOAD_PAGES_PER_STEP * ps and seq.num_cached % ps == 0:
@@ -448,12 +457,7 @@ class Scheduler:
                 cache.used(pages, admission=False)
             else:
                 cache.tiers.should_reload(run, len(run) * ps)  # the decision, counted
-                fresh = self.allocate(len(run))
-                filled = cache.promote(run, fresh, parent)
-                self.allocator.free(fresh[filled:])
-                pages = fresh[:filled]
-                if self.policy.graph is not None:
-                    self.promoted.extend(run[:filled])
+                pages = self._promote_run(run, parent)
             if not pages:
                 break
             seq.pages.extend(pages)
@@ -468,7 +472,6 @@ class Scheduler:
                 self.num_prefix_hits += len(pages) * ps
             if len(pages) < len(run):
                 break
-        return taken
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -533,7 +536,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.prefilling]:
             if seq.resident is not None and self.prefix_cache is not None:
                 self._load_cached(seq)  # cached pages past its start come back instead of being recomputed
-                if seq not in self.running or not seq.prefilling:
+                if not seq.prefilling:
                     continue
             n = min(seq.num_pending, self.max_prefill_chunk, budget)
             if seq.resident is not None:
