@@ -101,10 +101,30 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (any tier)
     time_to_first_token: float | None = None  # seconds from being queued to the first token
     model: str | None = None  # the model that served it (set by `aj.Fleet`)
+    # With SamplingParams(logprobs=k): per generated token, {token id: log-probability} of the
+    # token itself (first) and of the k most likely tokens at its position, most likely first.
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the generated tokens' log-probabilities (with `logprobs` requested)."""
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[t] for t, lp in zip(self.token_ids, self.logprobs, strict=True)))
+
+
+def output_logprobs(seq) -> list[dict[int, float]] | None:
+    """RequestOutput.logprobs from what the engine recorded for `seq` (None if not asked)."""
+    if seq.num_logprobs is None:
+        return None
+    return [
+        {token: own} | {t: lp for t, lp in top if t != token}
+        for token, (own, top) in zip(seq.output_ids, seq.logprobs, strict=True)
+    ]
 
 
 class LLM:
@@ -414,6 +434,7 @@ class LLM:
                 s.num_spec_steps,
                 s.num_cached_prompt,
                 None if s.first_token_time is None else s.first_token_time - s.arrival_time,
+                logprobs=output_logprobs(s),
             )
             for p, s in zip(prompts, seqs, strict=True)
         ]

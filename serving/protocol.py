@@ -13,11 +13,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from aither_jax.device.sampling import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from aither_jax.device.sampling import MAX_LOGPROBS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
 
 MAX_N = 8
 MAX_CHOICES = 16  # prompts x n in one request
-MAX_LOGPROBS = 20
 MAX_MESSAGES = 512
 MAX_PROMPT_TOKEN_LIST = 1 << 17
 

@@ -321,7 +321,7 @@ class Engine:
                 pin replaces the owner's earlier one, and a prefix the owner holds pinned is
                 not pinned again (`Scheduler.pin`).
             num_logprobs: None for no log-probabilities, else how many top alternatives to
-                record beside each sampled token's.
+                record beside each sampled token's (default: `params.logprobs`).
         """
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:
@@ -352,7 +352,7 @@ class Engine:
             salt=salt,
             pin_tokens=min(int(pin_tokens), len(prompt_ids)),
             pin_key=pin_key,
-            num_logprobs=num_logprobs,
+            num_logprobs=params.logprobs if num_logprobs is None else num_logprobs,
             sections=tuple(sections),
         )
         if self.bounded is not None:

@@ -11,6 +11,7 @@ from flax import struct
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's and vLLM's default limit)
 
 
 def _number(x) -> bool:
@@ -31,6 +32,8 @@ class SamplingParams:
         stop: strings that end generation; the output text stops before them.
         stop_token_ids: extra token ids that end generation.
         ignore_eos: keep going past the model's end-of-sequence tokens.
+        logprobs: None for no log-probabilities; k (0 to MAX_LOGPROBS) to record each
+            generated token's log-probability and the k most likely tokens at its position.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -61,6 +65,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.stop is not None and not isinstance(self.stop, str | list | tuple):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list | tuple):

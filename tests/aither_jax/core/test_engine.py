@@ -221,6 +221,28 @@ def test_a_flat_list_of_token_ids_is_one_prompt(tiny_f32):
     assert [r.token_ids for r in rows] == [one.token_ids] * 2
 
 
+def test_requested_logprobs_are_the_models_log_softmax_at_each_generated_token(tiny_f32):
+    ids = list(range(100, 112))
+    params = [
+        aj.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3),
+        aj.SamplingParams(max_tokens=5, temperature=0.8, seed=4, ignore_eos=True, logprobs=0),
+        aj.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    ]
+    outs = tiny_f32.generate([ids] * 3, params, use_tqdm=False)
+    for out, p in zip(outs[:2], params[:2], strict=True):
+        assert len(out.logprobs) == len(out.token_ids) == 5
+        logits = tiny_f32.logits(ids + out.token_ids)[len(ids) - 1 : -1].astype(np.float64)
+        want = logits - logits.max(-1, keepdims=True)
+        want -= np.log(np.exp(want).sum(-1, keepdims=True))
+        for row, token, lp in zip(want, out.token_ids, out.logprobs, strict=True):
+            top = np.argsort(-row)[: p.logprobs]
+            assert list(lp)[0] == token and set(lp) == {token, *top.tolist()}
+            np.testing.assert_allclose([lp[t] for t in lp], row[list(lp)], atol=1e-4)
+        assert out.cumulative_logprob == pytest.approx(want[np.arange(5), out.token_ids].sum(), abs=1e-3)
+    assert len(outs[0].logprobs[0]) == 3  # greedy: the token is the most likely of the top 3
+    assert outs[2].logprobs is None and outs[2].cumulative_logprob is None
+
+
 def test_default_dtype_is_float32_on_cpu_bfloat16_elsewhere():
     """The library default is the CLI's "auto": XLA's CPU bfloat16 matmuls are slow."""
     import jax

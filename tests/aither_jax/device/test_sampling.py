@@ -288,6 +288,9 @@ def test_draws_hold_under_last_bits_of_the_logits():
         ({"top_p": True}, "top_p"),
         ({"stop": 5}, "stop must be a string"),
         ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
