@@ -15,9 +15,9 @@ it the engine holds cached (whole pages; `cached_tokens`, asked at each assembly
 prefill, so the budget it used flows to the downstream sections, most important first (the
 cascade). Sections are cut least important first (later sections first among equals), down
 to their minimum: `tail` keeps the start of a text, `head` keeps its end, `messages` drops
-the oldest messages in steps of `step` messages, so the kept history changes only every
-`step` messages and stays hash-identical (cache hits) in between, `drop` keeps all or
-nothing, and `never` is never cut (over its max_tokens it is refused). The stable prefix is
+the oldest messages in steps of `step` messages (and an answer whose question went), so the
+kept history changes only every `step` messages and stays hash-identical (cache hits) in
+between, `drop` keeps all or nothing, and `never` is never cut (over its max_tokens it is refused). The stable prefix is
 pinned under the Context's `pin_owner`: the engine holds one pin per owner, on the latest
 prefix computed.
 
@@ -261,15 +261,21 @@ class Context:
         if section.truncate == "drop" or budget <= 0:
             return led([]), "dropped" + ("; an empty system message holds its place" if lead else "")
         if section.truncate == "messages":
+
+            def start(steps: int) -> int:  # an answer whose question is dropped goes with it
+                drop = min(len(messages), steps * section.step)
+                answer = 0 < drop < len(messages) and messages[drop]["role"] == "assistant"
+                return drop + (answer and messages[drop - 1]["role"] == "user")
+
             # The fewest whole steps of oldest messages to drop (binary search: fits is monotone).
             lo, hi = 1, -(-len(messages) // section.step)
             while lo < hi:
                 mid = (lo + hi) // 2
-                if self._size(led(messages[mid * section.step :]), before) <= budget:
+                if self._size(led(messages[start(mid) :]), before) <= budget:
                     hi = mid
                 else:
                     lo = mid + 1
-            drop = min(len(messages), lo * section.step)
+            drop = start(lo)
             return led(messages[drop:]), f"dropped {drop} oldest messages"
         # Text: cut its content's tokens (as a message's content is encoded: control-token text
         # is plain characters), keeping the template's tokens around it. A character split by

@@ -86,6 +86,24 @@ def test_the_stable_prefix_stays_identical_over_100_turns_and_history_is_cut_in_
     assert all(n % 4 == 0 for n in kept_starts)  # whole steps: the kept history moves in jumps
 
 
+def test_a_history_cut_in_odd_steps_never_starts_with_an_answer_whose_question_went(tok):
+    history = [
+        {"role": r, "content": f"{'Question' if r == 'user' else 'Answer'} {i} about the harbour tides."}
+        for i in range(10)
+        for r in ("user", "assistant")
+    ]
+    drops = set()
+    for budget in range(60, 260, 10):
+        prompt = Context(tok, context_budget=budget).assemble([Section("history", history, step=3)])
+        (history_report,) = prompt.report.sections
+        assert history_report.truncated and history_report.kept <= budget
+        drop = int(history_report.truncated.split()[1])
+        assert drop % 3 in (0, 1) and history[drop]["role"] == "user", (budget, drop)
+        assert tok.decode(prompt.ids).count("Question") == tok.decode(prompt.ids).count("Answer")
+        drops.add(drop)
+    assert any(d % 3 == 1 for d in drops)  # some cut took the orphaned answer with it
+
+
 def test_budgets_cut_the_least_important_first_down_to_their_minimum(tok):
     sections = [
         Section("identity", IDENTITY, importance=1.0, truncate="never"),
