@@ -7,7 +7,8 @@ light one.
 
 Follow-ups keep their intent. A conversation (a key the client gives: OpenAI's `user` field or
 an `X-Session-Id` header; else the hash of its leading messages, the system messages and the
-first user message, which every later turn repeats; within a `scope`, the server's tenant)
+first user message, which every later turn repeats, a first turn starting it afresh; within a
+`scope`, the server's tenant)
 remembers a high-effort turn, or a turn with tool results, for its next `carry_turns` turns:
 their effort is at least the remembered one. Past that window the remembered effort decays a
 level per turn, and only a short follow-up that refers back ("How do I get tickets for it?",
@@ -51,6 +52,7 @@ class Route:
     key: str = dataclasses.field(default="", repr=False, compare=False)
     own: int = dataclasses.field(default=0, repr=False, compare=False)
     opens_window: bool = dataclasses.field(default=False, repr=False, compare=False)
+    starts: bool = dataclasses.field(default=False, repr=False, compare=False)  # a new conversation
 
 
 @dataclasses.dataclass
@@ -99,11 +101,14 @@ class Router:
         text = text if isinstance(text, str) else ""
         key = conversation if conversation is not None else conversation_key(messages)
         key = key and f"{scope}\x00{key}"
+        # Known by its leading messages, a first turn (no answer before it) is a new
+        # conversation, whatever another that opened alike remembers.
+        starts = conversation is None and not any(m.get("role") == "assistant" for m in messages[:last_user])
         # Tool results answer this turn's request, after its user message; a later turn's
         # history still holds them, but they belong to the turn that opened the window.
         tool_turn = any(m.get("role") == "tool" for m in messages[last_user + 1 :])
         with self._lock:
-            memory = self._memory.get(key)
+            memory = None if starts else self._memory.get(key)
             if reasoning_effort is not None:
                 if reasoning_effort not in REASONING_EFFORT:
                     raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}")
@@ -119,7 +124,7 @@ class Router:
                     effort, reason = min(memory.last, memory.effort), "follow-up"  # the turn before, decayed
         model = self.heavy if effort >= self.threshold else self.light
         opens_window = own >= self.threshold or tool_turn
-        chosen = Route(model, effort, reason, detail, key=key, own=own, opens_window=opens_window)
+        chosen = Route(model, effort, reason, detail, key=key, own=own, opens_window=opens_window, starts=starts)
         if remember:
             self.remember(chosen)
         return chosen
@@ -136,7 +141,7 @@ class Router:
             self.routed[(route.model, route.effort)] += 1
             if route.key == "":
                 return
-            memory = self._memory.get(route.key) or _Memory(effort=0, turns_left=0, last=0)
+            memory = (None if route.starts else self._memory.get(route.key)) or _Memory(0, 0, 0)
             self._update(memory, route)
             self._memory[route.key] = memory
             self._memory.move_to_end(route.key)

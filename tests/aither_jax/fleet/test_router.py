@@ -141,6 +141,11 @@ def test_conversations_are_told_apart_by_their_leading_messages_or_their_key():
     assert r.route(turn(other, "ok")).model == "small"  # another conversation: nothing carried
     assert r.route(turn(research, "ok")).model == "big"
     assert conversation_key(research) == conversation_key(turn(research, "ok"))
+    greeting = [{"role": "user", "content": "Hi"}]
+    r.route(greeting)
+    assert r.route(turn(greeting, "Prove that there are infinitely many primes.")).model == "big"
+    assert r.route(greeting).model == "small"  # a first turn opening alike is a new conversation
+    assert r.route(turn(greeting, "ok")).model == "small"  # and it replaced what the other remembered
     r.route([{"role": "user", "content": RESEARCH}], conversation="session-1")
     assert r.route([{"role": "user", "content": "ok"}], conversation="session-1").model == "big"
     assert r.route([{"role": "user", "content": "ok"}], conversation="session-2").model == "small"
