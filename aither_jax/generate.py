@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="KV cache format: auto (the model's default), turboquant (its measured per-layer TurboQuant format), "
         "bf16, fp32, tq<bits>, tq-k<bits>v<bits>, "
-        "with modifiers (README)",
+        "with modifiers (docs/USAGE.md: KV cache formats)",
     )
     p.add_argument("--speculative", choices=("dflash", "ngram"), default=None, help="speculative decoding method")
     p.add_argument(

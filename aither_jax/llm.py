@@ -135,9 +135,12 @@ class LLM:
         dtype: weight and activation dtype: "auto" (the default: float32 on CPU, where
             bfloat16 is faster only on CPUs with bf16 instructions such as AMX, bfloat16
             elsewhere), "bfloat16" or "float32".
-        kv_cache_dtype: KV cache format: "auto" (the default: the model's measured TurboQuant
-            format, see models/registry.py; bf16 for unregistered GGUF files), "bf16", "fp32",
-            or a TurboQuant format such as "tq4" or "tq-k6v4" (docs/USAGE.md: KV cache formats).
+        kv_cache_dtype: KV cache format: "auto" (the default: the most compact format that keeps
+            85% of the model's greedy chat replies identical to an unquantized cache's, bf16 for
+            SmolLM2 and tq-k8v6 for Gemma-3, see models/registry.py; bf16 for unregistered GGUF
+            files), "turboquant" (the model's measured per-layer TurboQuant format), "bf16",
+            "fp32", or a TurboQuant format such as "tq4" or "tq-k6v4" (docs/USAGE.md: KV cache
+            formats).
         max_model_len: longest prompt + completion (default: the model's context length).
         max_num_seqs: sequences decoded together.
         num_pages: KV pages in the pool (default: as many as fit in 1 GiB, at most enough for

@@ -23,7 +23,7 @@ prefix computed.
 
 Every section's token span rides along with the ids (`Prompt.sections`); the scheduler writes
 each page's section tag and importance into its block record (the eviction advisor's input;
-a page spanning two sections takes the more important).
+a page spanning two sections takes the least important, core/page_records.py).
 """
 
 from __future__ import annotations

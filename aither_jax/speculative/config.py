@@ -43,7 +43,8 @@ class SpeculativeConfig:
             default until the kernels have been checked on a GPU.
         adaptive: choose the drafts of each step (0, 1, 3, 7, .. up to
             num_speculative_tokens) from measured acceptance and step times
-            (aither_jax/draft_length.py); the output does not change, only the speed.
+            (aither_jax/speculative/draft_length.py); the output does not change, only the
+            speed.
     """
 
     method: str
