@@ -376,10 +376,15 @@ def build_app(
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        text = prompts[0] if prompts and isinstance(prompts[0], str) else ""
-        served, routed = _pick(
-            body.model, lambda: router.route_text(text, reasoning_effort=body.reasoning_effort, remember=False)
-        )
+
+        def route() -> Route:  # the prompt that needs the most effort picks the model for all
+            if not all(isinstance(p, str) for p in prompts):
+                message = "model 'auto' routes text prompts; token ids are one model's tokens: name the model"
+                raise HTTPError(400, message, "model")
+            routes = [router.route_text(p, reasoning_effort=body.reasoning_effort, remember=False) for p in prompts]
+            return max(routes, key=lambda r: r.effort)
+
+        served, routed = _pick(body.model, route)
         assembled = [text_prompt(served.tokenizer, p, pin=body.pin_prefix) for p in prompts]
         jobs = _jobs(served, assembled, body, body.max_tokens)
         return await _serve(served, request, body, jobs, "text_completion", body.logprobs, chat=False, routed=routed)
@@ -394,6 +399,9 @@ def build_app(
         )  # fmt: skip
         served, routed = _pick(body.model, route)
         max_tokens = body.max_completion_tokens or body.max_tokens
+        if body.sectioned and body.pin_prefix:
+            message = "a sectioned request pins its stable sections (stable or cache_control), not with pin_prefix"
+            raise HTTPError(400, message, "pin_prefix")
         try:
             if body.sectioned:
                 prompt = _context_prompt(served, body, _salt(request, served), max_tokens)
@@ -424,13 +432,15 @@ def build_app(
             raise _as_http(e) from None
         return {"object": "unpin", "pages": pages}
 
-    def _named(name: str | None) -> ServedModel:
-        """The model a request names (None: the first); 404 for any other name."""
-        if name is None:
-            return models[0]
+    def _named(name: str | None, *, routed: bool = False) -> ServedModel:
+        """The model a request names (None: the server's default model); 404 for any other
+        name, whose message offers `auto` where the route takes it (`routed`)."""
+        if name is None and config.default_model == "auto":
+            raise HTTPError(400, "name the model: this server's default model is `auto` (routed by effort)", "model")
+        name = name if name is not None else config.default_model or models[0].name
         if name not in by_name:
             served = ", ".join(f"`{m}`" for m in by_name)
-            more = " or `auto`" if router is not None else ""
+            more = " or `auto`" if router is not None and routed else ""
             raise HTTPError(404, f"The model `{name}` does not exist; this server serves {served}{more}.", "model")
         return by_name[name]
 
@@ -447,7 +457,7 @@ def build_app(
             return served, chosen
         if name == "auto" and len(models) == 1:
             return models[0], None
-        return _named(name), None
+        return _named(name, routed=True), None
 
     def _jobs(served: ServedModel, prompts: list[Prompt], body, max_tokens: int | None) -> list[_Job]:
         """`body.n` choices of each prompt; only the first choice of a prompt takes its pin."""
@@ -460,7 +470,9 @@ def build_app(
             if not prompt_ids:
                 raise HTTPError(400, "the prompt is empty", "prompt")
             if max(prompt_ids) >= tokenizer.vocab_size:
-                raise HTTPError(400, f"prompt token ids must be below the vocabulary size {tokenizer.vocab_size}")
+                raise HTTPError(
+                    400, f"prompt token ids must be below the vocabulary size {tokenizer.vocab_size}", "prompt"
+                )
             remaining = served.max_model_len - len(prompt_ids)
             try:
                 served.engine.engine.check_prompt(len(prompt_ids), max_tokens)
@@ -698,7 +710,7 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     text = "; ".join(complaints)
     if param is None:  # a check over several fields: its message names the parameter first
         word = text.split(" ", 1)[0].rstrip(":,")
-        param = word if word in _FIELDS else None
+        param = word if word.split(".")[0] in _FIELDS else None
         return text, param
     return f"{param}: {text}", param
 

@@ -40,7 +40,7 @@ def _no_lone_surrogates(value, where: str = "body"):
             _no_lone_surrogates(v, f"{where}.{k}" if where != "body" else str(k))
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _no_lone_surrogates(v, f"{where}[{i}]")
+            _no_lone_surrogates(v, f"{where}.{i}")
     return value
 
 

@@ -248,6 +248,7 @@ def test_bad_chat_requests_get_openai_errors(server, body, status, fragment):
         ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 1}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 17}, "stop"),
+        ("/v1/completions", {"prompt": [5, 10**6]}, "prompt"),
         ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]}, "messages"),
@@ -618,6 +619,13 @@ def test_bad_sections_get_a_400_naming_the_section(server, section, fragment):
     messages = [{"role": "system", "content": "Facts.", "section": section}, {"role": "user", "content": "Hi"}]
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
     assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+
+
+def test_a_sectioned_request_pins_by_its_stable_sections_not_pin_prefix(server):
+    messages = [{"role": "system", "content": "Facts.", "section": {"tag": "facts"}}, {"role": "user", "content": "Hi"}]
+    body = {"model": MODEL, "messages": messages, "pin_prefix": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pin_prefix", r.text
 
 
 def test_budgets_that_cannot_hold_the_uncuttable_sections_get_a_400(server):

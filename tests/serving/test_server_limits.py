@@ -122,14 +122,12 @@ def test_a_lone_surrogate_is_a_400_naming_where_it_is(server):
         r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
         assert r.status_code == 400, r.text
         assert "lone UTF-16 surrogate" in r.json()["error"]["message"]
-    assert (
-        "messages[0].content"
-        in httpx.post(
-            server.url + "/v1/chat/completions",
-            content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-            headers={"Content-Type": "application/json"},
-        ).json()["error"]["message"]
-    )
+    error = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        headers={"Content-Type": "application/json"},
+    ).json()["error"]
+    assert error["message"].startswith("messages.0.content holds") and error["param"] == "messages.0.content"
 
 
 # -- overload -------------------------------------------------------------------------------

@@ -97,6 +97,17 @@ def test_auto_routes_by_effort_and_names_the_serving_model(server):
     text = httpx.get(server.url + "/metrics", timeout=30).text
     assert 'aither:routed_requests_total{effort="5",model_name="gemma3-270m",reason="reasoning_effort"} 1.0' in text
 
+    def complete(prompt) -> httpx.Response:
+        body = {"model": "auto", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+
+    light = ["hi, how are you?", "Good morning!"]
+    assert complete(light).json()["model"] == SMOL
+    heavy = complete([*light, "Prove that there are infinitely many prime numbers."])  # the most demanding decides
+    assert heavy.status_code == 200 and heavy.json()["model"] == GEMMA and len(heavy.json()["choices"]) == 3
+    r = complete([1, 2, 3])  # token ids belong to one model's vocabulary
+    assert r.status_code == 400 and "name the model" in r.json()["error"]["message"]
+
 
 def test_concurrent_requests_to_both_models(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
