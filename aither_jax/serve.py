@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=int_in("--max-num-batched-tokens", 1),
         default=None,
-        help="tokens per engine step (decode rows plus prefill chunks); default max(256, max-num-seqs)",
+        help="tokens per engine step (decode rows plus prefill chunks); "
+        "default max(--max-prefill-chunk, --max-num-seqs)",
     )
     p.add_argument("--max-prefill-chunk", type=int_in("--max-prefill-chunk", 1), default=256)
     p.add_argument(
@@ -139,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda text: text if text in ("auto", "turboquant") else kv_spec(text).name,
         default="auto",
         help="KV cache format: auto (the model's default: the most compact format that keeps its answers, bf16 for "
-        "both shipped models), turboquant (the model's measured per-layer TurboQuant format, ~3x fewer bytes), bf16, "
-        "fp32, tq<bits>, tq-k<bits>v<bits> ...",
+        "SmolLM2-135M, tq-k8v6 for Gemma-3-270M), turboquant (the model's measured per-layer TurboQuant format, "
+        "~3x fewer bytes), bf16, fp32, tq<bits>, tq-k<bits>v<bits> ...",
     )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument(
@@ -400,17 +401,25 @@ def build_server(args: argparse.Namespace):
 
     names = args.model
     own = model_options(args)
-    served_names = [
-        own[n].get("served_model_name") or (args.served_model_name if len(names) == 1 else None) or n for n in names
-    ]
+    if args.served_model_name is not None and len(names) > 1:
+        raise ValueError(
+            "--served-model-name names the one model served; with several, give each its own with "
+            '--model-options NAME=\'{"served_model_name": "ID"}\''
+        )
+    served_names = [own[n].get("served_model_name") or args.served_model_name or n for n in names]
     if len(set(served_names)) != len(served_names):
         raise ValueError(f"served model names must differ: {served_names}")
+    # --default-model and --route-heavy take a model by the id clients use or by its --model.
+    if args.default_model in names and args.default_model not in served_names:
+        args.default_model = served_names[names.index(args.default_model)]
     if args.default_model not in (None, "auto", *served_names):
         raise ValueError(f"--default-model {args.default_model!r} is not a served model ({', '.join(served_names)})")
     if args.default_model == "auto" and len(names) == 1:
         raise ValueError("--default-model auto routes between several models: give --model twice")
+    if args.route_heavy in served_names and args.route_heavy not in names:
+        args.route_heavy = names[served_names.index(args.route_heavy)]
     if args.route_heavy is not None and args.route_heavy not in names:
-        raise ValueError(f"--route-heavy {args.route_heavy!r} is not a served --model")
+        raise ValueError(f"--route-heavy {args.route_heavy!r} is not a served model ({', '.join(served_names)})")
     if args.kv_balloon and len(names) == 1:
         raise ValueError("--kv-balloon moves KV pages between models: give --model twice")
     for flag in ("kv_balloon_step", "kv_balloon_min_move"):

@@ -43,6 +43,7 @@ class ModelEntry:
     # Recommended sampling from the model's card (as vLLM applies a model's generation config):
     # what a request that leaves these fields unset gets.
     sampling: tuple[tuple[str, float], ...] = ()
+    chat_tuned: bool = True  # instruction-tuned for chat (False: a base model)
 
 
 # Per-layer TurboQuant widths with the fitted key transform: the allocator of `python -m
@@ -79,6 +80,7 @@ MODELS: dict[str, ModelEntry] = {
         turboquant_kv=GEMMA3_KV,
         assembled=True,
         sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95)),  # Gemma 3's generation config
+        chat_tuned=False,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"

@@ -343,13 +343,19 @@ class AsyncEngine:
             ("vllm:num_preemptions_total", "Sequences preempted to recompute.", lambda: sched.num_preemptions),
             (
                 "aither:xla_compilations_total",
-                "XLA compilations in this process (a load from the persistent compilation cache counts as one).",
+                "XLA compilations in this process (a load from the persistent compilation cache counts as one); "
+                "process-wide: every served model reports the same value.",
                 CompileCounter.count,
             ),
-            ("aither:xla_compile_seconds_total", "Seconds spent in those compilations.", CompileCounter.seconds),
+            (
+                "aither:xla_compile_seconds_total",
+                "Seconds spent in those compilations (process-wide).",
+                CompileCounter.seconds,
+            ),
             (
                 "aither:xla_lowering_seconds_total",
-                "Seconds spent lowering steps for XLA (with jaxlib >= 0.10.3, building the Pallas kernels too).",
+                "Seconds spent lowering steps for XLA (with jaxlib >= 0.10.3, building the Pallas kernels too; "
+                "process-wide).",
                 CompileCounter.lowering_seconds,
             ),
             (
@@ -445,7 +451,10 @@ class AsyncEngine:
         m.counter_series(
             "aither:kv_tier_moved_bytes_total",
             "KV bytes moved between the device and the tiers below it, by direction.",
-            lambda: [({"direction": "from_device"}, c.bytes_to_host), ({"direction": "to_device"}, c.bytes_to_device)],
+            lambda: [
+                ({"direction": "device_to_host"}, c.bytes_to_host),
+                ({"direction": "to_device"}, c.bytes_to_device),
+            ],
         )
         m.counter(
             "aither:kv_prefetched_pages_total",

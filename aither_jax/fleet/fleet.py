@@ -39,7 +39,7 @@ from aither_jax.speculative.config import SpeculativeConfig
 from models.kv_cache import init_cache
 from models.kv_spec import parse_kv_spec
 from models.kv_transform import load_key_transforms
-from models.registry import ModelHandle, load_model, resolve_kv_cache_dtype
+from models.registry import MODELS, ModelHandle, load_model, resolve_kv_cache_dtype
 
 BALLOON_GRID = 8  # by default a pool's balloon step is at most an eighth of its planned pool
 
@@ -267,9 +267,12 @@ class Fleet:
         if heavy is not None and heavy not in self.llms:
             raise ValueError(f"heavy model {heavy!r} is not one of {list(self.llms)}")
         params = {name: tree_params(handle.weights) for name, handle in handles.items()}
+        by_size = heavy is None
         heavy = heavy or max(params, key=params.get)  # by parameters: per-model dtypes do not decide
         light = next((m for m in self.llms if m != heavy), heavy)
         self.router = Router(light, heavy, threshold=threshold)
+        if by_size and (note := base_model_note(heavy, light)):
+            log.warning(note)
 
     @property
     def models(self) -> list[str]:
@@ -472,3 +475,15 @@ class Fleet:
                 out.model = name
                 outputs[i] = out
         return outputs
+
+
+def base_model_note(heavy: str, light: str) -> str | None:
+    """A warning for routing that sends effortful requests to a registered base model while
+    the other model is tuned for chat (the heavy model is chosen by parameters by default)."""
+    entry, other = MODELS.get(heavy), MODELS.get(light)
+    if entry is None or other is None or entry.chat_tuned or not other.chat_tuned:
+        return None
+    return (
+        f"routing by effort sends demanding requests to {heavy}, the model with more parameters, which is a base "
+        f"model not tuned for chat ({light} is); name the heavy model to choose otherwise (heavy=, --route-heavy)"
+    )

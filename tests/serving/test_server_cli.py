@@ -136,6 +136,14 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--model", "smollm2-135m", "--model", "gemma3-270m"], "several models need a memory budget"),
         (["--model", "smollm2-135m", "--model", "gemma3-270m", "--num-pages", "64"], "give each its own"),
         (
+            ["--model", "smollm2-135m", "--model", "gemma3-270m", "--memory-budget", "2", "--served-model-name", "x"],
+            "--served-model-name names the one model served; with several, give each its own",
+        ),
+        (
+            ["--model", "smollm2-135m", "--model", "gemma3-270m", "--memory-budget", "2", "--route-heavy", "llama"],
+            "--route-heavy 'llama' is not a served model (smollm2-135m, gemma3-270m)",
+        ),
+        (
             ["--model", "smollm2-135m", "--model", "gemma3-270m", "--memory-budget", "0.1", "--kv-cache-dtype", "fp32"],
             "does not hold the weights of smollm2-135m",
         ),
@@ -172,6 +180,25 @@ def test_the_balloon_flags_reach_the_fleet(monkeypatch):
         {"balloon": True, "balloon_step": 12, "min_move_pages": 5},
         {"balloon": True, "balloon_step": None, "min_move_pages": None},
     ]
+
+
+def test_route_heavy_and_default_model_take_a_model_by_its_served_name_or_its_model_flag(monkeypatch, capsys):
+    import aither_jax.fleet.fleet as fleet_module
+
+    heavy = []
+
+    def fleet(models, **kwargs):
+        heavy.append(kwargs["heavy"])
+        raise ValueError("stopped before loading the models")
+
+    monkeypatch.setattr(fleet_module, "Fleet", fleet)
+    monkeypatch.delenv("AITHER_API_KEY", raising=False)
+    two = ["--model", "smollm2-135m", "--model", "gemma3-270m", "--memory-budget", "2"]
+    named = ["--model-options", 'gemma3-270m={"served_model_name": "big"}']
+    for pick in (["--route-heavy", "big"], ["--route-heavy", "gemma3-270m"], ["--default-model", "gemma3-270m"]):
+        assert serve.main([*two, *named, *pick]) == 2
+        assert "stopped before loading the models" in capsys.readouterr().err, pick
+    assert heavy == ["gemma3-270m", "gemma3-270m", None]
 
 
 def test_api_keys_from_the_environment(monkeypatch):
@@ -386,6 +413,18 @@ def test_health_names_a_dead_engine_and_the_other_model_keeps_serving(monkeypatc
         assert metrics.count("# TYPE vllm:num_requests_running gauge") == 1
         assert 'vllm:num_requests_running{model_name="a"}' in metrics
         assert 'vllm:num_requests_running{model_name="b"}' in metrics
+        # Routes that take one model: `auto` is not offered, and a request naming none goes to
+        # the server's default model (`b` here: caching off, where the dead `a` answers 503).
+        r = client.get("/v1/models/auto")
+        assert r.status_code == 404 and "or `auto`" not in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json=body | {"model": "llama"})
+        assert r.status_code == 404 and "or `auto`" in r.json()["error"]["message"]
+        for default, status, fragment in (("b", 400, "prefix caching is off"), ("auto", 400, "name the model")):
+            other = TestClient(
+                build_app(served, ServerConfig(secret=b"s" * 32, default_model=default), router=Router("b", "a"))
+            )
+            r = other.post("/v1/unpin", json={"prompt": "Hello"})
+            assert r.status_code == status and fragment in r.json()["error"]["message"], default
     finally:
         for e in engines:
             e.stop()

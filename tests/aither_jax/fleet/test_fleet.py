@@ -17,7 +17,7 @@ from aither_jax.compile import code_maps
 from aither_jax.compile.code_maps import HIGH_WATER, MAPS_PATH, CodeMapBudget, map_count
 from aither_jax.compile.counter import CompileCounter
 from aither_jax.fleet.balloon import Move
-from aither_jax.fleet.fleet import Fleet
+from aither_jax.fleet.fleet import Fleet, base_model_note
 from aither_jax.fleet.planner import PlanError
 from aither_jax.kv.tiers import GIB
 
@@ -115,6 +115,8 @@ def test_auto_routes_by_effort(fleet):
     assert [o.model for o in outs] == list(MODELS)
     assert outs[1].prompt_token_ids[:2] == [2, 105]  # <bos><start_of_turn>
     assert fleet.router.heavy == "gemma3-270m"  # the one with more parameters
+    assert "base model not tuned for chat" in base_model_note("gemma3-270m", "smollm2-135m")  # logged at start
+    assert base_model_note("smollm2-135m", "gemma3-270m") is None
     outs = fleet.generate(["hi there!", "hi there!"], GREEDY, model="auto", reasoning_effort="high")
     assert [o.model for o in outs] == ["gemma3-270m"] * 2
     # Token ids (and assembled Prompts) are one model's: they are not routed, only sent.
