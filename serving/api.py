@@ -391,11 +391,14 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
-        conversation = body.user if body.user is not None else request.headers.get("x-session-id")
+        # An X-Session-Id continues across turns whatever they carry; `user` names an end user,
+        # whose new conversation (a first turn) starts afresh.
+        session = request.headers.get("x-session-id")
+        conversation = session if session is not None else body.user
         messages = body.conversation()
         route = lambda: router.route(  # noqa: E731
-            messages, reasoning_effort=body.reasoning_effort, conversation=conversation, scope=_scope(request),
-            remember=False,
+            messages, reasoning_effort=body.reasoning_effort, conversation=conversation,
+            session=session is not None, scope=_scope(request), remember=False,
         )  # fmt: skip
         served, routed = _pick(body.model, route)
         max_tokens = body.max_completion_tokens or body.max_tokens

@@ -7,8 +7,8 @@ light one.
 
 Follow-ups keep their intent. A conversation (a key the client gives: OpenAI's `user` field or
 an `X-Session-Id` header; else the hash of its leading messages, the system messages and the
-first user message, which every later turn repeats, a first turn starting it afresh; within a
-`scope`, the server's tenant)
+first user message, which every later turn repeats; a first turn starts it afresh, except in
+a session; within a `scope`, the server's tenant)
 remembers a high-effort turn, or a turn with tool results, for its next `carry_turns` turns:
 their effort is at least the remembered one. Past that window the remembered effort decays a
 level per turn, and only a short follow-up that refers back ("How do I get tickets for it?",
@@ -87,23 +87,26 @@ class Router:
         *,
         reasoning_effort: str | None = None,
         conversation: str | None = None,
+        session: bool = False,
         scope: str = "",
         remember: bool = True,
     ) -> Route:
         """The model for a chat turn (`messages`, OpenAI-style), and why. `conversation` names
         the conversation (None: the hash of its leading messages; "": remember nothing), within
-        `scope` (a tenant: equal conversations of two scopes are two conversations). With
-        `remember` False the turn is neither counted nor remembered until `remember(route)`:
-        the server does that once it has accepted the request, so a refused one uses up no
-        carry turn."""
+        `scope` (a tenant: equal conversations of two scopes are two conversations). A first
+        turn (no answer before its user message) starts the conversation afresh, unless
+        `session`: the name is a session the client continues whatever the messages it sends
+        (a client that sends only its latest message). With `remember` False the turn is
+        neither counted nor remembered until `remember(route)`: the server does that once it
+        has accepted the request, so a refused one uses up no carry turn."""
         last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
         text = messages[last_user].get("content") if last_user >= 0 else ""
         text = text if isinstance(text, str) else ""
         key = conversation if conversation is not None else conversation_key(messages)
         key = key and f"{scope}\x00{key}"
-        # Known by its leading messages, a first turn (no answer before it) is a new
-        # conversation, whatever another that opened alike remembers.
-        starts = conversation is None and not any(m.get("role") == "assistant" for m in messages[:last_user])
+        # A first turn is a new conversation, whatever another that opened alike (or another
+        # conversation of the same user) remembers.
+        starts = not session and not any(m.get("role") == "assistant" for m in messages[:last_user])
         # Tool results answer this turn's request, after its user message; a later turn's
         # history still holds them, but they belong to the turn that opened the window.
         tool_turn = any(m.get("role") == "tool" for m in messages[last_user + 1 :])

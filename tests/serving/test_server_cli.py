@@ -396,14 +396,14 @@ def test_health_names_a_dead_engine_and_the_other_model_keeps_serving(monkeypatc
         r = client.post("/v1/completions", json=body | {"model": "b"})  # the other model still serves
         assert r.status_code == 200 and r.json()["model"] == "b" and r.json()["usage"]["completion_tokens"] == 4
         # A request routed to the dead model is served by the live one.
-        heavy = {"model": "auto", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "user": "u"}
+        heavy = {"model": "auto", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         chat = functools.partial(client.post, "/v1/chat/completions")
-        r = chat(json=heavy | {"reasoning_effort": "high"}, headers={"X-Tenant-Id": "t1"})
+        r = chat(json=heavy | {"reasoning_effort": "high"}, headers={"X-Tenant-Id": "t1", "X-Session-Id": "u"})
         assert r.status_code == 200 and r.json()["model"] == "b"
-        # Its conversation carries its effort for the tenant that had it, not for another one.
+        # Its session carries its effort for the tenant that had it, not for another one.
         light = heavy | {"messages": [{"role": "user", "content": "ok"}]}
         for tenant in ("t2", "t1"):
-            assert chat(json=light, headers={"X-Tenant-Id": tenant}).status_code == 200
+            assert chat(json=light, headers={"X-Tenant-Id": tenant, "X-Session-Id": "u"}).status_code == 200
         routed = {line for line in client.get("/metrics").text.splitlines() if line.startswith("aither:routed")}
         for effort, reason in (("5", "reasoning_effort"), ("1", "scored"), ("5", "carried")):
             assert f'aither:routed_requests_total{{effort="{effort}",model_name="b",reason="{reason}"}} 1.0' in routed

@@ -146,9 +146,14 @@ def test_conversations_are_told_apart_by_their_leading_messages_or_their_key():
     assert r.route(turn(greeting, "Prove that there are infinitely many primes.")).model == "big"
     assert r.route(greeting).model == "small"  # a first turn opening alike is a new conversation
     assert r.route(turn(greeting, "ok")).model == "small"  # and it replaced what the other remembered
-    r.route([{"role": "user", "content": RESEARCH}], conversation="session-1")
-    assert r.route([{"role": "user", "content": "ok"}], conversation="session-1").model == "big"
-    assert r.route([{"role": "user", "content": "ok"}], conversation="session-2").model == "small"
+    r.route([{"role": "user", "content": RESEARCH}], conversation="session-1", session=True)
+    assert r.route([{"role": "user", "content": "ok"}], conversation="session-1", session=True).model == "big"
+    assert r.route([{"role": "user", "content": "ok"}], conversation="session-2", session=True).model == "small"
+    # A key that is no session (OpenAI's `user`: an end user): their new conversation starts afresh.
+    proof = [{"role": "user", "content": "Prove that there are infinitely many primes."}]
+    assert r.route(proof, conversation="alice").model == "big"
+    assert r.route(turn(proof, "ok"), conversation="alice").model == "big"  # a follow-up: carried
+    assert r.route([{"role": "user", "content": "What's the weather like?"}], conversation="alice").model == "small"
 
 
 def test_tool_results_open_a_carry_window_of_three_turns():
@@ -168,8 +173,11 @@ def test_conversations_of_two_scopes_are_two_conversations():
     r.route(research, scope="tenant-a")
     assert r.route(turn(research, "ok"), scope="tenant-b").model == "small"
     assert r.route(turn(research, "ok"), scope="tenant-a").model == "big"
-    r.route([{"role": "user", "content": RESEARCH}], conversation="s", scope="tenant-a")
-    assert r.route([{"role": "user", "content": "ok"}], conversation="s", scope="tenant-b").model == "small"
+    r.route([{"role": "user", "content": RESEARCH}], conversation="s", session=True, scope="tenant-a")
+    assert (
+        r.route([{"role": "user", "content": "ok"}], conversation="s", session=True, scope="tenant-b").model == "small"
+    )
+    assert r.route([{"role": "user", "content": "ok"}], conversation="s", session=True, scope="tenant-a").model == "big"
 
 
 def test_bad_settings_are_refused():
