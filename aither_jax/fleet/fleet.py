@@ -411,8 +411,13 @@ class Fleet:
             self.prepare(move)
         return self.apply(move, run)
 
-    def route(self, messages: Sequence[dict], *, reasoning_effort: str | None = None, conversation=None) -> Route:
-        return self.router.route(messages, reasoning_effort=reasoning_effort, conversation=conversation)
+    def route(
+        self, messages: Sequence[dict], *, reasoning_effort: str | None = None, conversation=None, session=False
+    ) -> Route:
+        """`Router.route`: the model for a chat turn, and why."""
+        return self.router.route(
+            messages, reasoning_effort=reasoning_effort, conversation=conversation, session=session
+        )
 
     def chat(
         self,

@@ -5,10 +5,10 @@ the effort scorer (`effort.py`) reads the turn's last user message. Effort at or
 `threshold` goes to the heavy model (by default the one with more parameters), the rest to the
 light one.
 
-Follow-ups keep their intent. A conversation (a key the client gives: OpenAI's `user` field or
-an `X-Session-Id` header; else the hash of its leading messages, the system messages and the
-first user message, which every later turn repeats; a first turn starts it afresh, except in
-a session; within a `scope`, the server's tenant)
+Follow-ups keep their intent. A conversation (a key the client gives: an `X-Session-Id`
+header, or OpenAI's `user` field; else its history: each turn is remembered under the hash of
+its messages and finds the turn before under the hash of what came before its last answer; a
+first turn starts afresh, except in a session; within a `scope`, the server's tenant)
 remembers a high-effort turn, or a turn with tool results, for its next `carry_turns` turns:
 their effort is at least the remembered one. Past that window the remembered effort decays a
 level per turn, and only a short follow-up that refers back ("How do I get tickets for it?",
@@ -47,12 +47,14 @@ class Route:
     effort: int
     reason: str  # "reasoning_effort", "scored", "carried" or "follow-up"
     detail: tuple[str, ...] = ()  # the scorer's reasons
-    # What `Router.remember` records of the turn: its conversation ("": none), its own effort
-    # (scored or given), and whether it opens a carry window (a heavy or tool turn).
+    # What `Router.remember` records of the turn: where (its key; "": nowhere), from what (the
+    # turn before's key), its own effort (scored or given), and whether it opens a carry window
+    # (a heavy or tool turn).
     key: str = dataclasses.field(default="", repr=False, compare=False)
     own: int = dataclasses.field(default=0, repr=False, compare=False)
     opens_window: bool = dataclasses.field(default=False, repr=False, compare=False)
     starts: bool = dataclasses.field(default=False, repr=False, compare=False)  # a new conversation
+    lookup: str = dataclasses.field(default="", repr=False, compare=False)  # where the turn before is remembered
 
 
 @dataclasses.dataclass
@@ -92,26 +94,31 @@ class Router:
         remember: bool = True,
     ) -> Route:
         """The model for a chat turn (`messages`, OpenAI-style), and why. `conversation` names
-        the conversation (None: the hash of its leading messages; "": remember nothing), within
-        `scope` (a tenant: equal conversations of two scopes are two conversations). A first
-        turn (no answer before its user message) starts the conversation afresh, unless
-        `session`: the name is a session the client continues whatever the messages it sends
-        (a client that sends only its latest message). With `remember` False the turn is
-        neither counted nor remembered until `remember(route)`: the server does that once it
-        has accepted the request, so a refused one uses up no carry turn."""
+        the conversation ("": remember nothing), within `scope` (a tenant: equal conversations
+        of two scopes are two conversations); None: the conversation is its history, each turn
+        found by the turn before it (`chain_key`). A first turn (no answer in its messages)
+        starts the conversation afresh, unless `session`: the name is a session the client
+        continues whatever messages it sends (a client that sends only its latest message).
+        With `remember` False the turn is neither counted nor remembered until
+        `remember(route)`: the server does that once it has accepted the request, so a refused
+        one uses up no carry turn."""
         last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
         text = messages[last_user].get("content") if last_user >= 0 else ""
         text = text if isinstance(text, str) else ""
-        key = conversation if conversation is not None else conversation_key(messages)
-        key = key and f"{scope}\x00{key}"
+        answered = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if conversation is not None:
+            key = lookup = conversation and f"{scope}\x00{conversation}"
+        else:  # remembered under this turn's messages, read from the turn before: all before its answer
+            key = f"{scope}\x00{chain_key(messages)}"
+            lookup = f"{scope}\x00{chain_key(messages[: answered[-1]])}" if answered else ""
         # A first turn is a new conversation, whatever another that opened alike (or another
         # conversation of the same user) remembers.
-        starts = not session and not any(m.get("role") == "assistant" for m in messages[:last_user])
+        starts = not session and not answered
         # Tool results answer this turn's request, after its user message; a later turn's
         # history still holds them, but they belong to the turn that opened the window.
         tool_turn = any(m.get("role") == "tool" for m in messages[last_user + 1 :])
         with self._lock:
-            memory = None if starts else self._memory.get(key)
+            memory = None if starts or not lookup else self._memory.get(lookup)
             if reasoning_effort is not None:
                 if reasoning_effort not in REASONING_EFFORT:
                     raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}")
@@ -127,7 +134,9 @@ class Router:
                     effort, reason = min(memory.last, memory.effort), "follow-up"  # the turn before, decayed
         model = self.heavy if effort >= self.threshold else self.light
         opens_window = own >= self.threshold or tool_turn
-        chosen = Route(model, effort, reason, detail, key=key, own=own, opens_window=opens_window, starts=starts)
+        chosen = Route(
+            model, effort, reason, detail, key=key, lookup=lookup, own=own, opens_window=opens_window, starts=starts
+        )
         if remember:
             self.remember(chosen)
         return chosen
@@ -144,8 +153,14 @@ class Router:
             self.routed[(route.model, route.effort)] += 1
             if route.key == "":
                 return
-            memory = (None if route.starts else self._memory.get(route.key)) or _Memory(0, 0, 0)
-            self._update(memory, route)
+            before = None if route.starts or not route.lookup else self._memory.get(route.lookup)
+            held = self._memory.get(route.key)
+            # Known by its history (no turn before it to read), a light first turn alike another
+            # conversation's heavy one leaves that one its carry.
+            if route.starts and not route.lookup and not route.opens_window and held and held.turns_left > 0:
+                return
+            memory = dataclasses.replace(before) if before is not None else _Memory(0, 0, 0)
+            self._update(memory, route)  # a copy: a retried turn finds the turn before as it was
             self._memory[route.key] = memory
             self._memory.move_to_end(route.key)
             while len(self._memory) > MAX_CONVERSATIONS:
@@ -162,15 +177,11 @@ class Router:
         memory.last = route.effort
 
 
-def conversation_key(messages: Sequence[dict]) -> str:
-    """SHA-256 of a conversation's leading messages (its system messages and first user
-    message), which each later turn of it repeats."""
-    head = []
-    for m in messages:
-        head.append([m.get("role"), m.get("content")])
-        if m.get("role") == "user":
-            break
-    return hashlib.sha256(json.dumps(head, ensure_ascii=False).encode()).hexdigest()
+def chain_key(messages: Sequence[dict]) -> str:
+    """SHA-256 of a conversation's messages (roles and contents): the next turn, which repeats
+    them and adds the answer and its own message, finds this one by it."""
+    history = [[m.get("role"), m.get("content")] for m in messages]
+    return hashlib.sha256(json.dumps(history, ensure_ascii=False).encode()).hexdigest()
 
 
 def _follows_up(text: str) -> bool:

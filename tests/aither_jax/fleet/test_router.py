@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from aither_jax.fleet.effort import WEIGHTS, EffortScorer, score_effort
-from aither_jax.fleet.router import Router, conversation_key
+from aither_jax.fleet.router import Router
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[2] / "scripts"))
@@ -133,19 +133,27 @@ def test_a_short_follow_up_that_refers_back_is_routed_like_the_turn_before():
     assert r.route(turn(conv, "Good morning!")).model == "small"  # no reference back
 
 
-def test_conversations_are_told_apart_by_their_leading_messages_or_their_key():
+def test_conversations_are_told_apart_by_their_history_or_their_key():
     r = Router("small", "big")
     research = [SYSTEM, {"role": "user", "content": RESEARCH}]
     r.route(research)
     other = [SYSTEM, {"role": "user", "content": "hello there"}]
     assert r.route(turn(other, "ok")).model == "small"  # another conversation: nothing carried
     assert r.route(turn(research, "ok")).model == "big"
-    assert conversation_key(research) == conversation_key(turn(research, "ok"))
-    greeting = [{"role": "user", "content": "Hi"}]
-    r.route(greeting)
-    assert r.route(turn(greeting, "Prove that there are infinitely many primes.")).model == "big"
-    assert r.route(greeting).model == "small"  # a first turn opening alike is a new conversation
-    assert r.route(turn(greeting, "ok")).model == "small"  # and it replaced what the other remembered
+    # Two conversations that open alike are told apart from where their histories part.
+    greeting = [SYSTEM, {"role": "user", "content": "Hi"}]
+    assert r.route(greeting).model == "small"
+    heavy = turn(greeting, "Prove that there are infinitely many primes.")
+    assert r.route(heavy).model == "big"
+    assert r.route(greeting).model == "small"  # a first turn opening alike: a new conversation
+    assert r.route(turn(greeting, "What's the weather like?")).model == "small"  # parted before the proof
+    assert r.route(turn(heavy, "ok")).model == "big"  # the proof's own follow-up: carried
+    # Histories alike leave the stronger: a light first turn does not undo a heavy one's carry.
+    hello = [SYSTEM, {"role": "user", "content": "Hello!"}]
+    assert r.route(hello, reasoning_effort="high").model == "big"
+    assert r.route(hello).model == "small"
+    assert r.route(turn(hello, "ok")).model == "big"
+    # A named session carries whatever messages each turn sends.
     r.route([{"role": "user", "content": RESEARCH}], conversation="session-1", session=True)
     assert r.route([{"role": "user", "content": "ok"}], conversation="session-1", session=True).model == "big"
     assert r.route([{"role": "user", "content": "ok"}], conversation="session-2", session=True).model == "small"
@@ -154,6 +162,18 @@ def test_conversations_are_told_apart_by_their_leading_messages_or_their_key():
     assert r.route(proof, conversation="alice").model == "big"
     assert r.route(turn(proof, "ok"), conversation="alice").model == "big"  # a follow-up: carried
     assert r.route([{"role": "user", "content": "What's the weather like?"}], conversation="alice").model == "small"
+    assert r.route(turn(proof, "ok"), conversation="alice").model == "small"  # the new one replaced it
+
+
+def test_a_tool_loops_turns_carry_the_request_that_started_it():
+    """An agent's second request holds no new user message: [user, assistant (tool call), tool]."""
+    r = Router("small", "big")
+    ask = [{"role": "user", "content": "book it"}]
+    assert r.route(ask, reasoning_effort="high").model == "big"
+    loop = [*ask, {"role": "assistant", "content": ""}, {"role": "tool", "content": "booked: LH123"}]
+    route = r.route(loop)
+    assert (route.model, route.reason) == ("big", "carried")
+    assert r.route([{"role": "user", "content": "ok"}]).model == "small"  # no history: a new conversation
 
 
 def test_tool_results_open_a_carry_window_of_three_turns():
