@@ -4,6 +4,7 @@ what is allowed in its error."""
 from __future__ import annotations
 
 import argparse
+import pathlib
 from collections.abc import Callable
 
 from models.kv_spec import KVSpec, parse_kv_spec
@@ -34,6 +35,18 @@ def float_in(name: str, low: float, high: float, low_open: bool = False) -> Call
             interval = f"{'(' if low_open else '['}{_number(low)}, {_number(high)}]"
             raise argparse.ArgumentTypeError(f"{name} must be in {interval}, got {text}")
         return value
+
+    return parse
+
+
+def nonempty_path(name: str) -> Callable[[str], pathlib.Path]:
+    """A path that names something: an empty one (an unset shell variable) would be the working
+    directory."""
+
+    def parse(text: str) -> pathlib.Path:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{name} must name a directory, got an empty path")
+        return pathlib.Path(text)
 
     return parse
 

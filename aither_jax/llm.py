@@ -170,7 +170,8 @@ class LLM:
             warm tier; vLLM's --kv-offloading-size): a later prompt that starts with them gets
             them back instead of recomputing them. 0 (the default) drops evicted pages.
         kv_cache_dir: a directory for the disk tier: pages leaving the host tier (or the device
-            pool, without one) are written there, checksummed, and found again after a restart.
+            pool, without one) are written there, checksummed, and found again after a restart;
+            `persist()` writes the pages still cached above it (the server does at a clean stop).
         kv_disk_size: GiB the disk tier may hold (default 4 with kv_cache_dir), pages of other
             configurations no open store holds included (they go first). The tiers need
             prefix caching (enable_prefix_caching True or None).
@@ -391,6 +392,15 @@ class LLM:
         so decoding never compiles later; returns the number of shapes compiled. `workers`:
         threads compiling at once (default: the CPU cores, at most 8)."""
         return self.engine.warmup(max_len, sampling=sampling, progress=self.progress, workers=workers)
+
+    def persist(self) -> int:
+        """Writes every cached KV page still on the device or in host memory to the disk tier
+        (`kv_cache_dir`), so a later process finds them; returns how many. Without a disk tier
+        there is nowhere to write: ValueError."""
+        tiers = self.engine.scheduler.prefix_cache.tiers if self.engine.scheduler.prefix_cache else None
+        if tiers is None or tiers.disk is None:
+            raise ValueError("persist() writes to the disk tier: create the LLM with kv_cache_dir")
+        return self.engine.persist()
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] float32 at every position, through the paged-cache path."""

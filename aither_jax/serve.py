@@ -18,7 +18,15 @@ import time
 
 import uvicorn
 
-from aither_jax.cli_args import add_residency_args, float_in, int_in, kv_spec, residency_kwargs, speculative_config
+from aither_jax.cli_args import (
+    add_residency_args,
+    float_in,
+    int_in,
+    kv_spec,
+    nonempty_path,
+    residency_kwargs,
+    speculative_config,
+)
 from models.registry import DEFAULT_MODEL, MODELS
 
 log = logging.getLogger("aither_jax.serve")
@@ -182,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kv-cache-dir",
-        type=pathlib.Path,
+        type=nonempty_path("--kv-cache-dir"),
         default=None,
         metavar="DIR",
         help="disk tier: pages leaving host memory are written here (checksummed, atomically) and found again "

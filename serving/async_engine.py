@@ -25,6 +25,11 @@ from aither_jax.device.sampling import SamplingParams
 from serving.metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Metrics
 
 log = logging.getLogger(__name__)
+# aither:kv_disk_files_total's outcomes and the DiskCounters field each reads.
+DISK_OUTCOMES = (
+    ("torn", "num_torn"), ("skipped", "num_skipped"), ("corrupt", "num_corrupt"), ("missing", "num_missing"),
+    ("failed_write", "num_failed"), ("stale_removed", "num_stale_removed"),
+)  # fmt: skip
 
 IDLE_WAIT_SECONDS = 0.05
 T = TypeVar("T")
@@ -471,6 +476,15 @@ class AsyncEngine:
             "aither:kv_disk_pages_dropped_total",
             "Disk pages dropped: evicted to stay within the size, or failing their checksum.",
             lambda: (disk.num_dropped + disk.num_corrupt) if disk else 0,
+        )
+        m.counter_series(
+            "aither:kv_disk_files_total",
+            "Disk tier files by what befell them: torn (writes cut off, cleared at start), skipped (unreadable or "
+            "foreign at start), corrupt (failed their checksum), missing (removed by another process), "
+            "failed_write (a full or failing disk), stale_removed (other configurations' files, removed for room).",
+            lambda: [
+                ({"outcome": outcome}, getattr(disk, counter) if disk else 0) for outcome, counter in DISK_OUTCOMES
+            ],
         )
 
     def _advisor_metrics(self, scheduler) -> None:

@@ -40,21 +40,31 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import pathlib
+import re
+import shutil
 import struct
 import tempfile
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"AJKVPG1\n"
 SUFFIX = ".kvpage"
 LOCK = ".lock"  # held shared by each open store of a directory's configuration
+TMP = ".tmp"  # a write before its rename: `.tmp-<writer's pid>-<random>.part`
+TMP_MAX_AGE_S = 3600.0  # a temporary file this old is a dead write whatever its name says
+# What the store names: a configuration's directory (16 hex digits of its fingerprint's hash)
+# and a page file (its name's 32 bytes in hex). Nothing else under `pages/` is ever removed.
+_CONFIG_DIR = re.compile(r"[0-9a-f]{16}")
+_PAGE_FILE = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
 _LEN = struct.Struct("<I")
 MAX_HEADER = 1 << 16
 
@@ -75,6 +85,7 @@ class DiskCounters:
     num_corrupt: int = 0  # payloads whose checksum failed when read
     num_failed: int = 0  # background writes that failed (a full disk): the page was dropped
     num_stale_removed: int = 0  # files of configurations no store held open, removed to stay within the size
+    num_missing: int = 0  # indexed pages whose file was gone when read (removed by another process)
     bytes_written: int = 0
     bytes_read: int = 0
 
@@ -138,9 +149,10 @@ class DiskStore:
         self._remove_flat_layout()
         found = []
         for path in self.dir.iterdir():
-            if path.name.startswith(".tmp"):
-                _remove(path)  # a write that never reached its rename
-                self.counters.num_torn += 1
+            if path.name.startswith(TMP):
+                if _dead_write(path):  # a write that never reached its rename (another's may be under way)
+                    _remove(path)
+                    self.counters.num_torn += 1
                 continue
             if path.suffix != SUFFIX:
                 continue
@@ -162,20 +174,28 @@ class DiskStore:
         # Stale files go only as writes need room: the other stores of this process (the
         # other models of a fleet) open their directories after this one, before any write.
         self._fit(self.capacity, stale=False)
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(self.dir).free + (len(self._index) * self.page_bytes + self._stale_bytes)
+            if free < self.capacity * self.page_bytes:
+                log.warning(
+                    "KV disk tier %s: its size is %.2f GiB but the filesystem has room for %.2f GiB; it holds what "
+                    "fits", self.dir, self.capacity * self.page_bytes / (1 << 30), free / (1 << 30),
+                )  # fmt: skip
 
     def _find_stale(self) -> None:
         """Lists the files of the other configurations' directories that no store holds open,
         oldest first (asked again when its files are to go: one may be opened meanwhile)."""
         found = []
         for directory in self.dir.parent.iterdir():
-            if directory == self.dir or not directory.is_dir():
+            if directory == self.dir or not _CONFIG_DIR.fullmatch(directory.name) or not directory.is_dir():
                 continue
             with _exclusive(directory) as free:
                 if not free:
                     continue
             with contextlib.suppress(OSError), os.scandir(directory) as entries:
-                for entry in entries:
-                    if entry.name != LOCK and entry.is_file(follow_symlinks=False):
+                for entry in entries:  # the store's files only: page files and its writes' temporaries
+                    ours = _PAGE_FILE.fullmatch(entry.name) or entry.name.startswith(TMP)
+                    if ours and entry.is_file(follow_symlinks=False):
                         st = entry.stat(follow_symlinks=False)
                         found.append((st.st_mtime_ns, directory, pathlib.Path(entry.path), st.st_size))
         found.sort(key=lambda f: f[0])
@@ -220,7 +240,11 @@ class DiskStore:
                 self._stale, self._stale_bytes = collections.deque(kept), sum(n for _, _, n in kept)
 
     def _remove_flat_layout(self) -> None:
-        flat = [p for p in self.dir.parent.iterdir() if p.suffix == SUFFIX or p.name.startswith(".tmp")]
+        flat = [
+            p
+            for p in self.dir.parent.iterdir()
+            if p.is_file() and (_PAGE_FILE.fullmatch(p.name) or (p.name.startswith(TMP) and _dead_write(p)))
+        ]
         removed = sum(_remove(path) for path in flat)
         if removed:
             log.info("KV disk tier %s: removed %d page files of the flat layout", self.dir.parent, removed)
@@ -338,7 +362,7 @@ class DiskStore:
         ).encode()
         tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp", dir=self.dir)
+            fd, tmp = tempfile.mkstemp(prefix=f"{TMP}-{os.getpid()}-", suffix=".part", dir=self.dir)
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + _LEN.pack(len(header)) + header)
                 f.write(payload)
@@ -352,6 +376,8 @@ class DiskStore:
                 if current:
                     self._pending.pop(name, None)
         except Exception as e:  # noqa: BLE001 - in the background the page is dropped, not the thread
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._shrink(name)
             if self._io is None:
                 with self._lock:
                     self._index.pop(name, None)
@@ -368,6 +394,18 @@ class DiskStore:
         finally:
             if tmp is not None:
                 pathlib.Path(tmp).unlink(missing_ok=True)
+
+    def _shrink(self, failed: bytes) -> None:
+        """The filesystem is full before the store's size: it holds the pages it has from now on
+        (the next write makes room by dropping the least recently used)."""
+        with self._lock:
+            held = max(1, len(self._index) - (failed in self._index))
+            if held < self.capacity:
+                log.warning(
+                    "KV disk tier %s: the filesystem is full at %d pages; holding at most that many from now on",
+                    self.dir, held,
+                )  # fmt: skip
+                self.capacity = held
 
     def sync(self) -> None:
         """Returns once every write made so far is on disk, its directory entry included."""
@@ -451,8 +489,11 @@ class DiskStore:
                 payload = self._load(self._path(name))
         with self._lock:
             if payload is None:
-                self.counters.num_corrupt += 1
-                log.warning("KV disk tier: %s failed its checksum; dropped (the page will be recomputed)", name.hex())
+                if self._path(name).exists():
+                    self.counters.num_corrupt += 1
+                    log.warning("KV disk tier: %s failed its checksum; dropped (the page is recomputed)", name.hex())
+                else:  # another process sharing the directory removed it (its own size, or as stale)
+                    self.counters.num_missing += 1
                 self.drop(name)
                 return None
             if name in self._index:
@@ -483,6 +524,27 @@ class DiskStore:
             name = next(iter(self._index))
             self.drop(name)
             self.counters.num_dropped += 1
+
+
+def _dead_write(path: pathlib.Path) -> bool:
+    """Whether a temporary file is a write no process will finish: its writer (named in it) is
+    not running, or it is older than TMP_MAX_AGE_S (also the rule for unnamed ones)."""
+    try:
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return False
+    if age > TMP_MAX_AGE_S:
+        return True
+    pid = path.name[len(TMP) :].split("-")
+    if len(pid) < 3 or pid[0] or not pid[1].isdigit():
+        return False
+    try:
+        os.kill(int(pid[1]), 0)
+    except (ProcessLookupError, OverflowError):  # no such process (or no such pid)
+        return True
+    except OSError:  # another user's process: running
+        return False
+    return False
 
 
 def _touch_file(path: pathlib.Path) -> None:

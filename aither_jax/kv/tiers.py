@@ -24,6 +24,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
+import os
 import time
 from collections.abc import Sequence
 
@@ -410,6 +412,16 @@ class KVTiers:
 
 GIB = 1 << 30
 DEFAULT_DISK_GIB = 4.0
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes, where the system says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 DEFAULT_LOW_WATERMARK = 0.5
 
 
@@ -445,10 +457,15 @@ class TierConfig:
             value = getattr(self, name)
             if value is None and name == "disk_gib":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a size in GiB >= 0, got {value!r}")
+        memory = physical_memory()
+        if memory and self.host_gib * GIB > memory:
+            raise ValueError(f"host_gib {self.host_gib} GiB exceeds this machine's memory ({memory / GIB:.1f} GiB)")
         if self.disk_gib is not None and self.disk_dir is None:
             raise ValueError("a disk tier size needs a directory (kv_cache_dir)")
+        if self.disk_dir is not None and not str(self.disk_dir).strip():
+            raise ValueError("kv_cache_dir must name a directory, got an empty path")
 
     @property
     def enabled(self) -> bool:

@@ -118,6 +118,7 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
         (["--eviction-policy", "advisor", "--advisor-weights", '{"speed": 1}'], "unknown advisor weight 'speed'"),
         (["--eviction-policy", "lru", "--advisor-weights", '{"age": 1}'], "apply to the advisor only"),
         (["--max-resident-tokens", "0"], "--max-resident-tokens must be >= 1"),
+        (["--kv-cache-dir", ""], "--kv-cache-dir must name a directory, got an empty path"),
         (["--max-resident-tokens", "64", "--kv-cache-dtype", "fp32"], "raise max_resident_tokens to at least"),
         (["--residency-scorer", "h2o"], "invalid choice: 'h2o'"),
         (["--model", "smollm2-135m", "--model", "smollm2-135m"], "each model once"),
@@ -318,6 +319,8 @@ def test_a_restarted_server_serves_each_tenant_its_own_pages_from_disk(tmp_path)
         assert m['aither:kv_tier_hits_total{tier="disk"}'] >= 3 and m["aither:kv_disk_pages"] > 0
         assert m['aither:kv_reload_decisions_total{choice="reload"}'] == 1  # ann's second request
         assert m["aither:kv_prefetched_pages_total"] == 0  # nothing waited for a slot
+        assert m['aither:kv_disk_files_total{outcome="torn"}'] == 0
+        assert 'aither:kv_tier_moved_bytes_total{direction="device_to_host"}' in m
     finally:
         second.stop()
 

@@ -69,7 +69,7 @@ def test_follow_ups_restored_from_a_lower_tier_answer_as_a_pool_that_keeps_every
 def test_a_restarted_engine_finds_its_pages_on_disk(reference, tmp_path):
     first = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_offloading_size=0.001, kv_cache_dir=tmp_path, **SETTINGS)
     prompts, answers = conversations(first)
-    assert first.engine.persist() > 0
+    assert first.persist() > 0
     del first
     second = aj.LLM(MODEL, num_pages=SMALL_POOL, kv_cache_dir=tmp_path, **SETTINGS)
     restored = [o.token_ids for o in second.generate(prompts[-4:], GREEDY)]
@@ -81,6 +81,8 @@ def test_a_restarted_engine_finds_its_pages_on_disk(reference, tmp_path):
 def test_tiers_need_prefix_caching():
     with pytest.raises(ValueError, match="need prefix caching"):
         aj.LLM(MODEL, **{**SETTINGS, "enable_prefix_caching": False}, kv_offloading_size=1.0)
+    with pytest.raises(ValueError, match="persist\\(\\) writes to the disk tier"):
+        aj.LLM(MODEL, num_pages=SMALL_POOL, kv_offloading_size=0.001, **SETTINGS).persist()
 
 
 def test_follow_ups_recompute_when_the_cost_model_measures_reloading_slower(reference):

@@ -53,10 +53,16 @@ def test_files_of_another_configuration_torn_or_corrupt_are_never_loaded(tmp_pat
     flipped = bytearray(files[2].read_bytes())
     flipped[-7] ^= 1  # one payload bit
     files[2].write_bytes(bytes(flipped))
-    (store.dir / ".tmpabc").write_bytes(b"cut off")
+    # Writes cut off: by a process no longer running, and one with no writer named, an hour old.
+    dead, old = store.dir / f".tmp-{2**40}-abc.part", store.dir / ".tmpabc"
+    live = store.dir / f".tmp-{os.getpid()}-def.part"  # another store's write under way: kept
+    for path in (dead, old, live):
+        path.write_bytes(b"cut off")
+    os.utime(old, (time.time() - 2 * disk_module.TMP_MAX_AGE_S,) * 2)
     (store.dir / "junk.kvpage").write_bytes(b"\x00" * 40)
     reopened = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=8)
-    assert reopened.counters.num_skipped == 2 and reopened.counters.num_torn == 1
+    assert reopened.counters.num_skipped == 2 and reopened.counters.num_torn == 2
+    assert not dead.exists() and not old.exists() and live.exists()
     assert name(1) not in reopened and name(2) in reopened
     assert reopened.read(name(2)) is None and reopened.counters.num_corrupt == 1 and name(2) not in reopened
     assert reopened.read(name(3)) == payload(name(3))
@@ -77,11 +83,12 @@ def test_files_of_the_flat_layout_are_removed_at_open(tmp_path):
     read by no store: opening one removes them, and leaves every configuration's directory."""
     other = DiskStore(tmp_path, fingerprint="model b", page_bytes=PAGE_BYTES, capacity=4)
     other.write(name(1), None, payload(name(1)))
-    flat = [tmp_path / "pages" / ("00" * 32 + SUFFIX), tmp_path / "pages" / ".tmp-write"]
+    flat = [tmp_path / "pages" / ("00" * 32 + SUFFIX), tmp_path / "pages" / f".tmp-{2**40}-x.part"]
     for path in flat:
         path.write_bytes(b"x" * 100)
+    (tmp_path / "pages" / "notes.txt").write_text("not the store's")
     store = DiskStore(tmp_path, fingerprint="model a", page_bytes=PAGE_BYTES, capacity=4)
-    assert not any(path.exists() for path in flat)
+    assert not any(path.exists() for path in flat) and (tmp_path / "pages" / "notes.txt").exists()
     assert len(store) == 0 and other.read(name(1)) == payload(name(1))
     assert DiskStore(tmp_path, fingerprint="model b", page_bytes=PAGE_BYTES, capacity=4).read(name(1)) == payload(
         name(1)
@@ -301,3 +308,44 @@ def test_a_filesystem_without_locks_still_opens(tmp_path, monkeypatch, caplog):
     store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=2)
     store.write(name(0), None, payload(name(0)))
     assert store.read(name(0)) == payload(name(0)) and "cannot lock" in caplog.text
+
+
+def test_only_the_stores_own_files_are_ever_removed_as_stale(tmp_path):
+    old = DiskStore(tmp_path, fingerprint="old", page_bytes=PAGE_BYTES, capacity=4)
+    for i in range(2):
+        old.write(name(i), None, payload(name(i)))
+    old.close()
+    keep = [old.dir / "README.txt", tmp_path / "pages" / "photos" / "holiday.jpg"]
+    for path in keep:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"x" * PAGE_BYTES)
+    new = DiskStore(tmp_path, fingerprint="new", page_bytes=PAGE_BYTES, capacity=2)
+    for i in range(10, 12):
+        new.write(name(i), None, payload(name(i)))
+    assert new.counters.num_stale_removed == 2 and not any(old._path(name(i)).exists() for i in range(2))
+    assert all(path.exists() for path in keep)
+
+
+def test_a_filesystem_full_before_the_size_holds_what_fits(tmp_path, monkeypatch, caplog):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=100, background=True)
+    mkstemp = disk_module.tempfile.mkstemp
+
+    def room_for_three(*args, **kwargs):
+        if len(list(store.dir.glob("*" + SUFFIX))) >= 3:
+            raise OSError(28, "No space left on device")
+        return mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(disk_module.tempfile, "mkstemp", room_for_three)
+    for i in range(8):
+        store.write(name(i), None, payload(name(i)))
+        store.sync()
+    assert store.counters.num_failed == 1 and store.capacity == 3 and "filesystem is full" in caplog.text
+    assert [store.read(name(i)) == payload(name(i)) for i in range(8)] == [False] * 5 + [True] * 3
+
+
+def test_a_page_another_process_removed_is_missing_not_corrupt(tmp_path):
+    store = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=4)
+    store.write(name(0), None, payload(name(0)))
+    store._path(name(0)).unlink()
+    assert store.read(name(0)) is None and name(0) not in store
+    assert store.counters.num_missing == 1 and store.counters.num_corrupt == 0

@@ -170,6 +170,10 @@ def test_a_chain_comes_back_up_to_a_page_that_fails_its_checksum(tmp_path):
         (dict(high_watermark=0), "high_watermark must be in \\(0, 1\\]"),
         (dict(low_watermark=1.5), "low_watermark must be in \\[0, 1\\]"),
         (dict(high_watermark=0.6, low_watermark=0.7), "must not exceed high_watermark"),
+        (dict(host_gib=float("inf")), "host_gib must be a size in GiB >= 0"),
+        (dict(disk_dir="DIR", disk_gib=float("inf")), "disk_gib must be a size in GiB >= 0"),
+        (dict(host_gib=1 << 20), "exceeds this machine's memory"),
+        (dict(disk_dir=""), "kv_cache_dir must name a directory"),
     ],
 )
 def test_tier_settings_are_checked(config, message, tmp_path):
