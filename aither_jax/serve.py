@@ -417,17 +417,25 @@ def build_server(args: argparse.Namespace):
     served_names = [own[n].get("served_model_name") or args.served_model_name or n for n in names]
     if len(set(served_names)) != len(served_names):
         raise ValueError(f"served model names must differ: {served_names}")
-    # --default-model and --route-heavy take a model by the id clients use or by its --model.
-    if args.default_model in names and args.default_model not in served_names:
-        args.default_model = served_names[names.index(args.default_model)]
-    if args.default_model not in (None, "auto", *served_names):
-        raise ValueError(f"--default-model {args.default_model!r} is not a served model ({', '.join(served_names)})")
+    for name, served in zip(names, served_names, strict=True):
+        if served == "auto":
+            raise ValueError(f"{name}: 'auto' is routing by effort, not a served model name")
+        if served != name and served in names:
+            raise ValueError(f"{name}'s served name {served!r} is another --model: give it a name of its own")
+
+    def model_named(flag: str, value: str) -> int:
+        """--default-model and --route-heavy name a model by the id clients use or by its --model."""
+        for i, (name, served) in enumerate(zip(names, served_names, strict=True)):
+            if value in (name, served):
+                return i
+        raise ValueError(f"{flag} {value!r} is not a served model ({', '.join(served_names)})")
+
     if args.default_model == "auto" and len(names) == 1:
         raise ValueError("--default-model auto routes between several models: give --model twice")
-    if args.route_heavy in served_names and args.route_heavy not in names:
-        args.route_heavy = names[served_names.index(args.route_heavy)]
-    if args.route_heavy is not None and args.route_heavy not in names:
-        raise ValueError(f"--route-heavy {args.route_heavy!r} is not a served model ({', '.join(served_names)})")
+    if args.default_model not in (None, "auto"):
+        args.default_model = served_names[model_named("--default-model", args.default_model)]
+    if args.route_heavy is not None:
+        args.route_heavy = names[model_named("--route-heavy", args.route_heavy)]
     if args.kv_balloon and len(names) == 1:
         raise ValueError("--kv-balloon moves KV pages between models: give --model twice")
     for flag in ("kv_balloon_step", "kv_balloon_min_move"):

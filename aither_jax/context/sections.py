@@ -15,9 +15,10 @@ it the engine holds cached (whole pages; `cached_tokens`, asked at each assembly
 prefill, so the budget it used flows to the downstream sections, most important first (the
 cascade). Sections are cut least important first (later sections first among equals), down
 to their minimum: `tail` keeps the start of a text, `head` keeps its end, `messages` drops
-the oldest messages in steps of `step` messages (and an answer whose question went), so the
-kept history changes only every `step` messages and stays hash-identical (cache hits) in
-between, `drop` keeps all or nothing, and `never` is never cut (over its max_tokens it is refused). The stable prefix is
+the oldest messages in steps of `step` messages (and the answers and tool results whose
+question went), so the kept history changes only every `step` messages and stays
+hash-identical (cache hits) in between, `drop` keeps all or nothing, and `never` is never cut
+(over its max_tokens it is refused). The stable prefix is
 pinned under the Context's `pin_owner`: the engine holds one pin per owner, on the latest
 prefix computed.
 
@@ -262,10 +263,12 @@ class Context:
             return led([]), "dropped" + ("; an empty system message holds its place" if lead else "")
         if section.truncate == "messages":
 
-            def start(steps: int) -> int:  # an answer whose question is dropped goes with it
+            def start(steps: int) -> int:  # answers and tool results whose question is dropped go with it
                 drop = min(len(messages), steps * section.step)
-                answer = 0 < drop < len(messages) and messages[drop]["role"] == "assistant"
-                return drop + (answer and messages[drop - 1]["role"] == "user")
+                if any(m["role"] == "user" for m in messages[:drop]):
+                    while drop < len(messages) and messages[drop]["role"] in ("assistant", "tool"):
+                        drop += 1
+                return drop
 
             # The fewest whole steps of oldest messages to drop (binary search: fits is monotone).
             lo, hi = 1, -(-len(messages) // section.step)

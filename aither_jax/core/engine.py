@@ -320,8 +320,8 @@ class Engine:
             pin_key: the owner of the pin (a context pipeline's `Context`): once computed, the
                 pin replaces the owner's earlier one, and a prefix the owner holds pinned is
                 not pinned again (`Scheduler.pin`).
-            num_logprobs: None for no log-probabilities, else how many top alternatives to
-                record beside each sampled token's (default: `params.logprobs`).
+            num_logprobs: how many top alternatives to record beside each sampled token's
+                log-probability; None: `params.logprobs` (None there: no log-probabilities).
         """
         params.validate(self.cfg.vocab_size)
         if not prompt_ids:

@@ -145,6 +145,22 @@ def test_the_readmes_client_calls_work_against_make_runs_server(tmp_path):
             "--route-heavy 'llama' is not a served model (smollm2-135m, gemma3-270m)",
         ),
         (
+            [
+                "--model",
+                "smollm2-135m",
+                "--model",
+                "gemma3-270m",
+                "--memory-budget",
+                "2",
+                "--model-options",
+                'gemma3-270m={"served_model_name": "smollm2-135m"}',
+                "--model-options",
+                'smollm2-135m={"served_model_name": "small"}',
+            ],
+            "gemma3-270m's served name 'smollm2-135m' is another --model",
+        ),
+        (["--model-options", 'smollm2-135m={"served_model_name": "auto"}'], "'auto' is routing by effort"),
+        (
             ["--model", "smollm2-135m", "--model", "gemma3-270m", "--memory-budget", "0.1", "--kv-cache-dtype", "fp32"],
             "does not hold the weights of smollm2-135m",
         ),

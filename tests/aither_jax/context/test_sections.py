@@ -102,6 +102,17 @@ def test_a_history_cut_in_odd_steps_never_starts_with_an_answer_whose_question_w
         assert tok.decode(prompt.ids).count("Question") == tok.decode(prompt.ids).count("Answer")
         drops.add(drop)
     assert any(d % 3 == 1 for d in drops)  # some cut took the orphaned answer with it
+    # With tool calls: an answer, a tool result and the answer after it go with their question.
+    tools = [
+        {"role": r, "content": f"{r} {i} about the harbour tides."}
+        for i in range(6)
+        for r in ("user", "assistant", "tool", "assistant")
+    ]
+    for step in (1, 3):
+        for budget in range(60, 200, 12):
+            prompt = Context(tok, context_budget=budget).assemble([Section("history", tools, step=step)])
+            drop = int(prompt.report.sections[0].truncated.split()[1])
+            assert drop % 4 == 0, (step, budget, drop)
 
 
 def test_budgets_cut_the_least_important_first_down_to_their_minimum(tok):
