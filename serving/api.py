@@ -479,8 +479,9 @@ def build_app(
             remaining = served.max_model_len - len(prompt_ids)
             try:
                 served.engine.engine.check_prompt(len(prompt_ids), max_tokens)
-            except ValueError as e:  # past the context length
-                raise HTTPError(400, str(e), "messages" if hasattr(body, "messages") else "prompt") from None
+            except ValueError as e:  # past the context length (of the model named, or routed to)
+                message = f"{e} (model `{served.name}`)" if len(models) > 1 else str(e)
+                raise HTTPError(400, message, "messages" if hasattr(body, "messages") else "prompt") from None
             try:
                 for j in range(body.n):
                     seed = None if body.seed is None else (body.seed + j) % 2**32

@@ -92,7 +92,7 @@ def test_auto_routes_by_effort_and_names_the_serving_model(server):
     assert ask("hi, how are you?") == SMOL  # light: the smaller model
     assert ask("Prove that there are infinitely many prime numbers.") == GEMMA  # more parameters: heavy
     assert ask("hi, how are you?", reasoning_effort="high") == GEMMA
-    with pytest.raises(openai.BadRequestError):  # refused after routing: not counted
+    with pytest.raises(openai.BadRequestError, match=f"model `{GEMMA}`"):  # refused after routing: not counted
         ask("hi, how are you?", reasoning_effort="high", max_tokens=10**6)
     text = httpx.get(server.url + "/metrics", timeout=30).text
     assert 'aither:routed_requests_total{effort="5",model_name="gemma3-270m",reason="reasoning_effort"} 1.0' in text
