@@ -241,13 +241,14 @@ def test_the_budget_skips_what_it_cannot_fit_and_a_timeout_ends_the_whole_stage(
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
         f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
     )
-    stages = {"spawns": ([PY, "-c", spawn], 3, ""), "next": ([PY, "-c", "pass"], 60, "")}
+    # 6 s: time for two interpreters to start on a busy machine before the stage is timed out.
+    stages = {"spawns": ([PY, "-c", spawn], 6, ""), "next": ([PY, "-c", "pass"], 60, "")}
     monkeypatch.setattr(gpu_check, "STAGES", stages)
     out = tmp_path / "out"
-    assert gpu_check.run(list(stages), out, {}, budget=52) == 1
+    assert gpu_check.run(list(stages), out, {}, budget=55) == 1
     summary = json.loads((out / "summary.json").read_text())
-    assert summary[0]["status"] == "timed out after 3 s"
-    assert summary[1]["status"] == "skipped: out of budget"  # 52 - 3 - 5 s left: under the 45 s minimum
+    assert summary[0]["status"] == "timed out after 6 s"
+    assert summary[1]["status"] == "skipped: out of budget"  # 55 - 6 - 5 s left: under the 45 s minimum
     status = pathlib.Path(f"/proc/{pid_file.read_text()}/status")
     assert not status.exists() or "zombie" in status.read_text()  # the stage's own child went too
 
