@@ -143,8 +143,9 @@ class DiskStore:
     # -- index --------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        """Indexes the intact files of this configuration, oldest first; clears stray temp files
-        and the files of the flat layout before per-configuration directories, which no store
+        """Indexes the intact files of this configuration, oldest first; removes its page files
+        that are not (torn, damaged), the temporary files of writes no process will finish, and
+        the files of the flat layout before per-configuration directories, which no store
         reads."""
         self._remove_flat_layout()
         found = []
@@ -159,6 +160,8 @@ class DiskStore:
             header = self._read_header(path)
             if header is None:
                 self.counters.num_skipped += 1
+                if _PAGE_FILE.fullmatch(path.name):  # one of its own, cut short or damaged: no use to anyone
+                    _remove(path)
                 continue
             found.append((path.stat().st_mtime_ns, header))
         for _, header in sorted(found, key=lambda f: f[0]):

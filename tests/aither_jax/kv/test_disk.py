@@ -63,6 +63,7 @@ def test_files_of_another_configuration_torn_or_corrupt_are_never_loaded(tmp_pat
     reopened = DiskStore(tmp_path, fingerprint="f", page_bytes=PAGE_BYTES, capacity=8)
     assert reopened.counters.num_skipped == 2 and reopened.counters.num_torn == 2
     assert not dead.exists() and not old.exists() and live.exists()
+    assert not files[1].exists() and (store.dir / "junk.kvpage").exists()  # its own damaged file goes, not others
     assert name(1) not in reopened and name(2) in reopened
     assert reopened.read(name(2)) is None and reopened.counters.num_corrupt == 1 and name(2) not in reopened
     assert reopened.read(name(3)) == payload(name(3))
