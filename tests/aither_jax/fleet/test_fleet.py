@@ -126,7 +126,7 @@ def test_auto_routes_by_effort(fleet):
     assert len(one) == 1 and one[0].model == MODELS[0]  # a flat list of ids is one prompt
 
 
-def test_the_fleets_host_and_disk_tier_sizes_are_shared_by_kv_share(tmp_path):
+def test_the_fleets_host_and_disk_tier_sizes_are_shared_by_kv_share(tmp_path, caplog):
     """Tier sizes given for the fleet are the process's: the models without a size of their own
     share them by `kv_share` (the disk tier's default 4 GiB too); a model's own size stands."""
     models = {MODELS[0]: {"kv_share": 3.0}, MODELS[1]: {"kv_disk_size": 0.5}}
@@ -134,6 +134,7 @@ def test_the_fleets_host_and_disk_tier_sizes_are_shared_by_kv_share(tmp_path):
         models, memory_budget_gib=3.0, kv_offloading_size=0.04, kv_cache_dir=str(tmp_path),
         enable_prefix_caching=True, **SETTINGS,
     )  # fmt: skip
+    assert "a base model not tuned for chat" in caplog.text  # routing's heavy model, chosen by size
     host = {m: fl.plan.zone(m, "host_tier").bytes for m in MODELS}
     assert host == {MODELS[0]: int(0.03 * GIB), MODELS[1]: int(0.01 * GIB)}
     for m, disk_gib in zip(MODELS, (4.0, 0.5), strict=True):
