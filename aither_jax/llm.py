@@ -397,8 +397,7 @@ class LLM:
         """Writes every cached KV page still on the device or in host memory to the disk tier
         (`kv_cache_dir`), so a later process finds them; returns how many. Without a disk tier
         there is nowhere to write: ValueError."""
-        tiers = self.engine.scheduler.prefix_cache.tiers if self.engine.scheduler.prefix_cache else None
-        if tiers is None or tiers.disk is None:
+        if self.engine.tiers is None or self.engine.tiers.disk is None:
             raise ValueError("persist() writes to the disk tier: create the LLM with kv_cache_dir")
         return self.engine.persist()
 

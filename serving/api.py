@@ -402,9 +402,6 @@ def build_app(
         )  # fmt: skip
         served, routed = _pick(body.model, route)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        if body.sectioned and body.pin_prefix:
-            message = "a sectioned request pins its stable sections (stable or cache_control), not with pin_prefix"
-            raise HTTPError(400, message, "pin_prefix")
         try:
             if body.sectioned:
                 prompt = _context_prompt(served, body, _salt(request, served), max_tokens)

@@ -225,6 +225,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("response_format other than text is not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.pin_prefix and self.sectioned:
+            raise ValueError("pin_prefix does not apply to a sectioned request: it pins its stable sections")
         return self
 
     def conversation(self) -> list[dict]:

@@ -53,8 +53,8 @@ class Route:
     key: str = dataclasses.field(default="", repr=False, compare=False)
     own: int = dataclasses.field(default=0, repr=False, compare=False)
     opens_window: bool = dataclasses.field(default=False, repr=False, compare=False)
-    starts: bool = dataclasses.field(default=False, repr=False, compare=False)  # a new conversation
-    lookup: str = dataclasses.field(default="", repr=False, compare=False)  # where the turn before is remembered
+    lookup: str = dataclasses.field(default="", repr=False, compare=False)  # the turn before's key ("": none)
+    by_history: bool = dataclasses.field(default=False, repr=False, compare=False)  # keyed by its messages
 
 
 @dataclasses.dataclass
@@ -111,14 +111,13 @@ class Router:
         else:  # remembered under this turn's messages, read from the turn before: all before its answer
             key = f"{scope}\x00{chain_key(messages)}"
             lookup = f"{scope}\x00{chain_key(messages[: answered[-1]])}" if answered else ""
-        # A first turn is a new conversation, whatever another that opened alike (or another
-        # conversation of the same user) remembers.
-        starts = not session and not answered
+        if not session and not answered:  # a first turn: a new conversation, whatever another
+            lookup = ""  # that opened alike (or another of the same user) remembers
         # Tool results answer this turn's request, after its user message; a later turn's
         # history still holds them, but they belong to the turn that opened the window.
         tool_turn = any(m.get("role") == "tool" for m in messages[last_user + 1 :])
         with self._lock:
-            memory = None if starts or not lookup else self._memory.get(lookup)
+            memory = self._memory.get(lookup) if lookup else None
             if reasoning_effort is not None:
                 if reasoning_effort not in REASONING_EFFORT:
                     raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}")
@@ -135,8 +134,9 @@ class Router:
         model = self.heavy if effort >= self.threshold else self.light
         opens_window = own >= self.threshold or tool_turn
         chosen = Route(
-            model, effort, reason, detail, key=key, lookup=lookup, own=own, opens_window=opens_window, starts=starts
-        )
+            model, effort, reason, detail, key=key, lookup=lookup, own=own, opens_window=opens_window,
+            by_history=conversation is None,
+        )  # fmt: skip
         if remember:
             self.remember(chosen)
         return chosen
@@ -153,11 +153,11 @@ class Router:
             self.routed[(route.model, route.effort)] += 1
             if route.key == "":
                 return
-            before = None if route.starts or not route.lookup else self._memory.get(route.lookup)
+            before = self._memory.get(route.lookup) if route.lookup else None
             held = self._memory.get(route.key)
-            # Known by its history (no turn before it to read), a light first turn alike another
-            # conversation's heavy one leaves that one its carry.
-            if route.starts and not route.lookup and not route.opens_window and held and held.turns_left > 0:
+            # Known by its history, a light first turn alike another conversation's heavy one
+            # leaves that one its carry.
+            if route.by_history and not route.lookup and not route.opens_window and held and held.turns_left > 0:
                 return
             memory = dataclasses.replace(before) if before is not None else _Memory(0, 0, 0)
             self._update(memory, route)  # a copy: a retried turn finds the turn before as it was

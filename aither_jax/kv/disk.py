@@ -542,11 +542,11 @@ def _dead_write(path: pathlib.Path) -> bool:
     if len(pid) < 3 or pid[0] or not pid[1].isdigit():
         return False
     try:
-        os.kill(int(pid[1]), 0)
+        os.kill(int(pid[1]), 0)  # PermissionError: another user's process, running
     except (ProcessLookupError, OverflowError):  # no such process (or no such pid)
         return True
-    except OSError:  # another user's process: running
-        return False
+    except OSError:
+        pass
     return False
 
 

@@ -413,6 +413,8 @@ class KVTiers:
 GIB = 1 << 30
 DEFAULT_DISK_GIB = 4.0
 
+DEFAULT_LOW_WATERMARK = 0.5
+
 
 def physical_memory() -> int | None:
     """This machine's memory in bytes, where the system says."""
@@ -420,9 +422,6 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-DEFAULT_LOW_WATERMARK = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
