@@ -4,6 +4,7 @@ what is allowed in its error."""
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 from collections.abc import Callable
 
@@ -49,6 +50,93 @@ def nonempty_path(name: str) -> Callable[[str], pathlib.Path]:
         return pathlib.Path(text)
 
     return parse
+
+
+def output_file(name: str, suffixes: tuple[str, ...] = ()) -> Callable[[str], pathlib.Path]:
+    """A file the command will write, checked before any work starts (a run must not end in an
+    error about where its results go): not empty, not a directory, its nearest existing folder
+    writable, and ending in one of `suffixes` when given."""
+
+    def parse(text: str) -> pathlib.Path:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{name} must name a file, got an empty path")
+        path = pathlib.Path(text).expanduser()
+        if suffixes and path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"{name} must end in {' or '.join(suffixes)}, got {text!r}")
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is a directory; name a file in it")
+        folder = path.absolute().parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: {folder} is a file, not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not writable")
+        return path
+
+    return parse
+
+
+def input_file(name: str, *, utf8: bool = False) -> Callable[[str], pathlib.Path]:
+    """A file the command will read: it exists and is a file (a folder is named as one); with
+    `utf8`, a text that decodes as UTF-8 (the error names the file and where it fails)."""
+
+    def parse(text: str) -> pathlib.Path:
+        path = pathlib.Path(text).expanduser()
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is a directory, not a file")
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{name} {text!r} does not exist")
+        try:
+            if utf8:
+                path.read_bytes().decode("utf-8")
+            else:
+                path.open("rb").close()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{name} {text!r} cannot be read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not UTF-8 text (byte {e.start})") from None
+        return path
+
+    return parse
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default where it has one and its help does not name it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help, default = action.help or "", action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS or default == []
+        if unset or "default" in help or not action.option_strings or action.nargs == 0:
+            return help
+        shown = (
+            " ".join(map(str, default)) if isinstance(default, list | tuple) else str(getattr(default, "name", default))
+        )
+        shown = shown.replace("%", "%%")
+        return f"{help} (default: {shown})" if help else f"default: {shown}"
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--json [FILE]`, the same in every command: alone, `what` goes to stdout as JSON in place
+    of the table; with FILE, the table prints and the JSON is written there."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        type=lambda text: text if text == "-" else output_file("--json")(text),
+        metavar="FILE",
+        help=f"JSON output ({what}): on stdout in place of the table, or with FILE written there beside it",
+    )
+
+
+def add_version_argument(parser: argparse.ArgumentParser) -> None:
+    from aither_jax import __version__
+
+    parser.add_argument("--version", action="version", version=f"aither-jax {__version__}")
 
 
 def _number(x: float) -> str:

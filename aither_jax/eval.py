@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import re
@@ -34,13 +33,27 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.cli_args import add_model_argument, float_in, int_in, kv_spec_or_auto
-from aither_jax.context.prompt import chat_prompt, text_prompt
+from aither_jax.cli_args import (
+    PLOT_SUFFIXES,
+    HelpFormatter,
+    add_json_argument,
+    add_model_argument,
+    add_version_argument,
+    float_in,
+    input_file,
+    int_in,
+    kv_spec_or_auto,
+    output_file,
+)
+from aither_jax.cli_output import INTERRUPTED, emit_json, run_command, run_info, write_file
+from aither_jax.context.prompt import file_prompts, read_prompts, text_prompt
 from aither_jax.quant.scoring import FormatScorer
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
 from models.kv_spec import MAX_SINK_TOKENS, KVSpec, parse_kv_spec
-from models.registry import resolve_model
+from models.registry import MODELS, resolve_model
+
+PROG = "python -m aither_jax.eval"
 
 
 def capacity_rows(
@@ -96,10 +109,21 @@ def resolve_specs(specs: list[KVSpec | str], model: str) -> list[KVSpec]:
     return [parse_kv_spec(resolve_kv_cache_dtype(s, model)) if s in KV_ALIASES else s for s in specs]
 
 
-def run_perplexity(args) -> list[dict]:
+def run_perplexity(args) -> tuple[list[dict], int]:
+    """(a row per format, how many were asked for): Ctrl-C after the first row ends the run
+    with the rows scored so far."""
     scorer = FormatScorer(args.model, args.dtype, args.text_file, args.max_tokens, args.chunk, args.attention)
     specs = resolve_specs(args.kv_cache_dtype, args.model)
-    return [scorer.score(spec) for spec in tqdm(specs, desc="scoring KV formats", unit="format")]
+    for spec in specs:
+        spec.bytes_per_token(scorer.llm.config)  # a format naming a layer the model lacks fails before scoring
+    rows = []
+    try:
+        for spec in tqdm(specs, desc="scoring KV formats", unit="format"):
+            rows.append(scorer.score(spec))
+    except KeyboardInterrupt:
+        if not rows:
+            raise
+    return rows, len(specs)
 
 
 def plot_label(name: str) -> str:
@@ -132,7 +156,6 @@ def write_plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(f"{rows[0]['model']}: KV cache formats, {rows[0]['num_tokens']} tokens")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -147,10 +170,11 @@ KV_FORMATS_HELP = (
 def add_text_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """The arguments of commands that score KV formats on a text (checked by `run_on_text`);
     with `several`, --text-file takes one or more texts."""
+    text = input_file("--text-file", utf8=True)
     if several:
-        parser.add_argument("--text-file", nargs="+", required=True, help="UTF-8 texts to fit on")
+        parser.add_argument("--text-file", nargs="+", type=text, required=True, help="UTF-8 texts to fit on")
     else:
-        parser.add_argument("--text-file", required=True, help="UTF-8 text to score")
+        parser.add_argument("--text-file", type=text, required=True, help="UTF-8 text to score")
     parser.add_argument(
         "--max-tokens", type=int_in("--max-tokens", 2, 8192), default=1024, help="tokens of the text to use"
     )
@@ -159,9 +183,16 @@ def add_text_arguments(parser: argparse.ArgumentParser, *, several: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m aither_jax.eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    add_version_argument(p)
     sub = p.add_subparsers(dest="command", required=True)
-    ppl = sub.add_parser("perplexity", help="quality of KV cache formats against bf16 KV on a text")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+        parser.set_defaults(parser=parser)  # its usage errors print its own usage line
+        return parser
+
+    ppl = command("perplexity", "quality of KV cache formats against bf16 KV on a text")
     add_model_argument(ppl)
     ppl.add_argument(
         "--kv-cache-dtype",
@@ -178,14 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="how quantized pages are read: decoded (reference), or in the rotated domain as LLM reads them "
         "(xla: jnp; pallas: the kernels, interpreted on CPU; auto: LLM's choice for this backend)",
     )
-    ppl.add_argument("--plot", default="out/kv_quality.png", help="where to write the quality plot ('' to skip)")
-    ppl.add_argument("--json", action="store_true", help="print one JSON object per format")
-    alloc = sub.add_parser("allocate", help="per-layer key/value bits for a compression target, from measurements")
+    ppl.add_argument(
+        "--plot", type=output_file("--plot", PLOT_SUFFIXES), default=None, metavar="FILE",
+        help="write the quality plot (perplexity change and KL against bytes per token) here",
+    )  # fmt: skip
+    add_json_argument(ppl, "one object per format (JSON lines)")
+    alloc = command("allocate", "per-layer key/value bits for a compression target, from measurements")
     add_model_argument(alloc)
     add_text_arguments(alloc, several=True)
     alloc.add_argument(
         "--held-out-file",
         nargs="+",
+        type=input_file("--held-out-file", utf8=True),
         default=[],
         help="texts the plans are also scored on, never used to fit them",
     )
@@ -210,12 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     alloc.add_argument(
         "--probes-file",
+        type=output_file("--probes-file"),
         help="JSON lines file: each probe's result is appended as it is measured, and a rerun with the "
         "same texts and settings reuses the ones found (resumes an interrupted run)",
     )
-    alloc.add_argument("--json", action="store_true", help="print one JSON object")
-    codec = sub.add_parser("codec", help="TurboQuant codec quality on random unit vectors")
-    codec.add_argument("--head-dim", type=int_in("--head-dim", 4, 1024), default=128)
+    add_json_argument(alloc, "the probes and plans")
+    codec = command("codec", "TurboQuant codec quality on random unit vectors")
+    codec.add_argument("--head-dim", type=int_in("--head-dim", 8, 1024), default=128, help="a power of two")
     codec.add_argument(
         "--bits", type=_codec_bits, nargs="+", default=[2, 3, 4], help="1..8, or 1.5..7.5 for the split-group format"
     )
@@ -223,11 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--codebook", choices=("exact", "gaussian"), default="exact")
     codec.add_argument("--qjl", action="store_true", help="add the 1-bit QJL residual")
     codec.add_argument("--num-vectors", type=int_in("--num-vectors", 100, 1_000_000), default=10_000)
-    codec.add_argument("--json", action="store_true", help="print one JSON object per bit width")
-    acc = sub.add_parser("acceptance", help="speculative decoding: tau and speedup over plain decoding")
+    add_json_argument(codec, "one object per bit width (JSON lines)")
+    acc = command("acceptance", "speculative decoding: tau and speedup over plain decoding")
     add_model_argument(acc)
     acc.add_argument("--speculative", choices=("dflash", "ngram"), required=True)
-    acc.add_argument("--prompts", required=True, help='JSON lines, each {"messages": [...]} or {"prompt": "..."}')
+    acc.add_argument(
+        "--prompts",
+        type=input_file("--prompts"),
+        required=True,
+        help='JSON lines, each {"messages": [...]} or {"prompt": "..."}',
+    )
     acc.add_argument("--block-size", type=int_in("--block-size", 2, 64), default=None, help="drafts + 1 per step")
     acc.add_argument("--steps", type=int_in("--steps", 1, 63), default=None, help="dflash denoising steps (default 1)")
     acc.add_argument(
@@ -245,26 +286,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="dflash: verify a tree of this many drafted nodes; 0: a chain (default: 3 on CPU, else a chain)",
     )
-    acc.add_argument("--draft", default=None, help="dflash draft file (default: the one shipped for the model)")
+    acc.add_argument(
+        "--draft",
+        type=input_file("--draft"),
+        default=None,
+        help="dflash draft file (default: the one shipped for the model)",
+    )
     acc.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)
     acc.add_argument("--max-prompts", type=int_in("--max-prompts", 1), default=None)
     acc.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
     acc.add_argument("--batch-size", type=int_in("--batch-size", 1, 256), default=1, help="sequences decoded together")
     acc.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     acc.add_argument("--kv-cache-dtype", type=kv_spec_or_auto, default="auto")
-    acc.add_argument("--json", action="store_true", help="print one JSON object")
-    fid = sub.add_parser("fidelity", help="greedy chat answers with KV cache formats against unquantized KV")
+    add_json_argument(acc, "the report")
+    fid = command("fidelity", "greedy chat answers with KV cache formats against unquantized KV")
     add_model_argument(fid)
     fid.add_argument("--kv-cache-dtype", nargs="+", type=kv_spec_or_auto, required=True, help=KV_FORMATS_HELP)
     fid.add_argument(
-        "--prompts", default=None, help="prompt set (JSON; default: aither_jax/quant/fidelity_prompts.json)"
+        "--prompts",
+        type=input_file("--prompts"),
+        default=None,
+        help='prompt set: a JSON object {"chat": [prompt, ...], "factual": [{"question": ..., "answers": [...]}]} '
+        "(default: aither_jax/quant/fidelity_prompts.json)",
     )
     fid.add_argument("--max-tokens", type=int_in("--max-tokens", 1, 512), default=24, help="reply tokens compared")
     fid.add_argument("--batch", type=int_in("--batch", 1, 64), default=8, help="requests decoded together")
-    fid.add_argument("--json", default=None, metavar="FILE", help="write the report (every differing reply too) here")
-    res = sub.add_parser("residency", help="bounded residency: KL and passkey retrieval against the full cache")
+    add_json_argument(fid, "the report (every differing reply too)")
+    res = command("residency", "bounded residency: KL and passkey retrieval against the full cache")
     add_model_argument(res)
-    res.add_argument("--text-file", default=None, help="long UTF-8 text (default: the Python language reference)")
+    res.add_argument(
+        "--text-file",
+        type=input_file("--text-file", utf8=True),
+        default=None,
+        help="long UTF-8 text (default: the Python language reference)",
+    )
     res.add_argument("--num-tokens", type=int_in("--num-tokens", 256, 1 << 20), default=4096)
     res.add_argument(
         "--residency", type=float_in("--residency", 0.0, 1.0, low_open=True), nargs="+", default=[0.1, 0.25, 0.5],
@@ -279,15 +334,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt lengths of the passkey test (kept where the full cache retrieves at every depth)",
     )  # fmt: skip
     res.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
-    res.add_argument("--json", default=None, metavar="FILE", help="write the report here")
-    res.add_argument("--plot", default=None, metavar="PNG", help="plot KL against the resident share here")
-    fit = sub.add_parser("fit-key-transform", help="fit the query-aware key transform of the -pc KV formats")
+    add_json_argument(res, "the report")
+    res.add_argument(
+        "--plot", type=output_file("--plot", PLOT_SUFFIXES), default=None, metavar="FILE",
+        help="plot KL against the resident share here",
+    )  # fmt: skip
+    fit = command("fit-key-transform", "fit the query-aware key transform of the -pc KV formats")
     add_model_argument(fit)
-    fit.add_argument("--text-file", default=None, help="fitting text (default: standard-library docstrings)")
+    fit.add_argument(
+        "--text-file", type=input_file("--text-file", utf8=True), default=None,
+        help="fitting text (default: standard-library docstrings)",
+    )  # fmt: skip
     fit.add_argument("--max-tokens", type=int_in("--max-tokens", 64, 8192), default=2048)
-    fit.add_argument("--out", default=None, help="where to write it (default: the file shipped for the model)")
-    fit.add_argument("--json", action="store_true", help="print one JSON object")
-    cap = sub.add_parser("capacity", help="KV bytes per token and tokens per memory budget")
+    where = fit.add_mutually_exclusive_group()
+    where.add_argument(
+        "--out", type=output_file("--out", (".npz",)), default=None, metavar="FILE",
+        help="where to write it (default: out/kv_transforms/<model>.npz)",
+    )  # fmt: skip
+    where.add_argument(
+        "--install",
+        action="store_true",
+        help="write it where the model's -pc formats load it from (models/assets/kv_transforms/), replacing the "
+        "shipped one",
+    )
+    add_json_argument(fit, "the report")
+    cap = command("capacity", "KV bytes per token and tokens per memory budget")
     add_model_argument(cap)
     cap.add_argument(
         "--kv-cache-dtype",
@@ -320,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument(
         "--disk-gib", type=float_in("--disk-gib", 0, 1 << 30), default=0.0, help="disk tier (--kv-disk-size)"
     )
-    cap.add_argument("--json", action="store_true", help="print one JSON object per format")
+    add_json_argument(cap, "one object per format (JSON lines)")
     return p
 
 
@@ -333,8 +404,8 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
     from models.kv_transform import fit_key_transforms, transform_path
     from models.llama import queries_and_keys
 
-    if args.text_file is not None and not os.path.isfile(args.text_file):
-        parser.error(f"--text-file {args.text_file!r} does not exist")
+    if args.install and args.model not in MODELS:
+        parser.error(f"--install is for registered models ({', '.join(sorted(MODELS))}); give --out for a model file")
     try:
         llm = aj.LLM(args.model, dtype="float32", kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=64)
     except ValueError as e:
@@ -348,18 +419,17 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
     cfg = llm.config
     q, k = (np.asarray(a) for a in queries_and_keys(llm.engine.weights, jnp.asarray(ids, jnp.int32), cfg=cfg))
     m, ratios = fit_key_transforms(q, k, cfg.num_heads // cfg.num_kv_heads)
-    out = args.out or str(transform_path(args.model))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    command = f"python -m aither_jax.eval fit-key-transform --model {args.model} --max-tokens {args.max_tokens}"
+    out = str(transform_path(args.model) if args.install else args.out or default_transform_out(args.model))
+    command = f"{PROG} fit-key-transform --model {args.model} --max-tokens {args.max_tokens}"
     if args.text_file is not None:
         command += f" --text-file {args.text_file}"
-    np.savez(
+    write_file(
         out,
-        key_transform=m.astype(np.float16),
-        source=np.asarray(source),
-        num_tokens=np.asarray(len(ids)),
-        command=np.asarray(command),
-    )
+        lambda tmp: np.savez(
+            tmp, key_transform=m.astype(np.float16), source=np.asarray(source), num_tokens=np.asarray(len(ids)),
+            command=np.asarray(command),
+        ),
+    )  # fmt: skip
     report = {
         "model": args.model,
         "out": out,
@@ -369,43 +439,57 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
         "score_error_ratio_per_layer": [round(float(r), 4) for r in ratios.mean(1)],
     }
     if args.json:
-        print(json.dumps(report))
-    else:
+        report_json(args, report)
+    if args.json != "-":
         print(f"{args.model}: key transform from {len(ids)} tokens of {source} -> {out}")
         print(f"predicted score error vs identity: {report['score_error_ratio_mean']:.3f} (mean over layers and heads)")
+        if not args.install:
+            print(f"the -pc formats read {transform_path(args.model)}; --install writes there")
     return 0
 
 
+def default_transform_out(model: str) -> pathlib.Path:
+    """out/kv_transforms/<model>.npz; a model file is named by its stem."""
+    name = pathlib.Path(model).stem if model.endswith(".gguf") else model
+    return pathlib.Path("out", "kv_transforms", f"{name}.npz")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "perplexity":
-        return perplexity_main(parser, args)
-    if args.command == "codec":
-        return codec_main(parser, args)
-    if args.command == "allocate":
-        return allocate_main(parser, args)
-    if args.command == "acceptance":
-        return acceptance_main(parser, args)
-    if args.command == "fit-key-transform":
-        return fit_key_transform_main(parser, args)
-    if args.command == "fidelity":
-        return fidelity_main(parser, args)
-    if args.command == "residency":
-        return residency_main(parser, args)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    commands = {
+        "perplexity": perplexity_main,
+        "codec": codec_main,
+        "allocate": allocate_main,
+        "acceptance": acceptance_main,
+        "fit-key-transform": fit_key_transform_main,
+        "fidelity": fidelity_main,
+        "residency": residency_main,
+        "capacity": capacity_main,
+    }
+    return commands[args.command](args.parser, args)
+
+
+def report_json(args, objects: dict | list[dict]) -> None:
+    """`--json [FILE]`: the report with the run that made it (cli_output.run_info)."""
+    emit_json(args.json, objects, run_info(PROG, args.argv))
+
+
+def capacity_main(parser: argparse.ArgumentParser, args) -> int:
     try:
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
-    except (ValueError, GGUFError) as e:
+        # "auto" names one of the listed formats for most models: one row each.
+        specs = list({spec.name: spec for spec in resolve_specs(args.kv_cache_dtype, args.model)}.values())
+        rows = capacity_rows(
+            cfg, specs, int(args.memory_gib * (1 << 30)), context_length=args.context_length,
+            num_seqs=args.num_seqs, host_bytes=int(args.host_gib * (1 << 30)),
+            disk_bytes=int(args.disk_gib * (1 << 30)),
+        )  # fmt: skip
+    except (ValueError, GGUFError) as e:  # a format naming layers the model lacks, a bad model file
         parser.error(str(e))
-    specs = resolve_specs(args.kv_cache_dtype, args.model)
-    budget = int(args.memory_gib * (1 << 30))
-    rows = capacity_rows(
-        cfg, specs, budget, context_length=args.context_length, num_seqs=args.num_seqs,
-        host_bytes=int(args.host_gib * (1 << 30)), disk_bytes=int(args.disk_gib * (1 << 30)),
-    )  # fmt: skip
     if args.json:
-        for row in rows:
-            print(json.dumps({"model": args.model, **row}))
+        report_json(args, [{"model": args.model, **row} for row in rows])
+    if args.json == "-":
         return 0
     print(
         f"{args.model}: {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head_dim {cfg.head_dim}, "
@@ -442,40 +526,45 @@ def codec_main(parser: argparse.ArgumentParser, args) -> int:
 
     if args.head_dim & (args.head_dim - 1):
         parser.error(f"--head-dim must be a power of two, got {args.head_dim}")
+    codecs = []  # built before any is measured, so a bad combination fails at once
     for bits in args.bits:
-        if not is_split_bits(bits):
-            tq = TurboQuant(
-                head_dim=args.head_dim, bits=bits, rotation=args.rotation, codebook=args.codebook, qjl=args.qjl
-            )
-        elif (args.rotation, args.codebook) != ("haar", "exact") or args.head_dim < 16:
+        if is_split_bits(bits) and ((args.rotation, args.codebook) != ("haar", "exact") or args.head_dim < 16):
             parser.error("the split-group format (half-integer --bits) uses Haar rotations, exact codebooks, d >= 16")
-        else:
-            tq = SplitTurboQuant(head_dim=args.head_dim, bits=bits, qjl=args.qjl)
+        try:
+            if is_split_bits(bits):
+                codecs.append((bits, SplitTurboQuant(head_dim=args.head_dim, bits=bits, qjl=args.qjl)))
+            else:
+                codecs.append(
+                    (
+                        bits,
+                        TurboQuant(args.head_dim, bits, rotation=args.rotation, codebook=args.codebook, qjl=args.qjl),
+                    )
+                )
+        except ValueError as e:
+            parser.error(f"--head-dim {args.head_dim} --bits {bits}: {e}")
+    reports = []
+    for bits, tq in codecs:
         report = {"head_dim": args.head_dim, "bits": bits, "rotation": args.rotation, "codebook": args.codebook}
         report |= {"qjl": args.qjl, **tq.validate(num_vectors=args.num_vectors)}
-        if args.json:
-            print(json.dumps(report))
-        else:
+        reports.append(report)
+        if args.json != "-":
             print(
                 f"d={args.head_dim} {bits} bit{'s' if bits > 1 else ''} ({args.rotation}, {args.codebook}"
                 f"{', qjl' if args.qjl else ''}): mse {report['mse']:.5f} = {report['mse_ratio']:.2f} x 4^-b, "
                 f"inner-product rmse {report['inner_product_rmse']:.5f}, {report['bytes_per_vector']} B/vector"
             )
+    if args.json:
+        report_json(args, reports)
     return 0
 
 
 def run_on_text(parser: argparse.ArgumentParser, args, run):
     """Checks the text-scoring arguments, then `run(args)`; bad input exits with code 2."""
-    files = args.text_file if isinstance(args.text_file, list) else [args.text_file]
-    for flag, paths in (("--text-file", files), ("--held-out-file", getattr(args, "held_out_file", []))):
-        for path in paths:
-            if not os.path.isfile(path):
-                parser.error(f"{flag} {path!r} does not exist")
     if args.chunk & (args.chunk - 1):
         parser.error(f"--chunk must be a power of two, got {args.chunk}")
     try:
         return run(args)
-    except (ValueError, GGUFError, UnicodeDecodeError) as e:
+    except (ValueError, GGUFError) as e:
         parser.error(str(e))
 
 
@@ -484,7 +573,8 @@ def allocate_main(parser: argparse.ArgumentParser, args) -> int:
 
     report = run_on_text(parser, args, run_allocate)
     if args.json:
-        print(json.dumps(report))
+        report_json(args, report)
+    if args.json == "-":
         return 0
     print(f"{args.model}: fitted on the first {args.max_tokens} tokens of {', '.join(report['texts'])}")
     print(
@@ -511,17 +601,24 @@ def allocate_main(parser: argparse.ArgumentParser, args) -> int:
 def fidelity_main(parser: argparse.ArgumentParser, args) -> int:
     from aither_jax.quant import fidelity
 
+    prompts = args.prompts or fidelity.PROMPTS
     try:
+        fidelity.load_prompts(prompts)  # the prompt set and every format are checked before any decoding
+        cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
+        formats = resolve_specs(args.kv_cache_dtype, args.model)
+        for spec in formats:
+            spec.bytes_per_token(cfg)  # a layer it names that the model lacks
         report = fidelity.run_fidelity(
-            args.model, [str(f) if isinstance(f, str) else f.name for f in args.kv_cache_dtype],
-            prompts=args.prompts or fidelity.PROMPTS, max_tokens=args.max_tokens, batch=args.batch,
+            args.model, [spec.name for spec in formats], prompts=prompts, max_tokens=args.max_tokens,
+            batch=args.batch, progress=True,
         )  # fmt: skip
-    except ValueError as e:
+    except (ValueError, GGUFError) as e:
         parser.error(str(e))
-    print(fidelity.table(report))
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False), encoding="utf-8")
+        report_json(args, report)
+    if args.json != "-":
+        print(fidelity.table(report))
+    if args.json not in (None, "-"):
         print(f"report: {args.json}")
     return 0
 
@@ -534,33 +631,40 @@ def residency_main(parser: argparse.ArgumentParser, args) -> int:
         tau=args.tau, stride=args.stride, passkey_lengths=tuple(args.passkey_lengths), dtype=args.dtype,
     )  # fmt: skip
     if args.text_file is not None:
-        if not os.path.isfile(args.text_file):
-            parser.error(f"--text-file {args.text_file!r} does not exist")
         settings.text = pathlib.Path(args.text_file).read_text(encoding="utf-8")
         settings.source = os.path.basename(args.text_file)
     try:
         report = residency_eval.run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as e:
         parser.error(str(e))
-    print(residency_eval.table(report))
     if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        report_json(args, report)
+    if args.json != "-":
+        print(residency_eval.table(report))
+    if args.json not in (None, "-"):
         print(f"report: {args.json}")
     if args.plot:
-        residency_eval.plot(report, args.plot)
-        print(f"plot: {args.plot}")
+        write_file(args.plot, lambda tmp: residency_eval.plot(report, tmp))
+        print(f"plot: {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
 
 
 def perplexity_main(parser: argparse.ArgumentParser, args) -> int:
-    rows = run_on_text(parser, args, run_perplexity)
-    if args.plot:
-        write_plot(rows, args.plot)
+    rows, asked = run_on_text(parser, args, run_perplexity)
     if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
+        report_json(args, rows)
+    if args.json != "-":
+        print_perplexity_table(args, rows)
+    if args.plot:
+        write_file(args.plot, lambda tmp: write_plot(rows, tmp))
+        print(f"plot: {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    if len(rows) < asked:
+        print(f"interrupted: {len(rows)} of {asked} formats scored", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+def print_perplexity_table(args, rows: list[dict]) -> None:
     print(
         f"{args.model}: {rows[0]['num_tokens']} tokens of {args.text_file}, weights {rows[0]['weights_dtype']}, "
         f"{rows[0]['attention']} attention, perplexity with bf16 KV {rows[0]['perplexity_bf16']:.4f}"
@@ -576,39 +680,6 @@ def perplexity_main(parser: argparse.ArgumentParser, args) -> int:
             f"{r['perplexity']:>9.4f} {r['perplexity_change_pct']:>+10.2f}% {r['kl_divergence']:>8.4f} "
             f"{r['top1_agreement']:>6.1%}"
         )
-    if args.plot:
-        print(f"plot: {args.plot}")
-    return 0
-
-
-def read_prompts(path: str) -> list[tuple[str, object]]:
-    """("messages", conversation) or ("prompt", text) per line of a JSON-lines file."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
-            if isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
-                out.append(("messages", item["messages"]))
-            elif isinstance(item, dict) and isinstance(item.get("prompt"), str) and item["prompt"]:
-                out.append(("prompt", item["prompt"]))
-            else:
-                raise ValueError(f'{path}:{n}: expected {{"messages": [...]}} or {{"prompt": "..."}}')
-    if not out:
-        raise ValueError(f"{path}: no prompts")
-    return out
-
-
-def prompt_ids(tokenizer, prompts: list[tuple[str, object]]) -> list[list[int]]:
-    """Token ids of read_prompts() items (conversations through the chat template)."""
-    return [
-        chat_prompt(tokenizer, value).ids if kind == "messages" else text_prompt(tokenizer, value).ids
-        for kind, value in prompts
-    ]
 
 
 def timed_decode(llm, ids: list[list[int]], params, batch_size: int, before_timing=None) -> tuple[list, float]:
@@ -724,14 +795,14 @@ def run_acceptance(args) -> dict:
     if args.speculative == "dflash":
         spec["steps"] = args.steps or 1
         if args.draft:
-            spec["model"] = args.draft
+            spec["model"] = str(args.draft)
     dtype = resolve_dtype(args.dtype)
     kv = getattr(args.kv_cache_dtype, "name", args.kv_cache_dtype)
     common = dict(dtype=dtype, kv_cache_dtype=kv, max_num_seqs=args.batch_size, progress=False)
     fast = aj.LLM(args.model, speculative=spec, **common)  # first, so a bad draft fails before any decoding
     plain = aj.LLM(args.model, **common)
     params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
-    ids = prompt_ids(plain.tokenizer, prompts)
+    ids = [p.ids for p in file_prompts(plain.tokenizer, prompts)]
     baseline = timed_decode(plain, ids, params, args.batch_size)
     row = speculative_row(fast, ids, params, args.batch_size, baseline)
     return {
@@ -746,8 +817,6 @@ def run_acceptance(args) -> dict:
 
 
 def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
-    if not os.path.isfile(args.prompts):
-        parser.error(f"--prompts {args.prompts!r} does not exist")
     if args.draft and args.speculative != "dflash":
         parser.error("--draft is for --speculative dflash")
     if args.tree is not None and args.speculative != "dflash":
@@ -761,7 +830,8 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
     except (ValueError, GGUFError, UnicodeDecodeError) as e:
         parser.error(str(e))
     if args.json:
-        print(json.dumps(r))
+        report_json(args, r)
+    if args.json == "-":
         return 0
     print(
         f"{r['model']} {r['speculative']} block {r['block_size']}"
@@ -790,4 +860,4 @@ def acceptance_main(parser: argparse.ArgumentParser, args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -1,40 +1,68 @@
 """Command line generation: `python -m aither_jax.generate --model smollm2-135m --prompt "..."`.
 
-Exit codes: 0 success, 2 bad usage (flags, model name or file, prompt too long), 1 other errors.
+One prompt streams its text to stdout as it is decoded; several (`--prompt` repeated, or a
+JSON-lines `--prompts` file) are decoded together, with a progress bar, and printed in order.
+
+Exit codes: 0 success, 2 bad usage (flags, model name or file, prompt too long), 130
+interrupted (Ctrl-C: what was decoded is printed), 1 other errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
+import secrets
 import sys
 import time
 
 from aither_jax.cli_args import (
+    HelpFormatter,
+    add_json_argument,
     add_model_argument,
     add_residency_args,
+    add_version_argument,
     float_in,
+    input_file,
     int_in,
     kv_spec,
     residency_kwargs,
     speculative_config,
 )
+from aither_jax.cli_output import emit_json, run_command, run_info
 from models.gguf_file import GGUFError
+
+PROG = "python -m aither_jax.generate"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m aither_jax.generate", description="Generate text with a GGUF model.")
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Generate text with a GGUF model.", formatter_class=HelpFormatter
+    )
+    add_version_argument(p)
     add_model_argument(p)
-    p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument(
+        "--prompt", action="append", help="prompt text (the user message with --chat); repeat for several"
+    )
+    given.add_argument(
+        "--prompts",
+        type=input_file("--prompts", utf8=True),
+        metavar="FILE",
+        help='JSON lines, each {"messages": [...]} (a conversation, through the chat template) or {"prompt": "..."}',
+    )
+    p.add_argument("--chat", action="store_true", help="wrap each --prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int_in("--max-tokens", 1), default=128)
-    p.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
+    p.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float_in("--top-p", 0.0, 1.0, low_open=True), default=1.0)
     p.add_argument("--top-k", type=int_in("--top-k", -1), default=0, help="0 or -1 disables top-k")
-    p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=None)
+    p.add_argument(
+        "--seed",
+        type=int_in("--seed", 0, 2**32 - 1),
+        default=None,
+        help="sampling seed: the same seed gives the same tokens (default: a random one, reported with --json)",
+    )
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument(
         "--dtype",
@@ -43,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: bfloat16 on accelerators, float32 on CPU (bfloat16 is faster only on CPUs with bf16 instructions)",
     )
     p.add_argument("--max-model-len", type=int_in("--max-model-len", 2), default=None)
+    p.add_argument(
+        "--batch-size", type=int_in("--batch-size", 1, 256), default=8, help="prompts decoded together (with several)"
+    )
     p.add_argument(
         "--kv-cache-dtype",
         type=lambda text: text if text in ("auto", "turboquant") else kv_spec(text).name,
@@ -65,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON speculative settings, e.g. \'{"method": "dflash", "num_speculative_tokens": 7, "steps": 2}\'',
     )
     add_residency_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    add_json_argument(p, "an object per prompt: text, token ids, timings and the sampling settings")
     return p
 
 
@@ -83,13 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.system is not None and not args.chat:
         parser.error("--system needs --chat")
-    if not args.prompt:
+    if args.prompts is not None and (args.chat or args.system is not None):
+        parser.error("--chat and --system are for --prompt (a --prompts file says which lines are conversations)")
+    if args.prompt is not None and not all(args.prompt):
         parser.error("--prompt must not be empty")
     if args.speculative and args.speculative_config:
         parser.error("give --speculative or --speculative-config, not both")
     import aither_jax as aj  # heavy imports after argument checks, so --help and usage errors are fast
+    from aither_jax.context.prompt import chat_prompt, file_prompts, read_prompts, text_prompt
     from aither_jax.llm import resolve_dtype
 
+    try:
+        items = read_prompts(args.prompts) if args.prompts is not None else None
+    except ValueError as e:
+        parser.error(f"--prompts: {e}")
+    seed = args.seed
+    if seed is None and args.temperature > 0:
+        seed = secrets.randbits(32)  # reported, so a run worth keeping can be repeated
     try:
         # SamplingParams holds the limits (stop strings, top-k range); checked before the model loads.
         params = aj.SamplingParams(
@@ -97,19 +138,20 @@ def main(argv: list[str] | None = None) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            seed=args.seed,
+            seed=seed,
             stop=args.stop,
         )
     except ValueError as e:
         parser.error(_flag_message(str(e)))
     args.dtype = resolve_dtype(args.dtype)
+    num_prompts = len(items) if items is not None else len(args.prompt)
     try:
         llm = aj.LLM(
             args.model,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=args.max_model_len,
-            max_num_seqs=1,
+            max_num_seqs=min(num_prompts, args.batch_size),
             progress=True,
             speculative=args.speculative_config or args.speculative,
             batch_invariant=args.batch_invariant,
@@ -117,57 +159,91 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, GGUFError) as e:
         parser.error(str(e))
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.prompt}
-    ]
-
-    def run(p: aj.SamplingParams) -> aj.RequestOutput:
-        if args.chat:
-            return llm.chat([messages], p, use_tqdm=False)[0]
-        return llm.generate([args.prompt], p, use_tqdm=False)[0]
-
+    system = [{"role": "system", "content": args.system}] if args.system else []
     try:
-        # A short untimed run compiles the prefill and decode steps, so the reported speed is
-        # the steady state; compilation time is reported on its own.
-        t0 = time.perf_counter()
-        run(dataclasses.replace(params, max_tokens=min(2, params.max_tokens)))
-        compile_seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = run(params)
-        elapsed = time.perf_counter() - t0
-    except ValueError as e:
-        parser.error(str(e))
-    if args.json:
-        result = {
-            "model": args.model,
-            "dtype": args.dtype,
-            "kv_cache_dtype": llm.kv_spec.name,
-            "text": out.text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "prompt_tokens": out.num_prompt_tokens,
-            "completion_tokens": len(out.token_ids),
-            "seconds": round(elapsed, 4),
-            "warmup_seconds": round(compile_seconds, 4),
-            "tokens_per_second": round(len(out.token_ids) / elapsed, 2),
-        }
-        if llm.engine.speculative is not None:
-            result["speculative"] = {
-                "method": llm.engine.speculative.method,
-                "draft_tokens": out.num_draft_tokens,
-                "accepted_tokens": out.num_accepted_tokens,
-                "verify_passes_with_drafts": out.num_spec_steps,
-            }
-        print(json.dumps(result, ensure_ascii=False))
+        if items is not None:
+            prompts = file_prompts(llm.tokenizer, items)
+        elif args.chat:
+            prompts = [chat_prompt(llm.tokenizer, [*system, {"role": "user", "content": p}]) for p in args.prompt]
+        else:
+            prompts = [text_prompt(llm.tokenizer, p) for p in args.prompt]
+        for prompt in prompts:
+            llm.engine.check_prompt(len(prompt.ids))
+    except (ValueError, KeyError, TypeError) as e:
+        parser.error(f"{'--prompts' if items is not None else '--prompt'}: {e}")
+    # A short untimed run compiles the prefill and decode steps, so the reported speed is the
+    # steady state; compilation time is reported on its own.
+    t0 = time.perf_counter()
+    llm.generate(
+        prompts[: args.batch_size], dataclasses.replace(params, max_tokens=min(2, params.max_tokens)), use_tqdm=False
+    )
+    warmup_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if num_prompts == 1:
+        outs = [stream_one(llm, prompts[0], params, echo=args.json != "-")]
     else:
-        print(out.text)
-        print(
-            f"[{len(out.token_ids)} tokens in {elapsed:.2f} s ({len(out.token_ids) / elapsed:.1f} tok/s, "
-            f"after {compile_seconds:.1f} s of warm-up); finish: {out.finish_reason}]",
-            file=sys.stderr,
-        )
+        outs = []
+        for i in range(0, num_prompts, args.batch_size):
+            outs += llm.generate(prompts[i : i + args.batch_size], params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    if args.json:
+        sampling = {
+            "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "seed": params.seed, "stop": list(params.stop_strings),
+        }  # fmt: skip
+        rows = [json_row(args, llm, out, sampling, elapsed, warmup_seconds) for out in outs]
+        emit_json(args.json, rows[0] if num_prompts == 1 else rows, run_info(PROG, argv))
+    if args.json != "-" and num_prompts > 1:
+        for i, out in enumerate(outs):
+            print(f"--- {i} ({out.finish_reason}) ---\n{out.text}")
+    print(
+        f"[{tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tok/s, after {warmup_seconds:.1f} s of "
+        f"warm-up); finish: {', '.join(sorted({o.finish_reason for o in outs}))}]",
+        file=sys.stderr,
+    )
     return 0
 
 
+def stream_one(llm, prompt, params, *, echo: bool):
+    """Decodes one prompt; with `echo`, its text goes to stdout as it settles. Ctrl-C ends the
+    line where decoding stopped before the interruption goes on."""
+    stream = llm.stream(prompt, params)
+    try:
+        for piece in stream:
+            if echo:
+                print(piece, end="", flush=True)
+    finally:
+        if echo:
+            print(flush=True)
+    return stream.output
+
+
+def json_row(args, llm, out, sampling: dict, seconds: float, warmup_seconds: float) -> dict:
+    row = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "kv_cache_dtype": llm.kv_spec.name,
+        "prompt": out.prompt,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": len(out.token_ids),
+        "sampling": sampling,
+        "seconds": round(seconds, 4),  # with several prompts: the whole run's
+        "warmup_seconds": round(warmup_seconds, 4),
+        "tokens_per_second": round(len(out.token_ids) / seconds, 2),
+    }
+    if llm.engine.speculative is not None:
+        row["speculative"] = {
+            "method": llm.engine.speculative.method,
+            "draft_tokens": out.num_draft_tokens,
+            "accepted_tokens": out.num_accepted_tokens,
+            "verify_passes_with_drafts": out.num_spec_steps,
+        }
+    return row
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

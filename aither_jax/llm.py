@@ -16,6 +16,7 @@ from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.context.sections import Context, ContextError
 from aither_jax.core.bounded import ResidencyConfig
 from aither_jax.core.engine import Engine
+from aither_jax.core.output import TextStream
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.kv.tiers import TierConfig
 from models.config import ModelConfig
@@ -434,19 +435,76 @@ class LLM:
             for s in seqs:
                 self.engine.abort(s)
             raise
-        return [
-            RequestOutput(
-                p.text,
-                s.prompt_ids,
-                s.text,
-                s.output_ids,
-                s.finish_reason,
-                s.num_draft_tokens,
-                s.num_accepted_tokens,
-                s.num_spec_steps,
-                s.num_cached_prompt,
-                None if s.first_token_time is None else s.first_token_time - s.arrival_time,
-                logprobs=output_logprobs(s),
-            )
-            for p, s in zip(prompts, seqs, strict=True)
-        ]
+        return [request_output(p, s) for p, s in zip(prompts, seqs, strict=True)]
+
+    def stream(
+        self, prompt: str | Sequence[int] | Sequence[dict] | Prompt, sampling_params: SamplingParams | None = None
+    ) -> StreamedOutput:
+        """One completion as it is decoded: iterate the result for pieces of its text (never
+        taken back: a possible stop string or an incomplete character is held until settled);
+        its `output` is the RequestOutput once the iteration ends. `prompt`: text, token ids,
+        a `Prompt`, or a conversation (a list of messages, through the chat template)."""
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            assembled = chat_prompt(self.tokenizer, prompt)
+        elif isinstance(prompt, Prompt):
+            assembled = prompt
+        else:
+            try:
+                assembled = text_prompt(self.tokenizer, prompt)
+            except ValueError:
+                raise ValueError("prompt must be a string, a list of token ids or a list of messages") from None
+        params = SamplingParams(**self.sampling_defaults) if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        return StreamedOutput(self, assembled, params)
+
+
+def request_output(prompt: Prompt, seq) -> RequestOutput:
+    return RequestOutput(
+        prompt.text,
+        seq.prompt_ids,
+        seq.text,
+        seq.output_ids,
+        seq.finish_reason,
+        seq.num_draft_tokens,
+        seq.num_accepted_tokens,
+        seq.num_spec_steps,
+        seq.num_cached_prompt,
+        None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+        logprobs=output_logprobs(seq),
+    )
+
+
+class StreamedOutput:
+    """`LLM.stream`'s completion: iterating it decodes, yielding text pieces as they settle;
+    `output` holds the RequestOutput once it is done. Leaving the loop early (or an error)
+    aborts the request and frees its pages."""
+
+    def __init__(self, llm: LLM, prompt: Prompt, params: SamplingParams):
+        self._llm, self._prompt, self._params = llm, prompt, params
+        self.output: RequestOutput | None = None
+        self._started = False
+
+    def __iter__(self):
+        if self._started:
+            raise RuntimeError("a streamed output can be iterated once")
+        self._started = True
+        engine, prompt = self._llm.engine, self._prompt
+        # Queued only once iterated: a stream never read holds no pages. A prompt the engine
+        # refuses (too long for the model) raises ValueError here.
+        seq = engine.add_request(
+            prompt.ids, self._params, pin_tokens=prompt.num_pinned, sections=prompt.sections, pin_key=prompt.pin_key
+        )
+        text = TextStream(self._llm.tokenizer, self._params.stop_strings)
+        try:
+            if self._llm.before_steps is not None:
+                self._llm.before_steps()
+            while not seq.finished:
+                engine.step()
+                piece = text.finish(seq.text) if seq.finished else text.delta(seq.output_ids)
+                if piece:
+                    yield piece
+        finally:
+            if not seq.finished:
+                engine.abort(seq)
+        self.output = request_output(prompt, seq)

@@ -93,6 +93,21 @@ def run(settings: ResidencySettings, progress=print) -> dict:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than the {settings.num_tokens} asked for")
     ids = ids[: settings.num_tokens]
     page = full.engine.page_size
+
+    def bounded(fraction: float, scorer: str):
+        try:
+            return aj.LLM(
+                settings.model, **common, max_model_len=longest,
+                max_resident_tokens=bound_tokens(fraction, settings.num_tokens, page), residency_scorer=scorer,
+                residency_tau=settings.tau,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"resident share {fraction:g} of {settings.num_tokens} tokens: {e}") from None
+
+    # The smallest and largest shares are built once first: one that cannot be served fails
+    # now, not after the full cache's run.
+    for fraction in {min(settings.fractions), max(settings.fractions)}:
+        bounded(fraction, settings.scorers[0])
     first = bound_tokens(min(settings.fractions), settings.num_tokens, page)
     positions = np.arange(first, settings.num_tokens - 1, settings.stride)
     targets = np.asarray(ids)[positions + 1]
@@ -110,10 +125,7 @@ def run(settings: ResidencySettings, progress=print) -> dict:
     for fraction in settings.fractions:
         bound = bound_tokens(fraction, settings.num_tokens, page)
         for scorer in settings.scorers:
-            llm = aj.LLM(
-                settings.model, **common, max_model_len=longest, max_resident_tokens=bound,
-                residency_scorer=scorer, residency_tau=settings.tau,
-            )  # fmt: skip
+            llm = bounded(fraction, scorer)
             start = time.perf_counter()
             got = _log_softmax(llm.engine.forward(ids, positions=positions)[0])
             seconds = time.perf_counter() - start

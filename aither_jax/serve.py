@@ -19,7 +19,9 @@ import time
 import uvicorn
 
 from aither_jax.cli_args import (
+    HelpFormatter,
     add_residency_args,
+    add_version_argument,
     float_in,
     int_in,
     kv_spec,
@@ -44,8 +46,11 @@ class _ModelsAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m aither_jax.serve", description="Serve a GGUF model over an OpenAI-compatible HTTP API."
+        prog="python -m aither_jax.serve",
+        description="Serve a GGUF model over an OpenAI-compatible HTTP API.",
+        formatter_class=HelpFormatter,
     )
+    add_version_argument(p)
     p.add_argument(
         "--model",
         action=_ModelsAction,

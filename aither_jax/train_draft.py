@@ -3,7 +3,8 @@ in aither_jax/speculative/train/)."""
 
 import sys
 
+from aither_jax.cli_output import run_command
 from aither_jax.speculative.train.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

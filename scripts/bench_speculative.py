@@ -72,14 +72,15 @@ def bench(args, save=None) -> dict:
     """Runs plain decoding, then every configuration; `save(report)` after each row, so a run
     cut off midway keeps the rows it finished."""
     import aither_jax as aj
-    from aither_jax.eval import prompt_ids, read_prompts, speculative_row, timed_decode
+    from aither_jax.context.prompt import file_prompts, read_prompts
+    from aither_jax.eval import speculative_row, timed_decode
     from aither_jax.llm import resolve_dtype
 
     prepare_shapes(args)
     dtype = resolve_dtype(args.dtype)
     common = dict(dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.batch_size, progress=False)
     plain = aj.LLM(args.model, **common)
-    ids = prompt_ids(plain.tokenizer, read_prompts(args.prompts)[: args.max_prompts])
+    ids = [p.ids for p in file_prompts(plain.tokenizer, read_prompts(args.prompts)[: args.max_prompts])]
     params = aj.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     print(f"plain decoding of {len(ids)} prompts ...", file=sys.stderr)
     with recorded_shapes(plain, shapes_file(args, None)):

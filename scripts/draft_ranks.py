@@ -102,8 +102,8 @@ def draft_ranks(args) -> dict:
     import jax.numpy as jnp
     from tqdm import tqdm
 
+    from aither_jax.context.prompt import file_prompts, read_prompts
     from aither_jax.device.sampling import SamplingParams
-    from aither_jax.eval import prompt_ids, read_prompts
     from aither_jax.llm import LLM
     from aither_jax.speculative.ngram import ngram_propose
     from aither_jax.speculative.train.data import tap_arrays
@@ -119,7 +119,7 @@ def draft_ranks(args) -> dict:
     cfg, params, meta, vocab = load_draft(path)
     llm = LLM(args.model, dtype="float32", kv_cache_dtype="fp32", max_num_seqs=8, progress=False)
     cfg.check_target(llm.config)
-    ids = prompt_ids(llm.tokenizer, read_prompts(args.prompts)[: args.max_prompts])
+    ids = [p.ids for p in file_prompts(llm.tokenizer, read_prompts(args.prompts)[: args.max_prompts])]
     outs = llm.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0), use_tqdm=True)
     seqs = [list(p) + o.token_ids for p, o in zip(ids, outs, strict=True)]
     arrays = tap_arrays(llm, cfg, seqs, [len(p) for p in ids], 0, "hidden states")

@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aither_jax.context.prompt import Prompt, chat_prompt, text_prompt
 from aither_jax.context.sections import Context, sections_from_messages
+from aither_jax.core.output import TextStream
 from aither_jax.device.sampling import SamplingParams
 from aither_jax.fleet.planner import MemoryPlan
 from aither_jax.fleet.router import Route, Router
@@ -199,32 +200,6 @@ class SSEResponse(StreamingResponse):
             group.start_soon(stream)
             await self.listen_for_disconnect(receive)
             group.cancel_scope.cancel()
-
-
-class TextStream:
-    """Turns a growing list of token ids into text deltas that are never taken back: the tail
-    that could still become a stop string, or an incomplete UTF-8 character, is held back."""
-
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
-        self.tokenizer = tokenizer
-        self.holdback = max((len(s) for s in stops), default=1) - 1
-        self.sent = ""
-
-    def delta(self, token_ids: list[int]) -> str:
-        text = self.tokenizer.decode(token_ids)
-        end = len(text)
-        while end > 0 and text[end - 1] == "\ufffd":  # an incomplete character (one U+FFFD per byte)
-            end -= 1
-        return self._advance(text[: max(end - self.holdback, 0)])
-
-    def finish(self, final_text: str) -> str:
-        return self._advance(final_text)
-
-    def _advance(self, text: str) -> str:
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        out, self.sent = text[len(self.sent) :], text
-        return out
 
 
 class TokenOffsets:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import secrets
 from collections.abc import Sequence
 
@@ -181,3 +182,32 @@ def _system_head(tokenizer: Tokenizer, messages: Sequence[dict], ids: list[int])
         return []
     head = tokenizer.encode_chat(messages[:num_system], add_generation_prompt=False)[0]
     return head if ids[: len(head)] == head else []
+
+
+def read_prompts(path: str) -> list[tuple[str, object]]:
+    """("messages", conversation) or ("prompt", text) per line of a JSON-lines file."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+            if isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
+                out.append(("messages", item["messages"]))
+            elif isinstance(item, dict) and isinstance(item.get("prompt"), str) and item["prompt"]:
+                out.append(("prompt", item["prompt"]))
+            else:
+                raise ValueError(f'{path}:{n}: expected {{"messages": [...]}} or {{"prompt": "..."}}')
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def file_prompts(tokenizer: Tokenizer, items: list[tuple[str, object]]) -> list[Prompt]:
+    """The prompts of read_prompts() items (conversations through the chat template)."""
+    return [
+        chat_prompt(tokenizer, value) if kind == "messages" else text_prompt(tokenizer, value) for kind, value in items
+    ]

@@ -56,3 +56,29 @@ def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tu
     top = np.argpartition(-logp, k)[:k] if 0 < k < logp.size else np.arange(logp.size if k else 0)
     top = top[np.argsort(-logp[top], kind="stable")]
     return float(logp[token]), [(int(t), float(logp[t])) for t in top]
+
+
+class TextStream:
+    """Turns a growing list of token ids into text deltas that are never taken back: the tail
+    that could still become a stop string, or an incomplete UTF-8 character, is held back."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.sent = ""
+
+    def delta(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids)
+        end = len(text)
+        while end > 0 and text[end - 1] == "\ufffd":  # an incomplete character (one U+FFFD per byte)
+            end -= 1
+        return self._advance(text[: max(end - self.holdback, 0)])
+
+    def finish(self, final_text: str) -> str:
+        return self._advance(final_text)
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        out, self.sent = text[len(self.sent) :], text
+        return out

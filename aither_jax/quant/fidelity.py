@@ -22,6 +22,8 @@ import gc
 import json
 import pathlib
 
+from tqdm.auto import tqdm
+
 from models.kv_spec import parse_kv_spec
 
 PROMPTS = pathlib.Path(__file__).resolve().parent / "fidelity_prompts.json"
@@ -43,12 +45,27 @@ def load_prompts(path: str | pathlib.Path = PROMPTS) -> tuple[list[str], list[di
         data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a readable JSON prompt set ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f'{path}: expected a JSON object with "chat" (and "factual"), got a {type(data).__name__}')
     chat, factual = data.get("chat"), data.get("factual", [])
     if not isinstance(chat, list) or not chat or not all(isinstance(p, str) and p for p in chat):
         raise ValueError(f'{path}: "chat" must be a non-empty list of strings')
-    for item in factual:
-        if not (isinstance(item, dict) and isinstance(item.get("question"), str) and item.get("answers")):
-            raise ValueError(f'{path}: each "factual" item needs a "question" and a list of "answers"')
+    if not isinstance(factual, list):
+        raise ValueError(f'{path}: "factual" must be a list of {{"question", "answers"}} items')
+    for n, item in enumerate(factual):
+        question, answers = (item.get("question"), item.get("answers")) if isinstance(item, dict) else (None, None)
+        if not (
+            isinstance(question, str)
+            and question
+            and isinstance(answers, list)
+            and answers
+            and all(isinstance(a, str) and a.strip() for a in answers)
+        ):
+            # A bare string of answers would be matched one character at a time.
+            raise ValueError(
+                f'{path}: "factual" item {n} needs a non-empty "question" and "answers", a non-empty list of '
+                "non-empty strings"
+            )
     return chat, factual
 
 
@@ -99,15 +116,29 @@ def compare(reference: FormatAnswers, other: FormatAnswers, chat: list[str], fac
 
 
 def run_fidelity(
-    model: str, formats: list[str], *, prompts: str | pathlib.Path = PROMPTS, max_tokens: int = 24, batch: int = 8
+    model: str,
+    formats: list[str],
+    *,
+    prompts: str | pathlib.Path = PROMPTS,
+    max_tokens: int = 24,
+    batch: int = 8,
+    progress: bool = False,
 ) -> dict:
-    """The unquantized cache's replies, then each format's figures against them."""
+    """The unquantized cache's replies, then each format's figures against them; `progress`
+    shows a bar over the formats (the reference first) on stderr."""
     chat, factual = load_prompts(prompts)
-    reference, _ = answers(model, REFERENCE, chat, factual, max_tokens=max_tokens, batch=batch)
-    rows = []
-    for fmt in formats:
-        got, compression = answers(model, fmt, chat, factual, max_tokens=max_tokens, batch=batch)
-        rows.append({"requested": fmt, "compression_vs_bf16": compression, **compare(reference, got, chat, factual)})
+    with tqdm(total=len(formats) + 1, desc="answering", unit="format", disable=not progress) as bar:
+        bar.set_postfix_str(REFERENCE)
+        reference, _ = answers(model, REFERENCE, chat, factual, max_tokens=max_tokens, batch=batch)
+        bar.update()
+        rows = []
+        for fmt in formats:
+            bar.set_postfix_str(fmt if len(fmt) <= 24 else fmt[:21] + "...")
+            got, compression = answers(model, fmt, chat, factual, max_tokens=max_tokens, batch=batch)
+            rows.append(
+                {"requested": fmt, "compression_vs_bf16": compression, **compare(reference, got, chat, factual)}
+            )
+            bar.update()
     return {
         "model": model,
         "max_tokens": max_tokens,

@@ -106,7 +106,7 @@ def test_perplexity_table_of_the_measured_format_read_in_the_rotated_domain(tmp_
     text = tmp_path / "prose.txt"
     text.write_text(TEXT, encoding="utf-8")
     argv = ["perplexity", "--kv-cache-dtype", "turboquant", "tq4", "--text-file", str(text), "--max-tokens", "48"]
-    argv += ["--chunk", "16", "--dtype", "float32", "--plot", ""]
+    argv += ["--chunk", "16", "--dtype", "float32"]
     assert aj_eval.main([*argv, "--attention", "xla"]) == 0
     out = capsys.readouterr().out
     assert "xla attention" in out and "ppl change" in out and "top-1" in out
@@ -283,16 +283,23 @@ def test_acceptance_rejects_bad_prompt_files(tmp_path, content, message, capsys)
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_fit_key_transform_writes_a_loadable_transform(tmp_path, capsys):
+def test_fit_key_transform_writes_a_loadable_transform_and_leaves_the_shipped_one(tmp_path, monkeypatch, capsys):
+    from models.kv_transform import transform_path
+
+    shipped = transform_path("smollm2-135m").read_bytes()
     text = tmp_path / "t.txt"
     text.write_text(TEXT, encoding="utf-8")
-    out = tmp_path / "m.npz"
-    argv = ["fit-key-transform", "--text-file", str(text), "--max-tokens", "64", "--out", str(out), "--json"]
+    monkeypatch.chdir(tmp_path)  # the default --out is relative: out/kv_transforms/<model>.npz
+    argv = ["fit-key-transform", "--text-file", str(text), "--max-tokens", "64", "--json", "report.json"]
     assert aj_eval.main(argv) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "the -pc formats read" in capsys.readouterr().out
+    report = json.loads((tmp_path / "report.json").read_text())
+    out = tmp_path / "out" / "kv_transforms" / "smollm2-135m.npz"
+    assert report["out"] == str(out.relative_to(tmp_path)) and report["run"]["command"].endswith("report.json")
     assert 16 <= report["num_tokens"] <= 64 and 0 < report["score_error_ratio_mean"] <= 1
     with np.load(out) as f:
         assert f["key_transform"].shape == (30, 3, 64, 64) and "--text-file" in str(f["command"])
+    assert transform_path("smollm2-135m").read_bytes() == shipped
 
 
 def test_fit_key_transform_rejects_a_missing_text(capsys):

@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ([], "--prompt"),
+        ([], "one of the arguments --prompt --prompts is required"),
+        (["--prompt", "x", "--prompts", os.path.join(ROOT, "README.md")], "not allowed with argument"),
         (["--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["--prompt", "x", "--max-tokens", "ten"], "--max-tokens must be an integer"),
         (["--prompt", "x", "--temperature", "-0.5"], "--temperature must be in"),
@@ -140,3 +141,41 @@ def test_seeded_chat_sampling_in_a_subprocess_is_reproducible():
         assert result["completion_tokens"] == len(result["token_ids"]) <= 8
         assert result["prompt_tokens"] > 5 and result["tokens_per_second"] > 0  # the chat template adds tokens
     assert results[0]["token_ids"] == results[1]["token_ids"] and results[0]["text"] == results[1]["text"]
+
+
+def test_several_prompts_report_the_drawn_seed_and_one_prompt_streams_the_same_text(tmp_path, capsys):
+    """A --prompts file (a conversation and a completion) decoded together, sampled with no
+    --seed: each JSON line reports the seed drawn; that seed given back on one prompt streams
+    the very text to stdout (a seeded draw depends only on the seed and the position)."""
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"messages": [{"role": "user", "content": "Name a colour."}]}, {"prompt": "The sky is"}]
+    prompts.write_text("\n".join(map(json.dumps, lines)), encoding="utf-8")
+    common = ["--temperature", "0.8", "--max-tokens", "6", "--dtype", "float32", "--max-model-len", "128"]
+    assert generate.main(["--prompts", str(prompts), *common, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and "Name a colour." in rows[0]["prompt"] and rows[1]["prompt"] == "The sky is"
+    seed = rows[0]["sampling"]["seed"]
+    assert isinstance(seed, int) and rows[1]["sampling"] == rows[0]["sampling"]
+    assert rows[0]["sampling"]["temperature"] == 0.8 and rows[0]["run"]["command"].startswith(
+        "python -m aither_jax.generate --prompts"
+    )
+    assert generate.main(["--prompt", "Name a colour.", "--chat", "--seed", str(seed), *common]) == 0
+    assert capsys.readouterr().out == rows[0]["text"] + "\n"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"text": "x"}', 'expected {"messages": [...]} or {"prompt": "..."}'),
+        ("not json", "not JSON"),
+    ],
+)
+def test_bad_prompt_files_exit_2(tmp_path, content, message, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content, encoding="utf-8")
+    for argv in (["--prompts", str(path)], ["--prompts", str(path), "--chat"]):
+        with pytest.raises(SystemExit) as exc:
+            generate.main(argv)
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "--chat and --system are for --prompt" in err

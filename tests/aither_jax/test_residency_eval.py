@@ -37,10 +37,14 @@ def test_bounds_are_whole_pages_of_the_share():
         (["residency", "--scorer", "random"], "invalid choice"),
         (["residency", "--text-file", "/nonexistent.txt"], "does not exist"),
         (["residency", "--num-tokens", "16"], "--num-tokens"),
+        # Found before the full cache's run (the bounded engine refuses a bound that small).
+        (["residency", "--num-tokens", "512", "--residency", "0.05", "0.5"], "resident share 0.05 of 512 tokens"),
+        (["residency", "--plot", "out/kl.txt"], "--plot must end in"),
     ],
 )
 def test_bad_usage_exits_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         aj_eval.main(argv)
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "full cache" not in err  # refused before the full cache's run

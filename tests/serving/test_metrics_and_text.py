@@ -9,11 +9,11 @@ import collections
 import numpy as np
 import pytest
 
-from aither_jax.core.output import top_logprobs
+from aither_jax.core.output import TextStream, top_logprobs
 from models.gguf_file import GGUFFile
 from models.registry import resolve_model
 from models.tokenizer import Tokenizer
-from serving.api import LogprobStream, TextStream, TokenOffsets, _drop_context, _on_first, validation_message
+from serving.api import LogprobStream, TokenOffsets, _drop_context, _on_first, validation_message
 from serving.metrics import Metrics
 
 

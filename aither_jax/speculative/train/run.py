@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.cli_args import float_in, int_in
+from aither_jax.cli_args import HelpFormatter, add_model_argument, add_version_argument, float_in, int_in
 from aither_jax.speculative.train.data import Dataset, generate_data
 from aither_jax.speculative.train.loss import loss_fn, position_weights
 from aither_jax.speculative.train.prompts import EVAL_PROMPTS, build_prompts, chat_requests
@@ -29,6 +29,7 @@ from models.draft import (
     copy_target_layers,
     init_params,
 )
+from models.gguf_file import GGUFError, GGUFFile
 
 log = logging.getLogger("aither_jax.train_draft")
 
@@ -203,9 +204,18 @@ def check_target_flags(args, target: ModelConfig) -> str | None:
     return None
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m aither_jax.train_draft", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+DESCRIPTION = (
+    "Train a DFlash draft for a target model: the target writes the training data (resumable under --out), "
+    "the draft trains on it with checkpoints, and --export writes the draft that LLM(speculative='dflash') loads."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m aither_jax.train_draft", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
+    add_version_argument(p)
+    add_model_argument(p)
     p.add_argument("--out", default="runs/dflash-smollm2", help="run directory: data, checkpoints, log")
     p.add_argument("--export", help="write the trained draft here (.npz) for shipping")
     p.add_argument("--split", choices=("train", "eval"), default="train", help=argparse.SUPPRESS)
@@ -319,6 +329,11 @@ def parse_args(argv=None):
     p.add_argument("--val-fraction", type=float, default=0.05, help="sequences held out for validation, in [0, 0.5)")
     p.add_argument("--val-batches", type=int_in("--val-batches", 1), default=4, help="fully masked validation batches")
     p.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0)
+    return p
+
+
+def parse_args(argv=None, p: argparse.ArgumentParser | None = None):
+    p = p or build_parser()
     args = p.parse_args(argv)
     if not 0 <= args.val_fraction < 0.5:
         p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
@@ -337,7 +352,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     began = clock()
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parse_args(argv, parser)
     deadline = began + args.time_limit if args.time_limit else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
@@ -346,15 +362,17 @@ def main(argv=None) -> int:
             print(json.dumps({"messages": conv}))
         return 0
     from models.draft_io import save_draft
-    from models.gguf_file import GGUFFile
     from models.registry import resolve_model
     from models.weights import load_weights
 
-    gguf = GGUFFile(resolve_model(args.model))
-    target_cfg = ModelConfig.from_gguf(gguf)
+    try:
+        gguf = GGUFFile(resolve_model(args.model))
+        target_cfg = ModelConfig.from_gguf(gguf)
+    except (ValueError, GGUFError) as e:
+        parser.error(str(e))
     error = check_target_flags(args, target_cfg)
     if error:
-        sys.exit(error)
+        parser.error(error)
     cfg = DraftConfig.for_target(
         target_cfg,
         num_layers=args.num_layers,
@@ -368,7 +386,7 @@ def main(argv=None) -> int:
         try:
             start_layers = parse_start_layers(args.init_from_target, cfg.num_layers, cfg.intermediate_size, target_cfg)
         except ValueError as e:
-            sys.exit(f"--init-from-target: {e}")
+            parser.error(f"--init-from-target: {e}")
     start_params = start_vocab = start_meta = None
     if args.init_draft:
         from models.draft_io import load_draft
@@ -376,17 +394,17 @@ def main(argv=None) -> int:
         try:
             init_cfg, start_params, start_meta, start_vocab = load_draft(args.init_draft)
         except ValueError as e:
-            sys.exit(f"--init-draft: {e}")
+            parser.error(f"--init-draft: {e}")
         if init_cfg != cfg:
             differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(init_cfg, f.name)]
-            sys.exit(
+            parser.error(
                 f"--init-draft: {args.init_draft} is a different draft ({', '.join(differ)} differ from the flags')"
             )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "draft_config.json"
     if saved.exists() and DraftConfig.from_json(saved.read_text()) != cfg:
-        sys.exit(f"{saved} holds a different draft configuration; use a new --out")
+        parser.error(f"{saved} holds a different draft configuration; use a new --out")
     saved.write_text(cfg.to_json())
     log.info("draft: %s, %.1fM trained parameters", cfg, cfg.num_params() / 1e6)
     t0 = time.time()
@@ -397,7 +415,7 @@ def main(argv=None) -> int:
     try:
         check_soft_labels(args, dataset)  # before loading the target's weights
     except ValueError as e:
-        sys.exit(str(e))
+        parser.error(str(e))
     if args.init_draft:
         vocab = start_vocab  # the head it was trained with, not one chosen from this data
     else:

@@ -144,6 +144,39 @@ def test_stop_string_truncates_text(llm_f32):
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
 
 
+def test_a_streamed_completion_is_the_generated_one_in_pieces_and_holds_back_a_stop_string(tiny_f32):
+    prompt = PROMPTS[1]
+    base = tiny_f32.generate([prompt], GREEDY)[0]
+    stream = tiny_f32.stream(prompt, GREEDY)
+    pieces = list(stream)
+    assert len(pieces) > 1 and "".join(pieces) == base.text
+    assert stream.output.token_ids == base.token_ids and stream.output.finish_reason == "length"
+    # A stop string from the middle of the text: what streams never includes any of it.
+    stop = base.text[len(base.text) // 2 :][:3]
+    params = aj.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    stopped = tiny_f32.generate([prompt], params)[0]
+    stream = tiny_f32.stream(prompt, params)
+    assert "".join(stream) == stopped.text == base.text[: base.text.index(stop)]
+    assert stream.output.finish_reason == "stop"
+    with pytest.raises(RuntimeError, match="once"):
+        list(stream)
+    # A conversation goes through the chat template, as `chat` renders it.
+    messages = [{"role": "user", "content": "Hi"}]
+    assert "".join(tiny_f32.stream(messages, GREEDY)) == tiny_f32.chat([messages], GREEDY)[0].text
+
+
+def test_leaving_a_stream_early_aborts_its_request(tiny_f32):
+    engine = tiny_f32.engine
+    free_before = engine.scheduler.allocator.num_free
+    pieces = iter(tiny_f32.stream(PROMPTS[0], GREEDY))
+    next(pieces)
+    assert engine.has_unfinished()
+    pieces.close()
+    assert not engine.has_unfinished() and engine.scheduler.allocator.num_free == free_before
+    with pytest.raises(ValueError, match="maximum context length"):
+        next(iter(tiny_f32.stream([1] * 700, GREEDY)))
+
+
 def test_stop_token_ids_and_eos(llm_f32):
     base = llm_f32.generate(["The alphabet: A, B, C,"], GREEDY)[0]
     stop_tok = base.token_ids[3]
