@@ -767,8 +767,9 @@ def speculative_row(llm, ids, params, batch_size: int, baseline: tuple[list, flo
         "baseline_tokens_per_second": base_tokens / base_s,
         "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
         "adaptive": spec.adaptive,
-        "prompt_lookup": spec.prompt_lookup,
-        "tree": spec.tree,
+        # dflash's options; ngram has neither (it is prompt lookup alone, drafting a chain).
+        "prompt_lookup": spec.prompt_lookup if spec.method == "dflash" else None,
+        "tree": spec.tree if spec.method == "dflash" else None,
         # dflash with prompt_lookup: verify passes of a row whose drafts came from prompt lookup.
         "num_lookup_drafts": lookup,
         # Adaptive drafts per step: timed steps that ran each option (0 = a plain step).

@@ -444,7 +444,7 @@ class LLM:
         taken back: a possible stop string or an incomplete character is held until settled);
         its `output` is the RequestOutput once the iteration ends. `prompt`: text, token ids,
         a `Prompt`, or a conversation (a list of messages, through the chat template)."""
-        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        if is_conversation(prompt):
             assembled = chat_prompt(self.tokenizer, prompt)
         elif isinstance(prompt, Prompt):
             assembled = prompt
@@ -457,6 +457,16 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         return StreamedOutput(self, assembled, params)
+
+
+def is_conversation(prompt) -> bool:
+    """A list of message dicts (as opposed to text, token ids or a `Prompt`)."""
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and bool(prompt)
+        and all(isinstance(m, dict) for m in prompt)
+    )
 
 
 def request_output(prompt: Prompt, seq) -> RequestOutput:
@@ -483,6 +493,7 @@ class StreamedOutput:
     def __init__(self, llm: LLM, prompt: Prompt, params: SamplingParams):
         self._llm, self._prompt, self._params = llm, prompt, params
         self.output: RequestOutput | None = None
+        self.model: str | None = None  # the model that serves it (set by `aj.Fleet`)
         self._started = False
 
     def __iter__(self):
@@ -508,3 +519,4 @@ class StreamedOutput:
             if not seq.finished:
                 engine.abort(seq)
         self.output = request_output(prompt, seq)
+        self.output.model = self.model

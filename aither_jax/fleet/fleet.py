@@ -34,7 +34,7 @@ from aither_jax.fleet.planner import (
 )
 from aither_jax.fleet.router import Route, Router
 from aither_jax.kv.tiers import DEFAULT_DISK_GIB, GIB
-from aither_jax.llm import LLM, RequestOutput, as_prompt_list, resolve_dtype
+from aither_jax.llm import LLM, RequestOutput, StreamedOutput, as_prompt_list, is_conversation, resolve_dtype
 from aither_jax.speculative.config import SpeculativeConfig
 from models.kv_cache import init_cache
 from models.kv_spec import parse_kv_spec
@@ -450,13 +450,26 @@ class Fleet:
         `reasoning_effort` given)."""
         prompts = as_prompt_list(prompts)
         if model == "auto" and any(not isinstance(p, str) for p in prompts):
-            raise ValueError(
-                "model='auto' routes text prompts; token ids and assembled Prompts are one model's tokens: "
-                "name the model"
-            )
+            raise ValueError(TOKENS_NOT_ROUTED)
         route = self.router.route_text
         targets = [self._target(model, lambda p=p: route(p, reasoning_effort=reasoning_effort)) for p in prompts]
         return self._fan_out(targets, prompts, sampling_params, use_tqdm, chat=False)
+
+    def stream(
+        self, prompt, sampling_params=None, *, model: str = "auto", reasoning_effort: str | None = None
+    ) -> StreamedOutput:
+        """`LLM.stream` on the named model or, with `model="auto"`, on the one a text prompt or
+        a conversation routes to; the stream's `model` (and its output's) names it."""
+        conversation = is_conversation(prompt)
+        if model == "auto" and not conversation and not isinstance(prompt, str):
+            raise ValueError(TOKENS_NOT_ROUTED)
+        if conversation:
+            name = self._target(model, lambda: self.route(prompt, reasoning_effort=reasoning_effort))
+        else:
+            name = self._target(model, lambda: self.router.route_text(prompt, reasoning_effort=reasoning_effort))
+        stream = self.llms[name].stream(prompt, sampling_params)
+        stream.model = name
+        return stream
 
     def _target(self, model: str, route) -> str:
         if model == "auto":
@@ -480,6 +493,12 @@ class Fleet:
                 out.model = name
                 outputs[i] = out
         return outputs
+
+
+TOKENS_NOT_ROUTED = (
+    "model='auto' routes text prompts and conversations; token ids and assembled Prompts are one model's tokens: "
+    "name the model"
+)
 
 
 def base_model_note(heavy: str, light: str) -> str | None:

@@ -231,6 +231,8 @@ def test_acceptance_json_against_plain_decoding(tmp_path, capsys):
     for key in ("tau_mean", "num_prompts", "spec_tokens_per_second", "baseline_tokens_per_second", "speedup"):
         assert key in r
     assert r["num_prompts"] == 2 and r["block_size"] == 5
+    assert r["prompt_lookup"] is None and r["tree"] is None  # dflash's options
+    assert r["run"]["command"].startswith("python -m aither_jax.eval acceptance --speculative ngram")
     # Identical, or parted only at a near-tie that float rounding decides (aj_eval.divergence_gap).
     # A None gap (one output stopped early) fails here too.
     gap = r["max_divergence_gap"]

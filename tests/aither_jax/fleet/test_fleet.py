@@ -126,6 +126,20 @@ def test_auto_routes_by_effort(fleet):
     assert len(one) == 1 and one[0].model == MODELS[0]  # a flat list of ids is one prompt
 
 
+def test_a_stream_is_routed_as_chat_is_and_streams_that_models_reply(fleet):
+    hard = [{"role": "user", "content": "Prove that the square root of 2 is irrational."}]
+    stream = fleet.stream(hard, GREEDY)
+    text = "".join(stream)
+    routed = fleet.chat([hard], GREEDY)[0]
+    assert stream.model == stream.output.model == routed.model == "gemma3-270m"
+    assert text == routed.text and stream.output.token_ids == routed.token_ids
+    easy = fleet.stream("hi there!", GREEDY)
+    assert "".join(easy) == fleet.generate(["hi there!"], GREEDY, model=MODELS[0])[0].text
+    assert easy.model == MODELS[0]
+    with pytest.raises(ValueError, match="name the model"):
+        fleet.stream([1, 2, 3], GREEDY)
+
+
 def test_the_fleets_host_and_disk_tier_sizes_are_shared_by_kv_share(tmp_path, caplog):
     """Tier sizes given for the fleet are the process's: the models without a size of their own
     share them by `kv_share` (the disk tier's default 4 GiB too); a model's own size stands."""
