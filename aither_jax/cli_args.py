@@ -4,6 +4,7 @@ what is allowed in its error."""
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
 from collections.abc import Callable
@@ -52,12 +53,17 @@ def nonempty_path(name: str) -> Callable[[str], pathlib.Path]:
     return parse
 
 
-def output_file(name: str, suffixes: tuple[str, ...] = ()) -> Callable[[str], pathlib.Path]:
+def output_file(
+    name: str, suffixes: tuple[str, ...] = (), *, empty_skips: bool = False
+) -> Callable[[str], pathlib.Path | None]:
     """A file the command will write, checked before any work starts (a run must not end in an
     error about where its results go): not empty, not a directory, its nearest existing folder
-    writable, and ending in one of `suffixes` when given."""
+    writable, and ending in one of `suffixes` when given. With `empty_skips`, an empty path
+    means none (None): the file is not written."""
 
-    def parse(text: str) -> pathlib.Path:
+    def parse(text: str) -> pathlib.Path | None:
+        if not text and empty_skips:
+            return None
         if not text.strip():
             raise argparse.ArgumentTypeError(f"{name} must name a file, got an empty path")
         path = pathlib.Path(text).expanduser()
@@ -101,19 +107,35 @@ def input_file(name: str, *, utf8: bool = False) -> Callable[[str], pathlib.Path
     return parse
 
 
+_NO_HELP = "\x00"
+
+
 class HelpFormatter(argparse.HelpFormatter):
-    """--help shows each option's default where it has one and its help does not name it."""
+    """--help shows each option's default where it has one and its help does not say it."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and _shown_default(action) is not None:  # argparse skips options without help
+            action = copy.copy(action)
+            action.help = _NO_HELP  # a help for argparse to format, which _get_help_string drops
+        return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        help, default = action.help or "", action.default
-        unset = default is None or default is False or default is argparse.SUPPRESS or default == []
-        if unset or "default" in help or not action.option_strings or action.nargs == 0:
+        help, shown = (action.help or "").replace(_NO_HELP, ""), _shown_default(action)
+        if shown is None or "(default" in help or "%(default)" in help:
             return help
-        shown = (
-            " ".join(map(str, default)) if isinstance(default, list | tuple) else str(getattr(default, "name", default))
-        )
         shown = shown.replace("%", "%%")
         return f"{help} (default: {shown})" if help else f"default: {shown}"
+
+
+def _shown_default(action: argparse.Action) -> str | None:
+    default = action.default
+    if default is None or default is False or default is argparse.SUPPRESS or default == []:
+        return None
+    if not action.option_strings or action.nargs == 0:  # positionals, flags
+        return None
+    if isinstance(default, list | tuple):
+        return " ".join(str(getattr(d, "name", d)) for d in default)
+    return str(getattr(default, "name", default))
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -129,7 +151,7 @@ def add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
         default=None,
         type=lambda text: text if text == "-" else output_file("--json")(text),
         metavar="FILE",
-        help=f"JSON output ({what}): on stdout in place of the table, or with FILE written there beside it",
+        help=f"JSON output, {what}: on stdout in place of the table, or with FILE written there beside it",
     )
 
 

@@ -16,20 +16,31 @@ INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGIN
 
 
 def run_info(prog: str, argv: Sequence[str] | None = None) -> dict:
-    """Where a result came from: the command line, the software versions, the device, the time."""
+    """Where a result came from: the command line, the software versions, the device, the time.
+    The device is named only where the run started a backend: a command that computed on none
+    (capacity arithmetic) does not start one (on a GPU that would take its memory)."""
     import jax
 
     from aither_jax import __version__
 
-    device = jax.devices()[0]
+    started = _backends_started()
     return {
         "command": shlex.join([*prog.split(), *(sys.argv[1:] if argv is None else argv)]),
         "aither_jax": __version__,
         "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device": device.device_kind,
+        "backend": jax.default_backend() if started else None,
+        "device": jax.devices()[0].device_kind if started else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # moved in a later JAX: name the device anyway
+        return True
 
 
 def write_file(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -38,10 +49,16 @@ def write_file(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     The name keeps `path`'s suffix, which plotting libraries read the format from."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=path.suffix, dir=path.parent)
+    # The suffix in lower case: np.savez appends ".npz" to a name not ending in exactly that.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=path.suffix.lower(), dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        if not os.path.getsize(tmp):
+            raise OSError(f"nothing was written for {path}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary file would be, not mkstemp's 0600
         os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)

@@ -17,7 +17,7 @@
                 on a long text for each resident share and scorer, and passkey retrieval; a
                 table, JSON and a plot.
 
-Exit codes: 0 success, 2 bad usage.
+Exit codes: 0 success, 2 bad usage, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from aither_jax.quant.scoring import FormatScorer
 from models.config import ModelConfig
 from models.gguf_file import GGUFError, GGUFFile
 from models.kv_spec import MAX_SINK_TOKENS, KVSpec, parse_kv_spec
-from models.registry import MODELS, resolve_model
+from models.registry import resolve_model
 
 PROG = "python -m aither_jax.eval"
 
@@ -210,10 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(xla: jnp; pallas: the kernels, interpreted on CPU; auto: LLM's choice for this backend)",
     )
     ppl.add_argument(
-        "--plot", type=output_file("--plot", PLOT_SUFFIXES), default=None, metavar="FILE",
-        help="write the quality plot (perplexity change and KL against bytes per token) here",
+        "--plot", type=output_file("--plot", PLOT_SUFFIXES, empty_skips=True), default=None, metavar="FILE",
+        help="write the quality plot (perplexity change and KL against bytes per token) here ('': none)",
     )  # fmt: skip
-    add_json_argument(ppl, "one object per format (JSON lines)")
+    add_json_argument(ppl, "one object per format as JSON lines")
     alloc = command("allocate", "per-layer key/value bits for a compression target, from measurements")
     add_model_argument(alloc)
     add_text_arguments(alloc, several=True)
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--codebook", choices=("exact", "gaussian"), default="exact")
     codec.add_argument("--qjl", action="store_true", help="add the 1-bit QJL residual")
     codec.add_argument("--num-vectors", type=int_in("--num-vectors", 100, 1_000_000), default=10_000)
-    add_json_argument(codec, "one object per bit width (JSON lines)")
+    add_json_argument(codec, "one object per bit width as JSON lines")
     acc = command("acceptance", "speculative decoding: tau and speedup over plain decoding")
     add_model_argument(acc)
     acc.add_argument("--speculative", choices=("dflash", "ngram"), required=True)
@@ -336,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     add_json_argument(res, "the report")
     res.add_argument(
-        "--plot", type=output_file("--plot", PLOT_SUFFIXES), default=None, metavar="FILE",
+        "--plot", type=output_file("--plot", PLOT_SUFFIXES, empty_skips=True), default=None, metavar="FILE",
         help="plot KL against the resident share here",
     )  # fmt: skip
     fit = command("fit-key-transform", "fit the query-aware key transform of the -pc KV formats")
@@ -354,8 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--install",
         action="store_true",
-        help="write it where the model's -pc formats load it from (models/assets/kv_transforms/), replacing the "
-        "shipped one",
+        help="write it where the model's -pc formats load it from: models/assets/kv_transforms/<name>.npz for a "
+        "registered model (replacing the shipped one), <file>.gguf.npz for a model file",
     )
     add_json_argument(fit, "the report")
     cap = command("capacity", "KV bytes per token and tokens per memory budget")
@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument(
         "--disk-gib", type=float_in("--disk-gib", 0, 1 << 30), default=0.0, help="disk tier (--kv-disk-size)"
     )
-    add_json_argument(cap, "one object per format (JSON lines)")
+    add_json_argument(cap, "one object per format as JSON lines")
     return p
 
 
@@ -404,8 +404,11 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
     from models.kv_transform import fit_key_transforms, transform_path
     from models.llama import queries_and_keys
 
-    if args.install and args.model not in MODELS:
-        parser.error(f"--install is for registered models ({', '.join(sorted(MODELS))}); give --out for a model file")
+    out = transform_path(args.model) if args.install else args.out or default_transform_out(args.model)
+    try:
+        output_file("--install" if args.install else "--out", (".npz",))(str(out))  # before the work
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
     try:
         llm = aj.LLM(args.model, dtype="float32", kv_cache_dtype="bf16", max_num_seqs=1, max_model_len=64)
     except ValueError as e:
@@ -419,7 +422,6 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
     cfg = llm.config
     q, k = (np.asarray(a) for a in queries_and_keys(llm.engine.weights, jnp.asarray(ids, jnp.int32), cfg=cfg))
     m, ratios = fit_key_transforms(q, k, cfg.num_heads // cfg.num_kv_heads)
-    out = str(transform_path(args.model) if args.install else args.out or default_transform_out(args.model))
     command = f"{PROG} fit-key-transform --model {args.model} --max-tokens {args.max_tokens}"
     if args.text_file is not None:
         command += f" --text-file {args.text_file}"
@@ -432,7 +434,7 @@ def fit_key_transform_main(parser: argparse.ArgumentParser, args) -> int:
     )  # fmt: skip
     report = {
         "model": args.model,
-        "out": out,
+        "out": str(out),
         "source": source,
         "num_tokens": len(ids),
         "score_error_ratio_mean": float(ratios.mean()),
@@ -608,8 +610,9 @@ def fidelity_main(parser: argparse.ArgumentParser, args) -> int:
         formats = resolve_specs(args.kv_cache_dtype, args.model)
         for spec in formats:
             spec.bytes_per_token(cfg)  # a layer it names that the model lacks
+        requested = [f if isinstance(f, str) else f.name for f in args.kv_cache_dtype]  # "auto" stays "auto"
         report = fidelity.run_fidelity(
-            args.model, [spec.name for spec in formats], prompts=prompts, max_tokens=args.max_tokens,
+            args.model, requested, prompts=prompts, max_tokens=args.max_tokens,
             batch=args.batch, progress=True,
         )  # fmt: skip
     except (ValueError, GGUFError) as e:

@@ -4,7 +4,8 @@ One prompt streams its text to stdout as it is decoded; several (`--prompt` repe
 JSON-lines `--prompts` file) are decoded together, with a progress bar, and printed in order.
 
 Exit codes: 0 success, 2 bad usage (flags, model name or file, prompt too long), 130
-interrupted (Ctrl-C: what was decoded is printed), 1 other errors.
+interrupted (Ctrl-C: the text streamed so far stays, and of several prompts those decoded
+are printed or written), 1 other errors.
 """
 
 from __future__ import annotations
@@ -171,37 +172,52 @@ def main(argv: list[str] | None = None) -> int:
             llm.engine.check_prompt(len(prompt.ids))
     except (ValueError, KeyError, TypeError) as e:
         parser.error(f"{'--prompts' if items is not None else '--prompt'}: {e}")
-    # A short untimed run compiles the prefill and decode steps, so the reported speed is the
-    # steady state; compilation time is reported on its own.
-    t0 = time.perf_counter()
-    llm.generate(
-        prompts[: args.batch_size], dataclasses.replace(params, max_tokens=min(2, params.max_tokens)), use_tqdm=False
-    )
-    warmup_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if num_prompts == 1:
-        outs = [stream_one(llm, prompts[0], params, echo=args.json != "-")]
-    else:
-        outs = []
-        for i in range(0, num_prompts, args.batch_size):
-            outs += llm.generate(prompts[i : i + args.batch_size], params, use_tqdm=True)
+    # Each prompt its own seed: one seed for all would give equal prompts equal samples.
+    per_prompt = [
+        params if seed is None else dataclasses.replace(params, seed=(seed + i) % 2**32) for i in range(num_prompts)
+    ]
+    several = items is not None or num_prompts > 1  # a --prompts file: JSON lines however many
+    outs, interrupted = [], False
+    try:
+        # A short untimed run compiles the prefill and decode steps, so the reported speed is
+        # the steady state; compilation time is reported on its own.
+        t0 = time.perf_counter()
+        short = [dataclasses.replace(p, max_tokens=min(2, p.max_tokens)) for p in per_prompt[: args.batch_size]]
+        llm.generate(prompts[: args.batch_size], short, use_tqdm=False)
+        warmup_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if not several:
+            outs = [stream_one(llm, prompts[0], per_prompt[0], echo=args.json != "-")]
+        else:
+            for i in range(0, num_prompts, args.batch_size):
+                outs += llm.generate(
+                    prompts[i : i + args.batch_size], per_prompt[i : i + args.batch_size], use_tqdm=True
+                )
+    except ValueError as e:  # a request the engine refuses (its pages, a bound it cannot keep)
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        if not outs:
+            raise
+        interrupted = True  # the prompts decoded so far are reported, then the interruption goes on
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     if args.json:
-        sampling = {
-            "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k, "seed": params.seed, "stop": list(params.stop_strings),
-        }  # fmt: skip
-        rows = [json_row(args, llm, out, sampling, elapsed, warmup_seconds) for out in outs]
-        emit_json(args.json, rows[0] if num_prompts == 1 else rows, run_info(PROG, argv))
-    if args.json != "-" and num_prompts > 1:
+        rows = [
+            json_row(args, llm, out, p, tokens, elapsed, warmup_seconds)
+            for out, p in zip(outs, per_prompt, strict=False)
+        ]
+        # Several prompts are always JSON lines, even when an interruption left one.
+        emit_json(args.json, rows if several else rows[0], run_info(PROG, argv))
+    if args.json != "-" and several:
         for i, out in enumerate(outs):
             print(f"--- {i} ({out.finish_reason}) ---\n{out.text}")
     print(
-        f"[{tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tok/s, after {warmup_seconds:.1f} s of "
-        f"warm-up); finish: {', '.join(sorted({o.finish_reason for o in outs}))}]",
+        f"[{len(outs)} of {num_prompts} prompts, {tokens} tokens in {elapsed:.2f} s ({tokens / elapsed:.1f} tok/s, "
+        f"after {warmup_seconds:.1f} s of warm-up); finish: {', '.join(sorted({o.finish_reason for o in outs}))}]",
         file=sys.stderr,
     )
+    if interrupted:
+        raise KeyboardInterrupt
     return 0
 
 
@@ -219,7 +235,9 @@ def stream_one(llm, prompt, params, *, echo: bool):
     return stream.output
 
 
-def json_row(args, llm, out, sampling: dict, seconds: float, warmup_seconds: float) -> dict:
+def json_row(args, llm, out, params, tokens: int, seconds: float, warmup_seconds: float) -> dict:
+    """One prompt's object; `seconds` and `tokens_per_second` are the whole run's (with
+    several prompts, every prompt's tokens over the time they were decoded together)."""
     row = {
         "model": args.model,
         "dtype": args.dtype,
@@ -230,10 +248,17 @@ def json_row(args, llm, out, sampling: dict, seconds: float, warmup_seconds: flo
         "finish_reason": out.finish_reason,
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": len(out.token_ids),
-        "sampling": sampling,
-        "seconds": round(seconds, 4),  # with several prompts: the whole run's
+        "sampling": {
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "seed": params.seed,
+            "stop": list(params.stop_strings),
+        },  # fmt: skip
+        "seconds": round(seconds, 4),
         "warmup_seconds": round(warmup_seconds, 4),
-        "tokens_per_second": round(len(out.token_ids) / seconds, 2),
+        "tokens_per_second": round(tokens / seconds, 2),
     }
     if llm.engine.speculative is not None:
         row["speculative"] = {

@@ -512,9 +512,15 @@ class StreamedOutput:
                 self._llm.before_steps()
             while not seq.finished:
                 engine.step()
-                piece = text.finish(seq.text) if seq.finished else text.delta(seq.output_ids)
-                if piece:
-                    yield piece
+                if not seq.finished:
+                    piece = text.delta(seq.output_ids)
+                    if piece:
+                        yield piece
+            # The rest, held back until now; also what other streams' steps decoded for it
+            # while this one waited at a yield (they step the same engine).
+            piece = text.finish(seq.text)
+            if piece:
+                yield piece
         finally:
             if not seq.finished:
                 engine.abort(seq)

@@ -90,7 +90,7 @@ def load_key_transforms(model: str | os.PathLike, num_layers: int, num_kv_heads:
         known = sorted(p.stem for p in TRANSFORM_DIR.glob("*.npz"))
         raise ValueError(
             f"the -pc KV formats need a key transform fitted for the model; {os.fspath(model)!r} has none "
-            f"(fitted: {known}; fit one with `python -m aither_jax.eval fit-key-transform`)"
+            f"(fitted: {known}; fit one with `python -m aither_jax.eval fit-key-transform --install`)"
         )
     with np.load(path) as f:
         m = f["key_transform"].astype(np.float32)

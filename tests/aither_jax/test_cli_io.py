@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from aither_jax import cli_args, cli_output
@@ -71,7 +72,27 @@ def test_a_failed_write_leaves_the_old_file(tmp_path):
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["r.json"]
 
 
+def test_a_file_is_written_under_its_own_name_with_the_usual_mode(tmp_path):
+    """np.savez appends .npz to a name not ending in exactly that: an upper-case suffix must
+    still land under its own name; and the file gets the umask's mode, not mkstemp's 0600."""
+    path = tmp_path / "M.NPZ"
+    umask = os.umask(0o022)
+    try:
+        cli_output.write_file(path, lambda tmp: np.savez(tmp, a=np.arange(3)))
+    finally:
+        os.umask(umask)
+    with np.load(path) as f:
+        assert f["a"].tolist() == [0, 1, 2]
+    assert os.listdir(tmp_path) == ["M.NPZ"] and path.stat().st_mode & 0o777 == 0o644
+    with pytest.raises(OSError, match="nothing was written"):
+        cli_output.write_file(tmp_path / "empty.json", lambda tmp: None)
+    assert os.listdir(tmp_path) == ["M.NPZ"]
+
+
 def test_run_info_names_the_command_versions_and_device():
+    import jax
+
+    jax.devices()  # the device is named once a backend has started
     info = cli_output.run_info("python -m aither_jax.eval", ["capacity", "--model", "a b"])
     assert info["command"] == "python -m aither_jax.eval capacity --model 'a b'"
     assert info["backend"] == "cpu" and info["aither_jax"] and info["jax"] and info["date"].endswith("+00:00")
@@ -117,7 +138,8 @@ def _usage_error(argv, capsys) -> str:
         (["perplexity", "--kv-cache-dtype", "bf16", "--text-file", "{tmp}", "--json", "-"], "is a directory"),
         (["fit-key-transform", "--out", "{tmp}/kt"], r"--out must end in \.npz"),
         (["fit-key-transform", "--out", "{tmp}/kt.npz", "--install"], "not allowed with argument"),
-        (["fit-key-transform", "--model", "{tmp}/m.gguf", "--install"], "--install is for registered models"),
+        # The file --install writes (beside a model file) is checked before the model loads.
+        (["fit-key-transform", "--model", "{tmp}/plain/m.gguf", "--install"], "is a file, not a folder"),
         (["fidelity", "--kv-cache-dtype", "bf16", "--prompts", "{tmp}/list.json"], "expected a JSON object"),
         (["fidelity", "--kv-cache-dtype", "bf16", "--prompts", "{tmp}/strings.json"], '"factual" item 0 needs'),
         (["fidelity", "--kv-cache-dtype", "tq4-v3@40", "--prompts", "{tmp}/ok.json"], "names layer 40"),
@@ -129,6 +151,7 @@ def test_usage_errors_exit_2_before_any_work_with_the_commands_usage(tmp_path, a
     (tmp_path / "list.json").write_text('["Hi"]')
     (tmp_path / "strings.json").write_text('{"chat": ["Hi"], "factual": [{"question": "Q?", "answers": "Paris"}]}')
     (tmp_path / "ok.json").write_text('{"chat": ["Hi"]}')
+    (tmp_path / "plain").write_text("a file where a folder would be")
     argv = [a.format(tmp=tmp_path, text=tmp_path / "text.txt") for a in argv]
     err = _usage_error(argv, capsys)
     assert f"usage: python -m aither_jax.eval {argv[0]}" in err
@@ -154,4 +177,4 @@ def test_capacity_writes_its_json_beside_the_table(tmp_path, capsys):
     assert aj_eval.main(["capacity", "--kv-cache-dtype", "bf16", "tq4", "--json", str(path)]) == 0
     assert "tokens in budget" in capsys.readouterr().out
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["kv_cache_dtype"] for r in rows] == ["bf16", "tq4"] and all(r["run"]["device"] for r in rows)
+    assert [r["kv_cache_dtype"] for r in rows] == ["bf16", "tq4"] and all("device" in r["run"] for r in rows)

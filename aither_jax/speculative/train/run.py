@@ -4,6 +4,7 @@ limit) and `main` for `python -m aither_jax.train_draft`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from aither_jax.cli_args import HelpFormatter, add_model_argument, add_version_argument, float_in, int_in
+from aither_jax.cli_args import (
+    HelpFormatter,
+    add_model_argument,
+    add_version_argument,
+    float_in,
+    int_in,
+    output_file,
+)
 from aither_jax.speculative.train.data import Dataset, generate_data
 from aither_jax.speculative.train.loss import loss_fn, position_weights
 from aither_jax.speculative.train.prompts import EVAL_PROMPTS, build_prompts, chat_requests
@@ -138,7 +146,13 @@ def train(
     if start < stop and out_of_time():
         log.info("the time limit was reached before training: no step taken (rerun to train)")
         stop = start
-    with tqdm(total=args.steps, initial=start, desc="training draft", unit="step") as bar, log_path.open("a") as logf:
+    with (
+        tqdm(total=args.steps, initial=start, desc="training draft", unit="step") as bar,
+        log_path.open("a") as logf,
+        contextlib.ExitStack() as finishing,
+    ):
+        # An interrupted run still completes the checkpoint being written (saves are asynchronous).
+        finishing.callback(manager.wait_until_finished)
         for step in range(start, stop):
             rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
             batch = dataset.batch(rng, args.batch_seqs, args.anchors, args.reveal_prob)
@@ -165,7 +179,6 @@ def train(
             bar.update(1)
             if final:
                 break
-    manager.wait_until_finished()
     return state["params"], int(state["step"])
 
 
@@ -217,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_version_argument(p)
     add_model_argument(p)
     p.add_argument("--out", default="runs/dflash-smollm2", help="run directory: data, checkpoints, log")
-    p.add_argument("--export", help="write the trained draft here (.npz) for shipping")
+    p.add_argument(
+        "--export", type=output_file("--export", (".npz",)), help="write the trained draft here (.npz) for shipping"
+    )
     p.add_argument("--split", choices=("train", "eval"), default="train", help=argparse.SUPPRESS)
     p.add_argument(
         "--print-prompts",

@@ -3,6 +3,8 @@ stand-in of the default model where the model is not the point, on the real mode
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,20 @@ def test_a_streamed_completion_is_the_generated_one_in_pieces_and_holds_back_a_s
     # A conversation goes through the chat template, as `chat` renders it.
     messages = [{"role": "user", "content": "Hi"}]
     assert "".join(tiny_f32.stream(messages, GREEDY)) == tiny_f32.chat([messages], GREEDY)[0].text
+
+
+def test_streams_read_in_turn_each_give_their_whole_text(tiny_f32):
+    """Two streams on one LLM step the same engine: one finishes while the other waits at a
+    yield, and must still hand over its text to the end."""
+    short = aj.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = [tiny_f32.generate([PROMPTS[0]], GREEDY)[0].text, tiny_f32.generate([PROMPTS[2]], short)[0].text]
+    streams = [tiny_f32.stream(PROMPTS[0], GREEDY), tiny_f32.stream(PROMPTS[2], short)]
+    pieces = [[], []]
+    for got in itertools.zip_longest(*streams):
+        for i, piece in enumerate(got):
+            if piece is not None:
+                pieces[i].append(piece)
+    assert ["".join(p) for p in pieces] == expected
 
 
 def test_leaving_a_stream_early_aborts_its_request(tiny_f32):
