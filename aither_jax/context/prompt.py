@@ -196,6 +196,10 @@ def read_prompts(path: str) -> list[tuple[str, object]]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from e
             if isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
+                if not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in item["messages"]
+                ):
+                    raise ValueError(f'{path}:{n}: each message needs a "role" and a "content"')
                 out.append(("messages", item["messages"]))
             elif isinstance(item, dict) and isinstance(item.get("prompt"), str) and item["prompt"]:
                 out.append(("prompt", item["prompt"]))

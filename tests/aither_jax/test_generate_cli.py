@@ -168,6 +168,7 @@ def test_several_prompts_report_the_drawn_seed_and_one_prompt_streams_the_same_t
     [
         ('{"text": "x"}', 'expected {"messages": [...]} or {"prompt": "..."}'),
         ("not json", "not JSON"),
+        ('{"messages": [{"content": "Hi"}]}', 'each message needs a "role" and a "content"'),
     ],
 )
 def test_bad_prompt_files_exit_2(tmp_path, content, message, capsys):
