@@ -5,6 +5,7 @@ loads, resumes from both, and refuses a run directory made for another draft."""
 import functools
 import json
 import logging
+import re
 import shutil
 
 import jax
@@ -69,12 +70,19 @@ def test_out_of_range_flags_exit_with_code_2_naming_the_flag(tmp_path, flag, val
     "flag, value",
     [("--draft-vocab-size", "49153"), ("--teacher-top-k", "49153"), ("--num-taps", "28")],
 )
-def test_flags_beyond_the_target_stop_before_any_work(tmp_path, flag, value):
+def test_flags_beyond_the_target_stop_before_any_work(tmp_path, flag, value, capsys):
     """SmolLM2-135M: 49152 tokens, 30 layers (taps spread over layers 1..27)."""
     out = tmp_path / "run"
-    with pytest.raises(SystemExit, match=f"{flag} must be <= "):
-        main(["--out", str(out), *TINY, "--steps", "1", flag, value])
+    assert f"{flag} must be <= " in _usage_error(["--out", str(out), *TINY, "--steps", "1", flag, value], capsys)
     assert not out.exists()
+
+
+def _usage_error(argv, capsys) -> str:
+    """main(argv) stops with exit code 2 (a usage error); its message."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
 
 
 def _log(out):
@@ -111,7 +119,7 @@ def read_once(monkeypatch):
     monkeypatch.setattr(models.weights, "load_weights", load_weights)
 
 
-def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, caplog, read_once):
+def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, caplog, read_once, capsys):
     caplog.set_level(logging.INFO, logger="aither_jax.train_draft")
     out, first, second, third = (tmp_path / name for name in ("run", "first.npz", "second.npz", "third.npz"))
     argv = ["--out", str(out), *TINY, "--steps", "4"]
@@ -168,8 +176,9 @@ def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, cap
 
     # Another draft shape on the same run directory: refused before any work, the config kept.
     saved = (out / "draft_config.json").read_text()
-    with pytest.raises(SystemExit, match="holds a different draft configuration; use a new --out"):
-        main([*argv, "--num-layers", "2"])
+    assert "holds a different draft configuration; use a new --out" in _usage_error(
+        [*argv, "--num-layers", "2"], capsys
+    )
     assert (out / "draft_config.json").read_text() == saved
 
     # A new run started from the exported draft: its parameters and head, its origin recorded.
@@ -195,8 +204,8 @@ def test_tiny_run_writes_exports_resumes_and_refuses_another_draft(tmp_path, cap
     assert not all(
         np.allclose(a, b, atol=1e-3) for a, b in zip(jax.tree.leaves(params2), jax.tree.leaves(params5), strict=True)
     )
-    with pytest.raises(SystemExit, match="--init-draft: .* not a draft file"):
-        main(["--out", str(tmp_path / "other"), *TINY, "--init-draft", __file__])
-    with pytest.raises(SystemExit, match=r"is a different draft \(num_layers differ"):
-        main([*warm_argv[:-2], "--out", str(tmp_path / "other"), "--num-layers", "2", "--init-draft", str(second)])
+    err = _usage_error(["--out", str(tmp_path / "other"), *TINY, "--init-draft", __file__], capsys)
+    assert re.search("--init-draft: .* not a draft file", err)
+    other = [*warm_argv[:-2], "--out", str(tmp_path / "other"), "--num-layers", "2", "--init-draft", str(second)]
+    assert "is a different draft (num_layers differ" in _usage_error(other, capsys)
     assert ocp.CheckpointManager((out / "checkpoints").absolute()).latest_step() == 4
