@@ -102,20 +102,22 @@ def calibration_text() -> str:
     return "\n\n".join(para for _, _, para in stdlib_docs())
 
 
-def resolve_specs(specs: list[KVSpec | str], model: str) -> list[KVSpec]:
-    """--kv-cache-dtype values with "auto" and "turboquant" replaced by the model's formats."""
+def resolve_specs(specs: list[KVSpec | str], model: str, cfg: ModelConfig | None = None) -> list[KVSpec]:
+    """--kv-cache-dtype values with "auto" and "turboquant" replaced by the model's formats;
+    with `cfg`, each checked against the model first (ValueError for a layer it lacks)."""
     from models.registry import KV_ALIASES, resolve_kv_cache_dtype
 
-    return [parse_kv_spec(resolve_kv_cache_dtype(s, model)) if s in KV_ALIASES else s for s in specs]
+    resolved = [parse_kv_spec(resolve_kv_cache_dtype(s, model)) if s in KV_ALIASES else s for s in specs]
+    for spec in resolved if cfg is not None else ():
+        spec.bytes_per_token(cfg)  # resolves each layer's bits
+    return resolved
 
 
 def run_perplexity(args) -> tuple[list[dict], int]:
     """(a row per format, how many were asked for): Ctrl-C after the first row ends the run
     with the rows scored so far."""
     scorer = FormatScorer(args.model, args.dtype, args.text_file, args.max_tokens, args.chunk, args.attention)
-    specs = resolve_specs(args.kv_cache_dtype, args.model)
-    for spec in specs:
-        spec.bytes_per_token(scorer.llm.config)  # a format naming a layer the model lacks fails before scoring
+    specs = resolve_specs(args.kv_cache_dtype, args.model, scorer.llm.config)  # checked before scoring
     rows = []
     try:
         for spec in tqdm(specs, desc="scoring KV formats", unit="format"):
@@ -607,9 +609,7 @@ def fidelity_main(parser: argparse.ArgumentParser, args) -> int:
     try:
         fidelity.load_prompts(prompts)  # the prompt set and every format are checked before any decoding
         cfg = ModelConfig.from_gguf(GGUFFile(resolve_model(args.model)))
-        formats = resolve_specs(args.kv_cache_dtype, args.model)
-        for spec in formats:
-            spec.bytes_per_token(cfg)  # a layer it names that the model lacks
+        resolve_specs(args.kv_cache_dtype, args.model, cfg)
         requested = [f if isinstance(f, str) else f.name for f in args.kv_cache_dtype]  # "auto" stays "auto"
         report = fidelity.run_fidelity(
             args.model, requested, prompts=prompts, max_tokens=args.max_tokens,

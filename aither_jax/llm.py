@@ -347,16 +347,24 @@ class LLM:
         prompts = as_prompt_list(prompts)
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-        assembled = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, Prompt):
-                assembled.append(p)
-                continue
-            try:
-                assembled.append(text_prompt(self.tokenizer, p))
-            except ValueError:
-                raise ValueError(f"prompt {i} must be a string or a list of token ids") from None
+        assembled = [
+            self._completion_prompt(p, f"prompt {i}", "a string or a list of token ids") for i, p in enumerate(prompts)
+        ]
         return self._run(assembled, sampling_params, use_tqdm)
+
+    def _completion_prompt(self, prompt, name: str, allowed: str) -> Prompt:
+        """A `Prompt` as given, or text or token ids encoded; else ValueError "<name> must be <allowed>"."""
+        if isinstance(prompt, Prompt):
+            return prompt
+        try:
+            return text_prompt(self.tokenizer, prompt)
+        except ValueError:
+            raise ValueError(f"{name} must be {allowed}") from None
+
+    def _default_params(self) -> SamplingParams:
+        """What `sampling_params=None` samples with: the model's recommended sampling (its card),
+        else the API's defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def chat(
         self,
@@ -407,8 +415,8 @@ class LLM:
         return self.engine.score([int(t) for t in ids])
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm) -> list[RequestOutput]:
-        if sampling_params is None:  # the model's recommended sampling (its card), else the API's defaults
-            sampling_params = SamplingParams(**self.sampling_defaults)
+        if sampling_params is None:
+            sampling_params = self._default_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
@@ -446,14 +454,9 @@ class LLM:
         a `Prompt`, or a conversation (a list of messages, through the chat template)."""
         if is_conversation(prompt):
             assembled = chat_prompt(self.tokenizer, prompt)
-        elif isinstance(prompt, Prompt):
-            assembled = prompt
         else:
-            try:
-                assembled = text_prompt(self.tokenizer, prompt)
-            except ValueError:
-                raise ValueError("prompt must be a string, a list of token ids or a list of messages") from None
-        params = SamplingParams(**self.sampling_defaults) if sampling_params is None else sampling_params
+            assembled = self._completion_prompt(prompt, "prompt", "a string, a list of token ids or a list of messages")
+        params = self._default_params() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         return StreamedOutput(self, assembled, params)
